@@ -1,0 +1,31 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+MODEL ?= models/tiny-llama
+
+.PHONY: install run test protos clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt constraints.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --disable-pip-version-check -q torch==2.13.0
+	$(PIP) install --disable-pip-version-check -q -c constraints.txt -r requirements.txt
+	$(PIP) install --disable-pip-version-check -q -c constraints.txt --no-deps -e .
+	touch $(STAMP)
+
+$(MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/pdserve make-tiny-model $(MODEL) --arch llama --seed 0
+
+run: install $(MODEL)/config.json
+	$(VENV)/bin/pdserve up --model $(MODEL)
+
+test: install
+	$(PY) -m pytest -q tests
+
+protos: install
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/scheduler.proto protos/worker.proto protos/kv_transfer.proto
+
+clean:
+	rm -rf $(VENV) models

@@ -1,0 +1,202 @@
+from protos import scheduler_pb2 as _scheduler_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("worker_id", "role", "model_fingerprint", "num_blocks", "layout", "kv_endpoint", "transports", "host_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    model_fingerprint: str
+    num_blocks: int
+    layout: KVLayout
+    kv_endpoint: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    host_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class RegisterAck(_message.Message):
+    __slots__ = ("worker_id", "error")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    error: str
+    def __init__(self, worker_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids", "sampling", "kv_transfer_id", "eos_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ALL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    all_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _scheduler_pb2.SamplingParams
+    kv_transfer_id: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., all_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_scheduler_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CachedRequest(_message.Message):
+    __slots__ = ("request_id", "new_block_ids", "new_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScheduledTokens(_message.Message):
+    __slots__ = ("request_id", "num_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class KVSend(_message.Message):
+    __slots__ = ("transfer_id", "request_id", "src_block_ids", "dst_block_ids", "dst_endpoint", "transport")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    request_id: str
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_endpoint: str
+    transport: str
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_endpoint: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class KVRecv(_message.Message):
+    __slots__ = ("transfer_id", "request_id", "block_ids")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled", "sends", "recvs", "finished_request_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    SENDS_FIELD_NUMBER: _ClassVar[int]
+    RECVS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
+    scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledTokens]
+    sends: _containers.RepeatedCompositeFieldContainer[KVSend]
+    recvs: _containers.RepeatedCompositeFieldContainer[KVRecv]
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., recvs: _Optional[_Iterable[_Union[KVRecv, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("request_id", "token_id", "logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_id: int
+    logprobs: _scheduler_pb2.TokenLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_scheduler_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+
+class TransferDone(_message.Message):
+    __slots__ = ("transfer_id", "error")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    error: str
+    def __init__(self, transfer_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("request_id", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class WorkerCounters(_message.Message):
+    __slots__ = ("prompt_tokens_computed", "tokens_decoded", "kv_blocks_sent", "kv_blocks_received", "steps")
+    PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_DECODED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens_computed: int
+    tokens_decoded: int
+    kv_blocks_sent: int
+    kv_blocks_received: int
+    steps: int
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "sampled", "sends_done", "errors", "counters")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    SENDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    sends_done: _containers.RepeatedCompositeFieldContainer[TransferDone]
+    errors: _containers.RepeatedCompositeFieldContainer[RequestError]
+    counters: WorkerCounters
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., sends_done: _Optional[_Iterable[_Union[TransferDone, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("register", "result")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    result: StepResult
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
+
+class SchedulerMessage(_message.Message):
+    __slots__ = ("ack", "plan")
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    ack: RegisterAck
+    plan: StepPlan
+    def __init__(self, ack: _Optional[_Union[RegisterAck, _Mapping]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
