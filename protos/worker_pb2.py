@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import scheduler_pb2 as protos_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0epdserve.worker\x1a\x16protos/scheduler.proto\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xbe\x01\n\x08Register\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.pdserve.worker.KVLayout\x12\x13\n\x0bkv_endpoint\x18\x06 \x01(\t\x12\x12\n\ntransports\x18\x07 \x03(\t\x12\x0f\n\x07host_id\x18\x08 \x01(\t\"/\n\x0bRegisterAck\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xe6\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rall_token_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x33\n\x08sampling\x18\x06 \x01(\x0b\x32!.pdserve.scheduler.SamplingParams\x12\x16\n\x0ekv_transfer_id\x18\x07 \x01(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\"Q\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\"9\n\x0fScheduledTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"\x88\x01\n\x06KVSend\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rsrc_block_ids\x18\x03 \x03(\x05\x12\x15\n\rdst_block_ids\x18\x04 \x03(\x05\x12\x14\n\x0c\x64st_endpoint\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\"D\n\x06KVRecv\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\"\xa5\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1a.pdserve.worker.NewRequest\x12\x36\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1d.pdserve.worker.CachedRequest\x12\x32\n\tscheduled\x18\x04 \x03(\x0b\x32\x1f.pdserve.worker.ScheduledTokens\x12%\n\x05sends\x18\x05 \x03(\x0b\x32\x16.pdserve.worker.KVSend\x12%\n\x05recvs\x18\x06 \x03(\x0b\x32\x16.pdserve.worker.KVRecv\x12\x1c\n\x14\x66inished_request_ids\x18\x07 \x03(\t\"h\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x32\n\x08logprobs\x18\x03 \x01(\x0b\x32 .pdserve.scheduler.TokenLogprobs\"2\n\x0cTransferDone\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"1\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\x8b\x01\n\x0eWorkerCounters\x12\x1e\n\x16prompt_tokens_computed\x18\x01 \x01(\x03\x12\x16\n\x0etokens_decoded\x18\x02 \x01(\x03\x12\x16\n\x0ekv_blocks_sent\x18\x03 \x01(\x03\x12\x1a\n\x12kv_blocks_received\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\"\xde\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x07sampled\x18\x02 \x03(\x0b\x32\x1c.pdserve.worker.SampledToken\x12\x30\n\nsends_done\x18\x03 \x03(\x0b\x32\x1c.pdserve.worker.TransferDone\x12,\n\x06\x65rrors\x18\x04 \x03(\x0b\x32\x1c.pdserve.worker.RequestError\x12\x30\n\x08\x63ounters\x18\x05 \x01(\x0b\x32\x1e.pdserve.worker.WorkerCounters\"r\n\rWorkerMessage\x12,\n\x08register\x18\x01 \x01(\x0b\x32\x18.pdserve.worker.RegisterH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.pdserve.worker.StepResultH\x00\x42\x05\n\x03msg\"o\n\x10SchedulerMessage\x12*\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x1b.pdserve.worker.RegisterAckH\x00\x12(\n\x04plan\x18\x02 \x01(\x0b\x32\x18.pdserve.worker.StepPlanH\x00\x42\x05\n\x03msg2^\n\rWorkerControl\x12M\n\x06\x41ttach\x12\x1d.pdserve.worker.WorkerMessage\x1a .pdserve.worker.SchedulerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0epdserve.worker\x1a\x16protos/scheduler.proto\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xd5\x01\n\x08Register\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.pdserve.worker.KVLayout\x12\x13\n\x0bkv_endpoint\x18\x06 \x01(\t\x12\x12\n\ntransports\x18\x07 \x03(\t\x12\x0f\n\x07host_id\x18\x08 \x01(\t\x12\x15\n\rmax_model_len\x18\t \x01(\x05\"/\n\x0bRegisterAck\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xe6\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rall_token_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x33\n\x08sampling\x18\x06 \x01(\x0b\x32!.pdserve.scheduler.SamplingParams\x12\x16\n\x0ekv_transfer_id\x18\x07 \x01(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\"Q\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\"9\n\x0fScheduledTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"\x88\x01\n\x06KVSend\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rsrc_block_ids\x18\x03 \x03(\x05\x12\x15\n\rdst_block_ids\x18\x04 \x03(\x05\x12\x14\n\x0c\x64st_endpoint\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\"D\n\x06KVRecv\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\"\xa5\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1a.pdserve.worker.NewRequest\x12\x36\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1d.pdserve.worker.CachedRequest\x12\x32\n\tscheduled\x18\x04 \x03(\x0b\x32\x1f.pdserve.worker.ScheduledTokens\x12%\n\x05sends\x18\x05 \x03(\x0b\x32\x16.pdserve.worker.KVSend\x12%\n\x05recvs\x18\x06 \x03(\x0b\x32\x16.pdserve.worker.KVRecv\x12\x1c\n\x14\x66inished_request_ids\x18\x07 \x03(\t\"h\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x32\n\x08logprobs\x18\x03 \x01(\x0b\x32 .pdserve.scheduler.TokenLogprobs\"2\n\x0cTransferDone\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"1\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\x8b\x01\n\x0eWorkerCounters\x12\x1e\n\x16prompt_tokens_computed\x18\x01 \x01(\x03\x12\x16\n\x0etokens_decoded\x18\x02 \x01(\x03\x12\x16\n\x0ekv_blocks_sent\x18\x03 \x01(\x03\x12\x1a\n\x12kv_blocks_received\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\"\xde\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x07sampled\x18\x02 \x03(\x0b\x32\x1c.pdserve.worker.SampledToken\x12\x30\n\nsends_done\x18\x03 \x03(\x0b\x32\x1c.pdserve.worker.TransferDone\x12,\n\x06\x65rrors\x18\x04 \x03(\x0b\x32\x1c.pdserve.worker.RequestError\x12\x30\n\x08\x63ounters\x18\x05 \x01(\x0b\x32\x1e.pdserve.worker.WorkerCounters\"r\n\rWorkerMessage\x12,\n\x08register\x18\x01 \x01(\x0b\x32\x18.pdserve.worker.RegisterH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.pdserve.worker.StepResultH\x00\x42\x05\n\x03msg\"o\n\x10SchedulerMessage\x12*\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x1b.pdserve.worker.RegisterAckH\x00\x12(\n\x04plan\x18\x02 \x01(\x0b\x32\x18.pdserve.worker.StepPlanH\x00\x42\x05\n\x03msg2^\n\rWorkerControl\x12M\n\x06\x41ttach\x12\x1d.pdserve.worker.WorkerMessage\x1a .pdserve.worker.SchedulerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=63
   _globals['_KVLAYOUT']._serialized_end=168
   _globals['_REGISTER']._serialized_start=171
-  _globals['_REGISTER']._serialized_end=361
-  _globals['_REGISTERACK']._serialized_start=363
-  _globals['_REGISTERACK']._serialized_end=410
-  _globals['_NEWREQUEST']._serialized_start=413
-  _globals['_NEWREQUEST']._serialized_end=643
-  _globals['_CACHEDREQUEST']._serialized_start=645
-  _globals['_CACHEDREQUEST']._serialized_end=726
-  _globals['_SCHEDULEDTOKENS']._serialized_start=728
-  _globals['_SCHEDULEDTOKENS']._serialized_end=785
-  _globals['_KVSEND']._serialized_start=788
-  _globals['_KVSEND']._serialized_end=924
-  _globals['_KVRECV']._serialized_start=926
-  _globals['_KVRECV']._serialized_end=994
-  _globals['_STEPPLAN']._serialized_start=997
-  _globals['_STEPPLAN']._serialized_end=1290
-  _globals['_SAMPLEDTOKEN']._serialized_start=1292
-  _globals['_SAMPLEDTOKEN']._serialized_end=1396
-  _globals['_TRANSFERDONE']._serialized_start=1398
-  _globals['_TRANSFERDONE']._serialized_end=1448
-  _globals['_REQUESTERROR']._serialized_start=1450
-  _globals['_REQUESTERROR']._serialized_end=1499
-  _globals['_WORKERCOUNTERS']._serialized_start=1502
-  _globals['_WORKERCOUNTERS']._serialized_end=1641
-  _globals['_STEPRESULT']._serialized_start=1644
-  _globals['_STEPRESULT']._serialized_end=1866
-  _globals['_WORKERMESSAGE']._serialized_start=1868
-  _globals['_WORKERMESSAGE']._serialized_end=1982
-  _globals['_SCHEDULERMESSAGE']._serialized_start=1984
-  _globals['_SCHEDULERMESSAGE']._serialized_end=2095
-  _globals['_WORKERCONTROL']._serialized_start=2097
-  _globals['_WORKERCONTROL']._serialized_end=2191
+  _globals['_REGISTER']._serialized_end=384
+  _globals['_REGISTERACK']._serialized_start=386
+  _globals['_REGISTERACK']._serialized_end=433
+  _globals['_NEWREQUEST']._serialized_start=436
+  _globals['_NEWREQUEST']._serialized_end=666
+  _globals['_CACHEDREQUEST']._serialized_start=668
+  _globals['_CACHEDREQUEST']._serialized_end=749
+  _globals['_SCHEDULEDTOKENS']._serialized_start=751
+  _globals['_SCHEDULEDTOKENS']._serialized_end=808
+  _globals['_KVSEND']._serialized_start=811
+  _globals['_KVSEND']._serialized_end=947
+  _globals['_KVRECV']._serialized_start=949
+  _globals['_KVRECV']._serialized_end=1017
+  _globals['_STEPPLAN']._serialized_start=1020
+  _globals['_STEPPLAN']._serialized_end=1313
+  _globals['_SAMPLEDTOKEN']._serialized_start=1315
+  _globals['_SAMPLEDTOKEN']._serialized_end=1419
+  _globals['_TRANSFERDONE']._serialized_start=1421
+  _globals['_TRANSFERDONE']._serialized_end=1471
+  _globals['_REQUESTERROR']._serialized_start=1473
+  _globals['_REQUESTERROR']._serialized_end=1522
+  _globals['_WORKERCOUNTERS']._serialized_start=1525
+  _globals['_WORKERCOUNTERS']._serialized_end=1664
+  _globals['_STEPRESULT']._serialized_start=1667
+  _globals['_STEPRESULT']._serialized_end=1889
+  _globals['_WORKERMESSAGE']._serialized_start=1891
+  _globals['_WORKERMESSAGE']._serialized_end=2005
+  _globals['_SCHEDULERMESSAGE']._serialized_start=2007
+  _globals['_SCHEDULERMESSAGE']._serialized_end=2118
+  _globals['_WORKERCONTROL']._serialized_start=2120
+  _globals['_WORKERCONTROL']._serialized_end=2214
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,93 @@
+"""`pdserve`: one entry point, one subcommand per service plus tools."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+
+SERVICES = {
+    "gateway": ("services.gateway.main", "the OpenAI-compatible HTTP API"),
+    "scheduler": ("services.scheduler.main", "the scheduler: queue, KV blocks, step plans"),
+    "prefill-worker": ("services.prefill_worker.main", "a worker that prefills prompts"),
+    "decode-worker": ("services.decode_worker.main", "a worker that decodes"),
+    "up": ("common.launcher", "the whole stack on this host, one process per service"),
+}
+
+
+def _stats_args(p):
+    p.add_argument("--scheduler", default=os.environ.get("PDSERVE_SCHEDULER", "127.0.0.1:50051"),
+                   help="scheduler address host:port (env PDSERVE_SCHEDULER)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+
+
+def _stats(args) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+    from protos import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(args.scheduler) as channel:
+        try:
+            resp = scheduler_pb2_grpc.SchedulerStub(channel).Stats(
+                scheduler_pb2.StatsRequest(), timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"pdserve stats: {args.scheduler}: {e.code().name}: {e.details()}",
+                  file=sys.stderr)
+            return 1
+    print(json.dumps(MessageToDict(resp, always_print_fields_with_no_presence=True,
+                                   preserving_proto_field_name=True), indent=2))
+    return 0
+
+
+def _tiny_args(p):
+    from common.models.tiny import KNOWN_ARCHS
+    p.add_argument("dir", help="output directory")
+    p.add_argument("--arch", choices=KNOWN_ARCHS, default="llama", help="model family")
+    p.add_argument("--seed", type=int, default=0, help="weights seed")
+
+
+def _tiny(args) -> int:
+    from common.models.tiny import make_tiny_model
+    print(make_tiny_model(args.dir, arch=args.arch, seed=args.seed))
+    return 0
+
+
+TOOLS = {
+    "stats": (_stats_args, _stats, "scheduler and per-worker counters as JSON"),
+    "make-tiny-model": (_tiny_args, _tiny, "write the embedded tiny random-weight model"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=(
+        "LLM serving with prefill and decode disaggregated"))
+    parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+                        help="logging level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # import only the chosen subcommand's module: workers need not load the gateway's deps
+    chosen = next((a for a in argv if a in SERVICES or a in TOOLS), None)
+    for name, (module, help_) in SERVICES.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(p)
+    for name, (add, _, help_) in TOOLS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == chosen:
+            add(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
+    if args.command in SERVICES:
+        return importlib.import_module(SERVICES[args.command][0]).run(args)
+    return TOOLS[args.command][1](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""`pdserve up`: the whole stack on one host, each service its own process started with the same
+command a user would type for it. Ctrl-C (or SIGTERM) stops all of them."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = "models/tiny-llama"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL", DEFAULT_MODEL),
+                   help=f"checkpoint directory; the embedded tiny model is made at {DEFAULT_MODEL} "
+                        "when that default is missing")
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    p.add_argument("--scheduler-port", type=int, default=50051, help="scheduler gRPC port")
+    p.add_argument("--prefill-workers", type=int, default=1, help="prefill-worker processes")
+    p.add_argument("--decode-workers", type=int, default=1, help="decode-worker processes")
+    p.add_argument("--cpu-threads", type=int, default=0,
+                   help="torch threads per worker; 0 splits this host's cores between workers")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=0,
+                   help="KV blocks per worker; 0 sizes them from the workers' default memory")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="see `pdserve scheduler`")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="see `pdserve scheduler`")
+    p.add_argument("--max-model-len", type=int, default=0, help="see `pdserve scheduler`")
+    p.add_argument("--ready-timeout", type=float, default=180.0,
+                   help="seconds to wait for every service to come up")
+
+
+def _pdserve() -> list[str]:
+    script = Path(sys.executable).parent / "pdserve"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("pdserve")
+    return [found] if found else [sys.executable, "-m", "common.cli"]
+
+
+def commands(args) -> list[list[str]]:
+    exe = _pdserve()
+    sched = f"{args.host}:{args.scheduler_port}"
+    num_workers = args.prefill_workers + args.decode_workers
+    threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
+    worker = ["--model", args.model, "--scheduler", sched, "--block-size", str(args.block_size),
+              "--cpu-threads", str(threads)]
+    if args.num_kv_blocks:
+        worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    cmds = [exe + ["scheduler", "--host", args.host, "--port", str(args.scheduler_port),
+                   "--max-num-seqs", str(args.max_num_seqs),
+                   "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                   "--max-model-len", str(args.max_model_len)]]
+    cmds += [exe + ["prefill-worker"] + worker for _ in range(args.prefill_workers)]
+    cmds += [exe + ["decode-worker"] + worker for _ in range(args.decode_workers)]
+    gateway = exe + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler", sched,
+                     "--model", args.model]
+    if args.max_model_len:
+        gateway += ["--max-model-len", str(args.max_model_len)]
+    return cmds + [gateway]
+
+
+def _wait_ready(args, procs, deadline: float) -> bool:
+    """Every worker registered and the gateway answering /health."""
+    import grpc
+    import httpx
+
+    from protos import scheduler_pb2, scheduler_pb2_grpc
+
+    want = args.prefill_workers + args.decode_workers
+    url = f"http://{args.host}:{args.port}/health"
+    with grpc.insecure_channel(f"{args.host}:{args.scheduler_port}") as ch:
+        stub = scheduler_pb2_grpc.SchedulerStub(ch)
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                return False
+            try:
+                n = len(stub.Stats(scheduler_pb2.StatsRequest(), timeout=2).workers)
+                if n >= want and httpx.get(url, timeout=2).status_code == 200:
+                    return True
+            except (grpc.RpcError, httpx.HTTPError):
+                pass
+            time.sleep(0.3)
+    return False
+
+
+def _stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run(args) -> int:
+    if args.model == DEFAULT_MODEL and not Path(DEFAULT_MODEL, "config.json").exists():
+        from common.models.tiny import make_tiny_model
+        make_tiny_model(DEFAULT_MODEL, arch="llama", seed=0)
+    if not Path(args.model, "config.json").exists():
+        print(f"pdserve up: {args.model} is not a model directory", file=sys.stderr)
+        return 2
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    cmds = commands(args)
+    procs = [subprocess.Popen(cmds[0])]
+    try:
+        time.sleep(0.5)
+        procs += [subprocess.Popen(c) for c in cmds[1:]]
+        if not _wait_ready(args, procs, time.monotonic() + args.ready_timeout):
+            if not stopping:
+                print("pdserve up: the stack did not come up", file=sys.stderr)
+            return 1
+        print(f"pdserve is up: http://{args.host}:{args.port}/v1  model={args.model}  "
+              f"({args.prefill_workers} prefill, {args.decode_workers} decode workers)", flush=True)
+        while not stopping:
+            dead = [(c, p) for c, p in zip(cmds, procs) if p.poll() is not None]
+            if dead:
+                c, p = dead[0]
+                print(f"pdserve up: `{' '.join(c[1:3])}` exited with {p.returncode}; stopping",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        _stop(procs)

@@ -1,0 +1,81 @@
+"""Worker configuration; CLI flags map 1:1 to these fields."""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+KNOWN_TRANSPORTS = ("shm",)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str
+    model: str
+    scheduler: str = "127.0.0.1:50051"
+    worker_id: str = ""
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int = 0           # 0: from kv_cache_memory_mib
+    kv_cache_memory_mib: int = 256
+    max_model_len: int = 0           # 0: the model's max_position_embeddings
+    cpu_threads: int = 0             # 0: torch's default
+    kv_transports: tuple[str, ...] = ("shm",)
+    attention_backend: str = "auto"
+    seed: int = 0
+    connect_timeout_s: float = 30.0
+    reconnect_s: float = 1.0
+
+    def __post_init__(self):
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"unknown role {self.role!r}; known: prefill, decode")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"--dtype must be float32, float16 or bfloat16, not {self.dtype}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("--block-size must be a power of two")
+        if self.num_kv_blocks < 0 or self.kv_cache_memory_mib < 1:
+            raise ValueError("--num-kv-blocks must be >= 0 and --kv-cache-memory-mib >= 1")
+        unknown = set(self.kv_transports) - set(KNOWN_TRANSPORTS)
+        if unknown or not self.kv_transports:
+            raise ValueError(f"unknown KV transports {sorted(unknown)}; known: {KNOWN_TRANSPORTS}")
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id",
+                               f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = WorkerConfig(role="decode", model="")
+    env = os.environ.get
+    p.add_argument("--model", default=env("PDSERVE_MODEL"), required=env("PDSERVE_MODEL") is None,
+                   help="HuggingFace checkpoint directory (env PDSERVE_MODEL)")
+    p.add_argument("--scheduler", default=env("PDSERVE_SCHEDULER", d.scheduler),
+                   help="scheduler address host:port (env PDSERVE_SCHEDULER)")
+    p.add_argument("--worker-id", default=env("PDSERVE_WORKER_ID", ""),
+                   help="unique id; default role-host-random")
+    p.add_argument("--dtype", default=d.dtype, help="weights and KV cache dtype")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
+                   help="KV cache blocks; 0 sizes the cache from --kv-cache-memory-mib")
+    p.add_argument("--kv-cache-memory-mib", type=int, default=d.kv_cache_memory_mib,
+                   help="memory for the KV cache when --num-kv-blocks is 0")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="longest sequence; 0 takes the model's max_position_embeddings")
+    p.add_argument("--cpu-threads", type=int, default=int(env("PDSERVE_CPU_THREADS", 0)),
+                   help="torch threads for this worker; 0 keeps torch's default")
+    p.add_argument("--kv-transports", nargs="+", default=list(d.kv_transports),
+                   help=f"KV transports offered, preferred first; known: {KNOWN_TRANSPORTS}")
+    p.add_argument("--attention-backend", default=d.attention_backend,
+                   help="auto | torch")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded sampling")
+
+
+def config_from_args(role: str, args) -> WorkerConfig:
+    return WorkerConfig(role=role, model=args.model, scheduler=args.scheduler,
+                        worker_id=args.worker_id, dtype=args.dtype, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks,
+                        kv_cache_memory_mib=args.kv_cache_memory_mib,
+                        max_model_len=args.max_model_len, cpu_threads=args.cpu_threads,
+                        kv_transports=tuple(args.kv_transports),
+                        attention_backend=args.attention_backend, seed=args.seed)

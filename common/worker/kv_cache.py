@@ -1,0 +1,76 @@
+"""The worker's paged KV cache: one tensor for all layers, in shared memory on CPU.
+
+Shape `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; layer l is a view
+`[2, num_blocks, block_size, num_kv_heads, head_dim]`. Living in a /dev/shm file lets a peer on the
+same host map it and write blocks straight into it (the shm transport).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # torch dtype name without the "torch." prefix
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        assert isinstance(dtype, torch.dtype), f"unknown dtype {self.dtype}"
+        return dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, keys and values."""
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def map_shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
+    """A tensor backed by a shared file; `create` makes (and sizes) the file."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if create:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+    elif path.stat().st_size != nbytes:
+        raise ValueError(f"{path} holds {path.stat().st_size} bytes, expected {nbytes}")
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+
+
+class PagedKVCache:
+    def __init__(self, layout: KVLayout, num_blocks: int, shm_name: str | None = None):
+        assert num_blocks > 0, "a KV cache needs at least one block"
+        self.layout = layout
+        self.num_blocks = num_blocks
+        shape = layout.cache_shape(num_blocks)
+        self.shm_path = SHM_DIR / shm_name if shm_name else None
+        if self.shm_path is not None:
+            self.tensor = map_shared(self.shm_path, shape, layout.torch_dtype, create=True)
+        else:
+            self.tensor = torch.zeros(shape, dtype=layout.torch_dtype)
+        self.layers = list(self.tensor.unbind(0))
+
+    def close(self) -> None:
+        """Removes the shared segment; peers that mapped it keep their mapping until they drop it."""
+        if self.shm_path is not None:
+            self.shm_path.unlink(missing_ok=True)
+            self.shm_path = None

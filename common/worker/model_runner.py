@@ -1,0 +1,102 @@
+"""Runs one step's forward over the paged cache and samples: the worker's compute core."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.models.attention import AttentionMetadata
+from common.models.llama import LlamaForCausalLM
+from common.worker.kv_cache import PagedKVCache
+from common.worker.sampler import Sampler, SamplingRequest
+from protos import scheduler_pb2
+
+
+@dataclass
+class RequestState:
+    """A request as one worker holds it.
+
+    token_ids:  [0, num_computed_tokens)  KV in block_ids
+                [num_computed_tokens, len(token_ids))  still to compute
+    """
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int]
+    sampling: scheduler_pb2.SamplingParams
+    eos_token_ids: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_computed_tokens == len(self.token_ids) - 1
+
+
+@dataclass
+class Sampled:
+    request: RequestState
+    token_id: int
+    logprobs: scheduler_pb2.TokenLogprobs | None
+
+
+@dataclass
+class StepStats:
+    prompt_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, sampler: Sampler):
+        self.model = model
+        self.cache = cache
+        self.sampler = sampler
+        self.block_size = cache.layout.block_size
+
+    def execute(self, scheduled: list[tuple[RequestState, int]]) -> tuple[list[Sampled], StepStats]:
+        """Computes num_tokens of each request; samples for those that reach their last token."""
+        for req, n in scheduled:
+            assert 0 < n <= len(req.token_ids) - req.num_computed_tokens, (
+                f"{req.request_id}: {n} tokens scheduled, "
+                f"{len(req.token_ids) - req.num_computed_tokens} left to compute")
+            need = -(-(req.num_computed_tokens + n) // self.block_size)
+            assert len(req.block_ids) >= need, (
+                f"{req.request_id}: {len(req.block_ids)} blocks for {need} needed")
+        decodes = [(r, n) for r, n in scheduled if n == 1 and r.is_decode]
+        prefills = [(r, n) for r, n in scheduled if not (n == 1 and r.is_decode)]
+        ordered = decodes + prefills
+        ids: list[int] = []
+        positions: list[int] = []
+        for r, n in ordered:
+            start = r.num_computed_tokens
+            ids.extend(r.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+        meta = AttentionMetadata.build(
+            [(r.num_computed_tokens, r.block_ids) for r, _ in decodes],
+            [(r.num_computed_tokens, n, r.block_ids) for r, n in prefills], self.block_size)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long),
+                            torch.tensor(positions, dtype=torch.long), self.cache.layers, meta)
+
+        stats = StepStats(decode_tokens=len(decodes))
+        rows, last_token_idx = [], []
+        offset = 0
+        for r, n in ordered:
+            stats.prompt_tokens += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens)
+                                       - r.num_computed_tokens)
+            r.num_computed_tokens += n
+            offset += n
+            if r.num_computed_tokens == len(r.token_ids):
+                rows.append(r)
+                last_token_idx.append(offset - 1)
+        if not rows:
+            return [], stats
+        logits = self.model.compute_logits(hidden[torch.tensor(last_token_idx)])
+        out = self.sampler(logits, [
+            SamplingRequest(params=r.sampling, prompt_token_ids=r.token_ids[:r.num_prompt_tokens],
+                            output_token_ids=r.token_ids[r.num_prompt_tokens:],
+                            eos_token_ids=r.eos_token_ids, position=len(r.token_ids))
+            for r in rows])
+        sampled = []
+        for r, token, logprobs in zip(rows, out.token_ids, out.logprobs):
+            r.token_ids.append(token)
+            sampled.append(Sampled(r, token, logprobs))
+        return sampled, stats

@@ -1,0 +1,244 @@
+"""Batched token sampler for one model step, vLLM semantics.
+
+Pipeline, all vectorized over the batch:
+
+    raw logits --+--> log_softmax --> logprobs (sampled token + top k, from RAW logits)
+                 |
+                 +--> penalties (repetition, frequency, presence) --> min_tokens mask
+                        --> greedy rows: argmax
+                        --> random rows: / temperature --> top_k, top_p, min_p (one sort)
+                              --> softmax --> argmax(probs / Exp(1) noise)
+
+The Exp(1) noise of a row with a seed comes from its own generator, seeded by (seed, position), so
+a request resumed on another worker at the same position samples the same token whatever else
+shares the batch. Rows without a seed share the sampler's generator.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from protos import scheduler_pb2
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows.
+SAMPLING_EPS = 1e-5
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRequest:
+    """One row of the batch."""
+
+    params: scheduler_pb2.SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far, before this step
+    eos_token_ids: list[int]
+    position: int  # of the token being sampled (= len(prompt) + len(output)); seeds the RNG
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[scheduler_pb2.TokenLogprobs | None]  # None where params.logprobs < 0
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_seed(seed: int, position: int) -> int:
+    """64-bit seed of a seeded row's generator at one position: a function of both, nothing else."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+
+
+def _repetition_penalty(p: scheduler_pb2.SamplingParams) -> float:
+    return p.repetition_penalty or 1.0  # proto3 default 0 means "not set"
+
+
+def _flat_index(id_lists: list[list[int]], rows: list[int], vocab: int,
+                device: torch.device) -> torch.Tensor:
+    """Flat indices row * vocab + token into a [B, vocab] tensor, one per listed token."""
+    ids = torch.tensor([t for ids in id_lists for t in ids], dtype=torch.long, device=device)
+    lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long, device=device)
+    row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long, device=device), lengths)
+    return row_idx * vocab + ids
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties as vLLM applies them; returns a new tensor.
+
+    repetition (tokens in prompt OR output): logit > 0 -> logit / r, else logit * r
+    frequency: logit -= f * count(token in output); presence: logit -= p * (token in output)
+    """
+    num_rows, vocab = logits.shape  # [B, V]
+    device = logits.device
+    rep_rows = [i for i, r in enumerate(rows) if _repetition_penalty(r.params) != 1.0]
+    out_rows = [i for i, r in enumerate(rows)
+                if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0]
+    rep_rows_with_output = [i for i in rep_rows if rows[i].output_token_ids]
+    logits = logits.clone(memory_format=torch.contiguous_format)
+    if not rep_rows and not out_rows:
+        return logits
+
+    counts = torch.zeros(num_rows * vocab, dtype=torch.int32, device=device)
+    count_rows = sorted(set(out_rows) | set(rep_rows_with_output))
+    if count_rows:
+        flat = _flat_index([rows[i].output_token_ids for i in count_rows], count_rows, vocab, device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    counts = counts.view(num_rows, vocab)  # [B, V]
+    output_mask = counts > 0  # [B, V]
+
+    if rep_rows:
+        seen = torch.zeros(num_rows * vocab, dtype=torch.bool, device=device)
+        flat = _flat_index([rows[i].prompt_token_ids for i in rep_rows], rep_rows, vocab, device)
+        seen[flat] = True
+        seen = seen.view(num_rows, vocab) | output_mask  # [B, V]
+        rep = torch.tensor([_repetition_penalty(r.params) for r in rows],
+                           dtype=logits.dtype, device=device).unsqueeze(1)  # [B, 1]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+    if out_rows:
+        freq = torch.tensor([r.params.frequency_penalty for r in rows],
+                            dtype=logits.dtype, device=device).unsqueeze(1)  # [B, 1]
+        pres = torch.tensor([r.params.presence_penalty for r in rows],
+                            dtype=logits.dtype, device=device).unsqueeze(1)  # [B, 1]
+        logits = logits - freq * counts.to(logits.dtype) - pres * output_mask.to(logits.dtype)
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
+    """Below min_tokens, stop ids and eos ids (even with ignore_eos, as vLLM) cannot be sampled.
+
+    Masks in place and returns logits.
+    """
+    masked = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+    if not masked:
+        return logits
+    id_lists = [list(rows[i].params.stop_token_ids) + list(rows[i].eos_token_ids) for i in masked]
+    flat = _flat_index(id_lists, masked, logits.shape[1], logits.device)
+    vocab = logits.shape[1]
+    logits[flat // vocab, flat % vocab] = float("-inf")
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                            top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask to -inf what top_k, then top_p, then min_p remove; one sort for all three.
+
+    top_k: [B] long in [1, V]; top_p: [B] float in (0, 1]; min_p: [B] float in [0, 1]; None skips.
+    At least the most likely token always survives.
+    """
+    vocab = logits.shape[1]
+    logits_sort, order = logits.sort(dim=-1, descending=False)  # [B, V], most likely last
+    if top_k is not None:
+        kth = logits_sort.gather(1, (vocab - top_k).unsqueeze(1))  # [B, 1]
+        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
+    if top_p is not None:
+        cum = logits_sort.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+        drop = cum <= 1 - top_p.unsqueeze(1)
+        drop[:, -1] = False
+        logits_sort.masked_fill_(drop, float("-inf"))
+    if min_p is not None:
+        probs_sort = logits_sort.softmax(dim=-1)  # [B, V]
+        drop = probs_sort < min_p.unsqueeze(1) * probs_sort[:, -1:]
+        logits_sort.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, logits_sort)
+
+
+class Sampler:
+    """Samples one token per row from a step's logits; see the module docstring for the pipeline."""
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> SamplerOutput:
+        """logits: [B, V >= vocab_size] raw model logits of the B rows, in row order.
+
+        Columns past vocab_size (padding of the embedding) are never sampled. The input is not
+        modified.
+        """
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), \
+            f"logits {tuple(logits.shape)} for {len(rows)} rows"
+        assert logits.shape[1] >= self.vocab_size, \
+            f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}"
+        logits = logits[:, :self.vocab_size].float().contiguous()  # [B, V]
+
+        processed = apply_min_tokens(apply_penalties(logits, rows), rows)
+        greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
+        if all(greedy):
+            token_ids = processed.argmax(dim=-1)
+        else:
+            token_ids = self._sample(processed, rows, greedy)
+        token_ids_list = token_ids.tolist()
+        return SamplerOutput(token_ids_list, self._logprobs(logits, token_ids, rows))
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRequest],
+                greedy: list[bool]) -> torch.Tensor:
+        device = logits.device
+        vocab = logits.shape[1]
+        greedy_t = torch.tensor(greedy, device=device)  # [B]
+        greedy_tokens = logits.argmax(dim=-1)  # [B]
+
+        temperature = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
+                                   dtype=logits.dtype, device=device)
+        logits = logits / temperature.unsqueeze(1)
+
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        top_p = [r.params.top_p if 0 < r.params.top_p < 1 else 1.0 for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        if any(k < vocab for k in top_k) or any(p < 1 for p in top_p) or any(p > 0 for p in min_p):
+            logits = apply_top_k_top_p_min_p(
+                logits,
+                torch.tensor(top_k, dtype=torch.long, device=device) if min(top_k) < vocab else None,
+                torch.tensor(top_p, dtype=logits.dtype, device=device) if min(top_p) < 1 else None,
+                torch.tensor(min_p, dtype=logits.dtype, device=device) if max(min_p) > 0 else None)
+        probs = logits.softmax(dim=-1)  # [B, V]
+
+        # Exponential race: argmax(p / E) with E ~ Exp(1) iid samples exactly from p.
+        noise = torch.empty_like(probs).exponential_(generator=self._generator(device))
+        for i, r in enumerate(rows):
+            if r.params.HasField("seed") and not greedy[i]:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(row_seed(r.params.seed, r.position))
+                noise[i].exponential_(generator=gen)
+        # An Exp(1) draw of exactly 0 would make p / E NaN (0 / 0) or inf: keep it positive.
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        random_tokens = (probs / noise).argmax(dim=-1)  # [B]
+        return torch.where(greedy_t, greedy_tokens, random_tokens)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._generators[device] = gen
+        return gen
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                  rows: list[SamplingRequest]) -> list[scheduler_pb2.TokenLogprobs | None]:
+        """From RAW logits (before penalties and temperature), as vLLM returns by default."""
+        wanted = [r.params.logprobs for r in rows]
+        if max(wanted, default=-1) < 0:
+            return [None] * len(rows)
+        logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+        sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()  # [B]
+        max_k = min(max(wanted), logprobs.shape[1])
+        top_lp, top_ids = (logprobs.topk(max_k, dim=-1) if max_k > 0  # [B, max_k], best first
+                           else (logprobs[:, :0], logprobs[:, :0].long()))
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        out: list[scheduler_pb2.TokenLogprobs | None] = []
+        for i, k in enumerate(wanted):
+            if k < 0:
+                out.append(None)
+                continue
+            top = [scheduler_pb2.TopLogprob(token_id=t, logprob=lp)
+                   for t, lp in zip(top_ids[i][:k], top_lp[i][:k])]
+            out.append(scheduler_pb2.TokenLogprobs(logprob=sampled[i], top=top))
+        return out

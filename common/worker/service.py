@@ -1,0 +1,114 @@
+"""A worker process: load the model, allocate the KV cache, dial the scheduler, run its plans.
+
+The Attach stream is re-dialed when it breaks (the scheduler restarted, the network blinked);
+the worker then starts afresh, since the scheduler re-queued everything it had planned here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+
+import grpc
+import torch
+
+from common.kv_transfer.base import create_receiver, create_sender
+from common.models.attention import create_attention_backend
+from common.models.llama import load_model
+from common.worker.config import WorkerConfig
+from common.worker.kv_cache import KVLayout, PagedKVCache
+from common.worker.model_runner import ModelRunner
+from common.worker.sampler import Sampler
+from common.worker.worker import Worker
+from protos import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class RegistrationRefused(Exception):
+    pass
+
+
+def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    dtype = getattr(torch, cfg.dtype)
+    model = load_model(cfg.model, create_attention_backend(cfg.attention_backend), dtype)
+    mc = model.config
+    layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                      head_dim=mc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype)
+    num_blocks = cfg.num_kv_blocks or max(1, (cfg.kv_cache_memory_mib << 20) // layout.block_bytes)
+    cache = PagedKVCache(layout, num_blocks, shm_name=f"pdserve-kv-{cfg.worker_id}")
+    transport = cfg.kv_transports[0]
+    receiver = create_receiver(transport, cache)
+    worker = Worker(ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed)), cache,
+                    create_sender(transport, layout), receiver)
+    max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    reg = worker_pb2.Register(
+        worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
+        num_blocks=num_blocks, kv_endpoint=receiver.endpoint(), transports=cfg.kv_transports,
+        host_id=socket.gethostname(), max_model_len=max_len,
+        layout=worker_pb2.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                                   head_dim=layout.head_dim, block_size=layout.block_size,
+                                   dtype=layout.dtype))
+    return worker, reg
+
+
+async def attach_once(cfg: WorkerConfig, worker: Worker, reg: worker_pb2.Register) -> None:
+    """Registers and runs plans until the stream ends."""
+    async with grpc.aio.insecure_channel(
+            cfg.scheduler, options=[("grpc.max_receive_message_length", 64 << 20),
+                                    ("grpc.max_send_message_length", 64 << 20)]) as channel:
+        await asyncio.wait_for(channel.channel_ready(), cfg.connect_timeout_s)
+        call = worker_pb2_grpc.WorkerControlStub(channel).Attach()
+        await call.write(worker_pb2.WorkerMessage(register=reg))
+        ack = await asyncio.wait_for(call.read(), cfg.connect_timeout_s)
+        if ack is grpc.aio.EOF:
+            return
+        if ack.ack.error:
+            raise RegistrationRefused(ack.ack.error)
+        log.info("worker %s registered with %s (%d KV blocks)", cfg.worker_id, cfg.scheduler,
+                 reg.num_blocks)
+        print(f"pdserve {cfg.role}-worker {cfg.worker_id} attached to {cfg.scheduler}", flush=True)
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                return
+            result = await asyncio.to_thread(worker.execute, msg.plan)
+            await call.write(worker_pb2.WorkerMessage(result=result))
+
+
+async def serve(cfg: WorkerConfig) -> int:
+    worker, reg = build_worker(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        while not stop.is_set():
+            task = asyncio.create_task(attach_once(cfg, worker, reg))
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not task.done():
+                task.cancel()
+                break
+            try:
+                task.result()
+            except RegistrationRefused as e:
+                log.error("the scheduler refused this worker: %s", e)
+                print(f"pdserve {cfg.role}-worker refused: {e}", flush=True)
+                return 1
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError) as e:
+                log.warning("scheduler %s unreachable or stream broken: %s", cfg.scheduler,
+                            getattr(e, "details", lambda: e)())
+            worker.reset()
+            try:
+                await asyncio.wait_for(stop.wait(), cfg.reconnect_s)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        worker.cache.close()
+        worker.sender.close()
+    return 0

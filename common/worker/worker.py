@@ -1,0 +1,88 @@
+"""A worker's step logic: apply a StepPlan to its request states, run it, answer a StepResult.
+
+No I/O here besides the KV transport calls the plan orders; the gRPC loop lives in service.py.
+"""
+from __future__ import annotations
+
+import logging
+
+from common.kv_transfer.base import KVReceiver, KVSender, KVTransferError
+from common.worker.kv_cache import PagedKVCache
+from common.worker.model_runner import ModelRunner, RequestState
+from protos import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, runner: ModelRunner, cache: PagedKVCache, sender: KVSender,
+                 receiver: KVReceiver):
+        self.runner = runner
+        self.cache = cache
+        self.sender = sender
+        self.receiver = receiver
+        self.requests: dict[str, RequestState] = {}
+        self.counters = worker_pb2.WorkerCounters()
+
+    def reset(self) -> None:
+        """Forgets every request: the scheduler that planned them is gone."""
+        self.requests.clear()
+        self.receiver.reset()
+
+    def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        result = worker_pb2.StepResult(step_id=plan.step_id)
+        for rid in plan.finished_request_ids:
+            self.requests.pop(rid, None)
+            self.receiver.cancel_request(rid)
+        for recv in plan.recvs:
+            self.receiver.expect(recv.transfer_id, recv.request_id, list(recv.block_ids))
+        for new in plan.new_requests:
+            self._add(new, result)
+        for diff in plan.cached_requests:
+            req = self.requests.get(diff.request_id)
+            assert req is not None, f"diff for unknown request {diff.request_id}"
+            req.block_ids.extend(diff.new_block_ids)
+            req.token_ids.extend(diff.new_token_ids)
+
+        scheduled = [(self.requests[s.request_id], s.num_tokens) for s in plan.scheduled
+                     if s.request_id in self.requests]
+        if scheduled:
+            sampled, stats = self.runner.execute(scheduled)
+            for s in sampled:
+                result.sampled.add(request_id=s.request.request_id, token_id=s.token_id,
+                                   logprobs=s.logprobs)
+            self.counters.prompt_tokens_computed += stats.prompt_tokens
+            self.counters.tokens_decoded += stats.decode_tokens
+        for send in plan.sends:
+            result.sends_done.append(self._send(send))
+        self.counters.steps += 1
+        result.counters.CopyFrom(self.counters)
+        return result
+
+    def _add(self, new: worker_pb2.NewRequest, result: worker_pb2.StepResult) -> None:
+        if new.kv_transfer_id:
+            try:
+                self.counters.kv_blocks_received += self.receiver.complete(
+                    new.kv_transfer_id, list(new.block_ids))
+            except KVTransferError as e:
+                result.errors.add(request_id=new.request_id, error=str(e))
+                return
+        self.requests[new.request_id] = RequestState(
+            request_id=new.request_id,
+            token_ids=list(new.all_token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            num_computed_tokens=new.num_computed_tokens,
+            block_ids=list(new.block_ids),
+            sampling=new.sampling,
+            eos_token_ids=list(new.eos_token_ids),
+        )
+
+    def _send(self, send: worker_pb2.KVSend) -> worker_pb2.TransferDone:
+        try:
+            self.sender.send(send.transfer_id, self.cache, list(send.src_block_ids),
+                             send.dst_endpoint, list(send.dst_block_ids))
+        except KVTransferError as e:
+            log.warning("KV transfer %s failed: %s", send.transfer_id, e)
+            return worker_pb2.TransferDone(transfer_id=send.transfer_id, error=str(e))
+        self.counters.kv_blocks_sent += len(send.src_block_ids)
+        return worker_pb2.TransferDone(transfer_id=send.transfer_id)

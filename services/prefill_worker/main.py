@@ -1,0 +1,15 @@
+"""`pdserve prefill-worker`: a worker of the prefill pool."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from common.worker import config, service
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    config.add_arguments(p)
+
+
+def run(args) -> int:
+    return asyncio.run(service.serve(config.config_from_args("prefill", args)))

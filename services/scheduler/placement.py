@@ -1,0 +1,35 @@
+"""Placement: which decode worker receives a request prefilled elsewhere."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.scheduler.scheduler import WorkerState
+    from services.scheduler.request import Request
+
+
+class Placement(ABC):
+    @abstractmethod
+    def choose_decode(self, req: "Request", candidates: list["WorkerState"],
+                      num_tokens: int) -> "WorkerState | None":
+        """A decode worker with room for num_tokens of req, or None to keep it waiting."""
+
+
+class LeastLoaded(Placement):
+    """Fewest requests holding blocks, then most free blocks, then registration order."""
+
+    def choose_decode(self, req, candidates, num_tokens):
+        fits = [w for w in candidates if w.kv.can_fit(req.request_id, num_tokens)]
+        if not fits:
+            return None
+        return min(fits, key=lambda w: (len(w.kv.request_ids()), -w.kv.num_free_blocks))
+
+
+_PLACEMENTS = {"least-loaded": LeastLoaded}
+
+
+def create_placement(name: str) -> Placement:
+    if name not in _PLACEMENTS:
+        raise ValueError(f"unknown placement {name!r}; known: {', '.join(_PLACEMENTS)}")
+    return _PLACEMENTS[name]()

@@ -1,0 +1,71 @@
+"""A request as the scheduler tracks it: tokens, sampling, where it runs."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from protos import scheduler_pb2
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"          # in the queue
+    PREFILLING = "prefilling"    # chunks running on its prefill worker
+    TRANSFERRING = "transferring"  # prefill done; KV on its way to the decode worker
+    DECODING = "decoding"        # in its decode worker's running batch
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Output:
+    """What the scheduler tells the request's stream after a step."""
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[scheduler_pb2.TokenLogprobs]
+    finish_reason: str = ""      # "", "stop", "length", "abort", "error"
+    stop_token_id: int = -1
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str = ""
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: scheduler_pb2.SamplingParams
+    eos_token_ids: list[int]
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    prefill_worker: str | None = None  # worker computing its prompt (may be the decode worker)
+    decode_worker: str | None = None
+    num_computed_tokens: int = 0       # on the worker that currently computes it
+    transfer_id: str = ""
+    num_preemptions: int = 0
+    finish_reason: str = ""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    def check_stop(self, token_id: int, max_model_len: int) -> tuple[str, int]:
+        """(finish reason, stop token id or -1) after token_id was appended."""
+        n = len(self.output_token_ids)
+        if n >= self.sampling.min_tokens:
+            if not self.sampling.ignore_eos and token_id in self.eos_token_ids:
+                return "stop", token_id
+            if token_id in self.sampling.stop_token_ids:
+                return "stop", token_id
+        if n >= self.max_tokens or self.num_tokens >= max_model_len:
+            return "length", -1
+        return "", -1

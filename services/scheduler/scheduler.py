@@ -1,0 +1,418 @@
+"""Scheduling policy: admission, placement, step plans, stop detection, recovery.
+
+Plain synchronous code: no asyncio, no gRPC. server.py calls `schedule(worker_id)` when a worker
+is idle and `update(worker_id, result)` when its step result arrives.
+
+A disaggregated request moves  WAITING -> PREFILLING (on P) -> TRANSFERRING -> DECODING (on D)
+-> FINISHED; without prefill workers it goes WAITING -> PREFILLING (on D) -> DECODING (on D).
+Preemption, transfer failures and lost workers send it back to WAITING with prompt + tokens so
+far, to be recomputed; tokens already streamed are never sent again.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.placement import create_placement
+from services.scheduler.request import Output, Request, Status
+from services.scheduler.request_queue import create_request_queue
+from protos import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+class RegistrationError(Exception):
+    """A worker that cannot join this deployment."""
+
+
+@dataclass(eq=False)
+class WorkerState:
+    """The scheduler's view of one worker."""
+    worker_id: str
+    role: str
+    endpoint: str
+    fingerprint: str
+    layout: worker_pb2.KVLayout
+    max_model_len: int
+    transports: tuple[str, ...]
+    kv: KVCacheManager
+    prefilling: list[Request] = field(default_factory=list)
+    decoding: list[Request] = field(default_factory=list)
+    arrivals: list[Request] = field(default_factory=list)  # KV landed, not yet sent to the worker
+    known: set[str] = field(default_factory=set)           # requests whose state the worker holds
+    to_drop: list[str] = field(default_factory=list)
+    recvs: list[worker_pb2.KVRecv] = field(default_factory=list)
+    inflight: set[str] | None = None                       # requests of the running step
+    frees_after_step: list[tuple["WorkerState", list[int]]] = field(default_factory=list)
+    counters: worker_pb2.WorkerCounters = field(default_factory=worker_pb2.WorkerCounters)
+
+    @property
+    def is_idle(self) -> bool:
+        return self.inflight is None
+
+
+@dataclass
+class Transfer:
+    request: Request
+    src: WorkerState
+    dst: WorkerState
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.workers: dict[str, WorkerState] = {}
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(config.scheduling_policy)
+        self.placement = create_placement(config.placement)
+        self.transfers: dict[str, Transfer] = {}
+        self.num_finished = 0
+        self._ids = itertools.count()
+
+    # ---- workers -------------------------------------------------------------------------------
+
+    def add_worker(self, reg: worker_pb2.Register) -> WorkerState:
+        if reg.role not in ("prefill", "decode"):
+            raise RegistrationError(f"unknown role {reg.role!r}; known: prefill, decode")
+        if reg.worker_id in self.workers:
+            raise RegistrationError(f"worker id {reg.worker_id} is already registered")
+        if reg.num_blocks < 1 or reg.layout.block_size < 1:
+            raise RegistrationError("a worker needs at least one KV block of size >= 1")
+        for other in self.workers.values():
+            if other.fingerprint != reg.model_fingerprint:
+                raise RegistrationError(
+                    f"model fingerprint {reg.model_fingerprint} differs from worker "
+                    f"{other.worker_id}'s {other.fingerprint}: every worker must serve the same model")
+            if other.layout != reg.layout:
+                raise RegistrationError(
+                    f"KV layout {_layout_str(reg.layout)} differs from worker {other.worker_id}'s "
+                    f"{_layout_str(other.layout)}")
+        w = WorkerState(worker_id=reg.worker_id, role=reg.role, endpoint=reg.kv_endpoint,
+                        fingerprint=reg.model_fingerprint, layout=reg.layout,
+                        max_model_len=reg.max_model_len, transports=tuple(reg.transports),
+                        kv=KVCacheManager(reg.num_blocks, reg.layout.block_size))
+        self.workers[w.worker_id] = w
+        log.info("worker %s joined: role=%s blocks=%d", w.worker_id, w.role, reg.num_blocks)
+        return w
+
+    def remove_worker(self, worker_id: str) -> None:
+        """The worker is gone: everything that touched it is recomputed elsewhere."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return
+        for t_id, t in list(self.transfers.items()):
+            if worker_id in (t.src.worker_id, t.dst.worker_id):
+                del self.transfers[t_id]
+        for req in list(self.requests.values()):
+            if worker_id in (req.prefill_worker, req.decode_worker):
+                self._requeue(req)
+        log.warning("worker %s left; its requests were re-queued", worker_id)
+
+    @property
+    def max_model_len(self) -> int:
+        limits = [w.max_model_len for w in self.workers.values() if w.max_model_len > 0]
+        if self.config.max_model_len:
+            limits.append(self.config.max_model_len)
+        return min(limits, default=1 << 30)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Raises ValueError for a request that can never run."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id} is already in use")
+        if not req.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if req.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        total = len(req.prompt_token_ids) + req.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens "
+                             f"({req.max_tokens}) exceeds the maximum model length "
+                             f"{self.max_model_len}")
+        decoders = [w for w in self.workers.values() if w.role == "decode"]
+        if decoders and all(w.kv.blocks_for(total) > w.kv.num_blocks for w in decoders):
+            raise ValueError(f"{total} tokens can never fit in a decode worker's KV cache")
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def abort(self, request_id: str) -> Output | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, "abort")
+
+    @property
+    def num_running(self) -> int:
+        return len(self.requests) - len(self.waiting)
+
+    # ---- planning ------------------------------------------------------------------------------
+
+    def has_work(self, worker_id: str) -> bool:
+        w = self.workers.get(worker_id)
+        if w is None or not w.is_idle:
+            return False
+        return bool(w.to_drop or w.recvs or w.prefilling or w.decoding or w.arrivals
+                    or (len(self.waiting) and self._admits(w)))
+
+    def _admits(self, w: WorkerState) -> bool:
+        if w.role == "prefill":
+            return any(d.role == "decode" for d in self.workers.values())
+        return not any(p.role == "prefill" for p in self.workers.values())
+
+    def schedule(self, worker_id: str) -> worker_pb2.StepPlan | None:
+        w = self.workers[worker_id]
+        assert w.is_idle, f"worker {worker_id} already runs a step"
+        plan = worker_pb2.StepPlan(step_id=next(self._ids))
+        budget = self.config.max_num_batched_tokens
+        if w.role == "decode":
+            budget -= self._schedule_decodes(w, plan)
+        budget = self._schedule_prefills(w, plan, budget)
+        if self._admits(w):
+            self._admit(w, plan, budget)
+        # last: planning above may preempt; the worker drops before it adds
+        plan.finished_request_ids.extend(w.to_drop)
+        plan.recvs.extend(w.recvs)
+        w.to_drop.clear()
+        w.recvs.clear()
+        if not (plan.scheduled or plan.finished_request_ids or plan.recvs or plan.new_requests):
+            return None
+        w.inflight = {s.request_id for s in plan.scheduled}
+        return plan
+
+    def _schedule_decodes(self, w: WorkerState, plan: worker_pb2.StepPlan) -> int:
+        for req in w.arrivals:
+            req.status = Status.DECODING
+            w.decoding.append(req)
+            self._send_new(w, plan, req, kv_transfer_id=req.transfer_id)
+            req.transfer_id = ""
+        w.arrivals.clear()
+        scheduled = 0
+        for req in list(w.decoding):
+            if req.status is not Status.DECODING:  # preempted below
+                continue
+            new_blocks = w.kv.allocate_slots(req.request_id, req.num_tokens)
+            while new_blocks is None:
+                victim = w.decoding[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+                new_blocks = w.kv.allocate_slots(req.request_id, req.num_tokens)
+            if new_blocks is None:
+                continue
+            if new_blocks:
+                plan.cached_requests.add(request_id=req.request_id, new_block_ids=new_blocks)
+            plan.scheduled.add(request_id=req.request_id, num_tokens=1)
+            scheduled += 1
+        return scheduled
+
+    def _schedule_prefills(self, w: WorkerState, plan: worker_pb2.StepPlan, budget: int) -> int:
+        """Next chunks of prompts already being prefilled on w."""
+        for req in w.prefilling:
+            if budget <= 0:
+                break
+            if req.request_id in w.known and req.status is Status.PREFILLING:
+                budget -= self._schedule_chunk(w, plan, req, budget)
+        return budget
+
+    def _admit(self, w: WorkerState, plan: worker_pb2.StepPlan, budget: int) -> None:
+        while len(self.waiting) and budget > 0 and self._num_seqs(w) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            n = req.num_tokens
+            dst = None
+            if w.role == "prefill":
+                decoders = [d for d in self.workers.values() if d.role == "decode"
+                            and self._num_seqs(d) < self.config.max_num_seqs
+                            and _transport(w, d)]
+                dst = self.placement.choose_decode(req, decoders, n + 1)
+                if dst is None:
+                    return
+            if w.kv.allocate_slots(req.request_id, n) is None:
+                return
+            self.waiting.pop()
+            req.status = Status.PREFILLING
+            req.prefill_worker = w.worker_id
+            req.decode_worker = (dst or w).worker_id
+            req.num_computed_tokens = 0
+            w.prefilling.append(req)
+            if dst is not None:
+                assert dst.kv.allocate_slots(req.request_id, n) is not None
+                req.transfer_id = f"{req.request_id}/{next(self._ids)}"
+                dst.recvs.append(worker_pb2.KVRecv(
+                    transfer_id=req.transfer_id, request_id=req.request_id,
+                    block_ids=dst.kv.get_block_ids(req.request_id)))
+                self.transfers[req.transfer_id] = Transfer(req, w, dst)
+            self._send_new(w, plan, req)
+            budget -= self._schedule_chunk(w, plan, req, budget)
+
+    def _schedule_chunk(self, w: WorkerState, plan: worker_pb2.StepPlan, req: Request,
+                        budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        plan.scheduled.add(request_id=req.request_id, num_tokens=n)
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens and req.transfer_id:
+            t = self.transfers[req.transfer_id]
+            plan.sends.add(transfer_id=req.transfer_id, request_id=req.request_id,
+                           src_block_ids=w.kv.get_block_ids(req.request_id),
+                           dst_block_ids=t.dst.kv.get_block_ids(req.request_id),
+                           dst_endpoint=t.dst.endpoint, transport=_transport(w, t.dst))
+        return n
+
+    def _send_new(self, w: WorkerState, plan: worker_pb2.StepPlan, req: Request,
+                  kv_transfer_id: str = "") -> None:
+        plan.new_requests.add(
+            request_id=req.request_id, all_token_ids=req.all_token_ids,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_computed_tokens=req.num_tokens - 1 if kv_transfer_id else 0,
+            block_ids=w.kv.get_block_ids(req.request_id), sampling=req.sampling,
+            kv_transfer_id=kv_transfer_id, eos_token_ids=req.eos_token_ids)
+        w.known.add(req.request_id)
+
+    def _num_seqs(self, w: WorkerState) -> int:
+        return len(w.kv.request_ids())
+
+    # ---- results -------------------------------------------------------------------------------
+
+    def update(self, worker_id: str, result: worker_pb2.StepResult) -> list[Output]:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return []
+        ran, w.inflight = w.inflight or set(), None
+        w.counters.CopyFrom(result.counters)
+        outputs: list[Output] = []
+        for err in result.errors:
+            req = self._current(w, err.request_id, ran)
+            if req is not None:
+                outputs.append(self._finish(req, "error", error=err.error))
+        for s in result.sampled:
+            req = self._current(w, s.request_id, ran)
+            if req is not None:
+                outputs.append(self._on_token(w, req, s))
+        for done in result.sends_done:
+            self._on_transfer(done)
+        for owner, blocks in w.frees_after_step:
+            owner.kv.pool.free(blocks)
+        w.frees_after_step.clear()
+        return outputs
+
+    def _current(self, w: WorkerState, rid: str, ran: set[str]) -> Request | None:
+        """The request, if w's step result about it still matters (not finished, not moved)."""
+        req = self.requests.get(rid)
+        if req is None or rid not in ran or req.status not in (Status.PREFILLING, Status.DECODING):
+            return None
+        worker = req.prefill_worker if req.status is Status.PREFILLING else req.decode_worker
+        return req if worker == w.worker_id else None
+
+    def _on_token(self, w: WorkerState, req: Request, s: worker_pb2.SampledToken) -> Output:
+        req.output_token_ids.append(s.token_id)
+        logprobs = [s.logprobs] if s.HasField("logprobs") else []
+        first = len(req.output_token_ids) == 1
+        if req.status is Status.PREFILLING and req.transfer_id:
+            req.status = Status.TRANSFERRING
+        elif req.status is Status.PREFILLING:  # prefilled by its decode worker itself
+            w.prefilling.remove(req)
+            w.decoding.append(req)
+            req.status = Status.DECODING
+        reason, stop_id = req.check_stop(s.token_id, self.max_model_len)
+        if reason:
+            return self._finish(req, reason, token_ids=[s.token_id], logprobs=logprobs,
+                                stop_token_id=stop_id)
+        return Output(req.request_id, [s.token_id], logprobs,
+                      num_prompt_tokens=len(req.prompt_token_ids) if first else 0)
+
+    def _on_transfer(self, done: worker_pb2.TransferDone) -> None:
+        t = self.transfers.pop(done.transfer_id, None)
+        if t is None:  # its request was finished or re-queued meanwhile
+            return
+        req, src, dst = t.request, t.src, t.dst
+        if done.error:
+            log.warning("transfer %s failed (%s); recomputing %s", done.transfer_id, done.error,
+                        req.request_id)
+            self._requeue(req)
+            return
+        src.kv.free(req.request_id)
+        src.prefilling.remove(req)
+        src.known.discard(req.request_id)
+        src.to_drop.append(req.request_id)
+        req.prefill_worker = dst.worker_id
+        dst.arrivals.append(req)
+
+    # ---- finishing and recovery ----------------------------------------------------------------
+
+    def _finish(self, req: Request, reason: str, token_ids: list[int] | None = None,
+                logprobs=None, stop_token_id: int = -1, error: str = "") -> Output:
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self._release(req)
+        self.requests.pop(req.request_id, None)
+        self.num_finished += 1
+        return Output(req.request_id, token_ids or [], logprobs or [], finish_reason=reason,
+                      stop_token_id=stop_token_id, num_prompt_tokens=len(req.prompt_token_ids),
+                      error=error)
+
+    def _preempt(self, req: Request) -> None:
+        log.info("preempting %s", req.request_id)
+        req.num_preemptions += 1
+        self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
+        self._release(req)
+        req.status = Status.WAITING
+        req.prefill_worker = req.decode_worker = None
+        req.num_computed_tokens = 0
+        req.transfer_id = ""
+        self.waiting.push_front(req)
+
+    def _release(self, req: Request) -> None:
+        """Drops req from every worker. Blocks that a running step may still write (the step's
+        own worker, or the destination of a transfer that step sends) go back to their pool only
+        when that step's result arrives."""
+        rid = req.request_id
+        transfer = self.transfers.pop(req.transfer_id, None) if req.transfer_id else None
+        for w in self.workers.values():
+            for lst in (w.prefilling, w.decoding, w.arrivals):
+                if req in lst:
+                    lst.remove(req)
+            if rid in w.known:
+                w.known.discard(rid)
+                w.to_drop.append(rid)
+            elif any(r.request_id == rid for r in w.recvs):
+                w.recvs = [r for r in w.recvs if r.request_id != rid]
+            elif transfer is not None and w is transfer.dst:
+                w.to_drop.append(rid)  # it expects the transfer: cancel that
+            blocks = w.kv.detach(rid)
+            if not blocks:
+                continue
+            blocker = w if w.inflight and rid in w.inflight else None
+            if transfer is not None and w is transfer.dst and transfer.src.inflight \
+                    and rid in transfer.src.inflight:
+                blocker = transfer.src
+            if blocker is None:
+                w.kv.pool.free(blocks)
+            else:
+                blocker.frees_after_step.append((w, blocks))
+
+    # ---- stats ---------------------------------------------------------------------------------
+
+    def stats(self):
+        return {
+            "num_running": self.num_running,
+            "num_waiting": len(self.waiting),
+            "num_finished": self.num_finished,
+            "workers": list(self.workers.values()),
+        }
+
+
+def _layout_str(layout: worker_pb2.KVLayout) -> str:
+    return (f"(layers={layout.num_layers}, kv_heads={layout.num_kv_heads}, "
+            f"head_dim={layout.head_dim}, block_size={layout.block_size}, dtype={layout.dtype})")
+
+
+def _transport(src: WorkerState, dst: WorkerState) -> str:
+    """The first transport of the sender's preference list that the receiver offers."""
+    return next((t for t in src.transports if t in dst.transports), "")

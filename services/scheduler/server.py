@@ -1,0 +1,184 @@
+"""The scheduler's gRPC I/O: Generate/Abort/Stats for gateways, Attach for workers.
+
+All policy lives in scheduler.py; this file only moves messages. One task per attached worker
+loops: plan when the worker is idle and has work, send, await the result (with a deadline),
+apply it, fan the outputs out to the requests' streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.request import Output, Request
+from services.scheduler.scheduler import RegistrationError, Scheduler
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 5.0
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.WorkerControlServicer):
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.scheduler = Scheduler(config)
+        self._streams: dict[str, asyncio.Queue[Output]] = {}
+        self._wake: dict[str, asyncio.Event] = {}
+
+    def _wake_all(self) -> None:
+        for ev in self._wake.values():
+            ev.set()
+
+    def _dispatch(self, outputs: list[Output]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    # ---- gateway side --------------------------------------------------------------------------
+
+    async def Generate(self, request: scheduler_pb2.GenerateRequest, context):
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self._streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid} is in use")
+        req = Request(request_id=rid, prompt_token_ids=list(request.prompt_token_ids),
+                      sampling=request.sampling, eos_token_ids=list(request.eos_token_ids),
+                      priority=request.priority)
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        queue: asyncio.Queue[Output] = asyncio.Queue()
+        self._streams[rid] = queue
+        self._wake_all()
+        try:
+            while True:
+                out = await queue.get()
+                yield _to_response(out)
+                if out.finish_reason:
+                    return
+        finally:  # finished, or the caller went away (cancellation lands here too)
+            self._streams.pop(rid, None)
+            if self.scheduler.abort(rid) is not None:
+                log.info("request %s aborted: its stream closed", rid)
+                self._wake_all()
+
+    async def Abort(self, request: scheduler_pb2.AbortRequest, context):
+        out = self.scheduler.abort(request.request_id)
+        if out is not None:
+            self._dispatch([out])
+            self._wake_all()
+        return scheduler_pb2.AbortResponse(found=out is not None)
+
+    async def Stats(self, request, context):
+        s = self.scheduler
+        resp = scheduler_pb2.StatsResponse(num_running=s.num_running, num_waiting=len(s.waiting),
+                                           num_finished=s.num_finished)
+        for w in s.workers.values():
+            c = w.counters
+            resp.workers.add(
+                worker_id=w.worker_id, role=w.role, kv_endpoint=w.endpoint,
+                num_blocks=w.kv.num_blocks, num_free_blocks=w.kv.num_free_blocks,
+                num_running=len(w.kv.request_ids()),
+                prompt_tokens_computed=c.prompt_tokens_computed, tokens_decoded=c.tokens_decoded,
+                kv_blocks_sent=c.kv_blocks_sent, kv_blocks_received=c.kv_blocks_received,
+                steps=c.steps)
+        return resp
+
+    # ---- worker side ---------------------------------------------------------------------------
+
+    async def Attach(self, request_iterator, context):
+        try:
+            first = await asyncio.wait_for(context.read(), self.config.register_timeout_s)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no registration in time")
+        if first is grpc.aio.EOF or not first.HasField("register"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must register")
+        try:
+            w = self.scheduler.add_worker(first.register)
+        except RegistrationError as e:
+            log.warning("refused worker %s: %s", first.register.worker_id, e)
+            await context.write(worker_pb2.SchedulerMessage(
+                ack=worker_pb2.RegisterAck(worker_id=first.register.worker_id, error=str(e))))
+            return
+        wid = w.worker_id
+        await context.write(worker_pb2.SchedulerMessage(ack=worker_pb2.RegisterAck(worker_id=wid)))
+        wake = self._wake[wid] = asyncio.Event()
+        results: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        reader = asyncio.create_task(self._read(context, results, wake, gone))
+        self._wake_all()
+        try:
+            await self._drive(wid, context, results, wake, gone)
+        finally:
+            reader.cancel()
+            del self._wake[wid]
+            self.scheduler.remove_worker(wid)
+            self._wake_all()
+
+    async def _read(self, context, results: asyncio.Queue, wake: asyncio.Event,
+                    gone: asyncio.Event) -> None:
+        try:
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    break
+                results.put_nowait(msg)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        finally:
+            gone.set()
+            results.put_nowait(None)
+            wake.set()
+
+    async def _drive(self, wid: str, context, results: asyncio.Queue, wake: asyncio.Event,
+                     gone: asyncio.Event):
+        while True:
+            wake.clear()
+            if gone.is_set():
+                return
+            plan = self.scheduler.schedule(wid) if self.scheduler.has_work(wid) else None
+            if plan is None:
+                try:
+                    await asyncio.wait_for(wake.wait(), IDLE_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            await context.write(worker_pb2.SchedulerMessage(plan=plan))
+            try:
+                msg = await asyncio.wait_for(results.get(), self.config.step_timeout_s)
+            except asyncio.TimeoutError:
+                log.error("worker %s did not answer step %d in %.0fs; dropping it", wid,
+                          plan.step_id, self.config.step_timeout_s)
+                return
+            if msg is None:
+                return
+            if not msg.HasField("result") or msg.result.step_id != plan.step_id:
+                log.error("worker %s answered out of protocol; dropping it", wid)
+                return
+            self._dispatch(self.scheduler.update(wid, msg.result))
+            self._wake_all()
+
+
+def _to_response(out: Output) -> scheduler_pb2.GenerateResponse:
+    return scheduler_pb2.GenerateResponse(
+        token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
+        num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+        stop_token_id=out.stop_token_id, error=out.error)
+
+
+async def create_server(config: SchedulerConfig) -> tuple[grpc.aio.Server, int, SchedulerService]:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])
+    service = SchedulerService(config)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+    worker_pb2_grpc.add_WorkerControlServicer_to_server(service, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port}")
+    await server.start()
+    return server, port, service
