@@ -76,7 +76,8 @@ class ModelRunner:
         hidden = self.model(torch.tensor(ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.cache.layers, meta)
 
-        stats = StepStats(decode_tokens=len(decodes))
+        stats = StepStats(decode_tokens=sum(r.num_computed_tokens >= r.num_prompt_tokens
+                                            for r, _ in decodes))
         rows, last_token_idx = [], []
         offset = 0
         for r, n in ordered:

@@ -70,6 +70,7 @@ class Scheduler:
         self.placement = create_placement(config.placement)
         self.transfers: dict[str, Transfer] = {}
         self.num_finished = 0
+        self.num_preemptions = 0
         self._ids = itertools.count()
 
     # ---- workers -------------------------------------------------------------------------------
@@ -358,6 +359,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         log.info("preempting %s", req.request_id)
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self._requeue(req)
 
     def _requeue(self, req: Request) -> None:

@@ -1,0 +1,19 @@
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from common.models.tiny import KNOWN_ARCHS, make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """arch -> directory of the tiny model, made once per session."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_tiny_model(root / arch, arch=arch, seed=0) for arch in KNOWN_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models):
+    return tiny_models["llama"]

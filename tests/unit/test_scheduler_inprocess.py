@@ -1,0 +1,193 @@
+"""The scheduler driving real workers in this process (no network): tokens equal HuggingFace's
+greedy ones, and every block comes back through finishes, aborts, preemptions and lost workers."""
+import pytest
+import torch
+import transformers
+
+from common.worker.config import WorkerConfig
+from common.worker.service import build_worker
+from protos import scheduler_pb2
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.request import Request
+from services.scheduler.scheduler import RegistrationError, Scheduler
+
+
+class Cluster:
+    def __init__(self, model_dir, roles_blocks, **sched_kw):
+        self.sched = Scheduler(SchedulerConfig(**sched_kw))
+        self.workers = {}
+        for i, (role, blocks) in enumerate(roles_blocks):
+            worker, reg = build_worker(WorkerConfig(
+                role=role, model=str(model_dir), worker_id=f"test-{role}-{i}-{id(self)}",
+                num_kv_blocks=blocks, block_size=4))
+            self.sched.add_worker(reg)
+            self.workers[reg.worker_id] = worker
+        self.outputs = {}
+
+    def close(self):
+        for w in self.workers.values():
+            w.cache.close()
+
+    def submit(self, rid, prompt, max_tokens=8, **kw):
+        self.outputs[rid] = []
+        self.sched.add_request(Request(rid, list(prompt), scheduler_pb2.SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, logprobs=-1, **kw), eos_token_ids=[]))
+
+    def step(self):
+        """One step on every worker that has work; returns whether any ran."""
+        ran = False
+        for wid, worker in list(self.workers.items()):
+            if self.sched.has_work(wid):
+                plan = self.sched.schedule(wid)
+                if plan is None:
+                    continue
+                ran = True
+                for out in self.sched.update(wid, worker.execute(plan)):
+                    self.outputs[out.request_id].append(out)
+        return ran
+
+    def run(self, max_steps=500):
+        for _ in range(max_steps):
+            if not self.step():
+                return
+        raise AssertionError("did not settle")
+
+    def tokens(self, rid):
+        return [t for o in self.outputs[rid] for t in o.token_ids]
+
+    def finish_reason(self, rid):
+        return self.outputs[rid][-1].finish_reason
+
+    def assert_all_free(self):
+        for w in self.sched.workers.values():
+            assert w.kv.num_free_blocks == w.kv.num_blocks, w.worker_id
+            assert not w.kv.request_ids()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 2000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _greedy(hf, prompt, n):
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture
+def cluster(tiny_llama, request):
+    made = []
+
+    def make(roles_blocks, **kw):
+        c = Cluster(tiny_llama, roles_blocks, **kw)
+        made.append(c)
+        return c
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_disaggregated_requests_match_hf_and_free_every_block(cluster, hf):
+    c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=24)
+    prompts = {f"r{n}": _prompt(n, n) for n in (1, 3, 4, 5, 30)}
+    for rid, p in prompts.items():
+        c.submit(rid, p)
+    c.run()
+    for rid, p in prompts.items():
+        assert c.tokens(rid) == _greedy(hf, p, 8), rid
+        assert c.finish_reason(rid) == "length"
+    c.assert_all_free()
+    p, d = (w.counters for w in c.sched.workers.values())
+    assert p.prompt_tokens_computed == sum(map(len, prompts.values()))
+    assert p.kv_blocks_sent == d.kv_blocks_received == sum(-(-len(x) // 4) for x in prompts.values())
+    assert d.prompt_tokens_computed == 0
+
+
+def test_colocated_without_prefill_workers(cluster, hf):
+    c = cluster([("decode", 64)])
+    c.submit("a", _prompt(13, 1), max_tokens=6)
+    c.run()
+    assert c.tokens("a") == _greedy(hf, _prompt(13, 1), 6)
+    c.assert_all_free()
+
+
+def test_abort_midway_frees_blocks(cluster):
+    c = cluster([("prefill", 64), ("decode", 64)])
+    c.submit("a", _prompt(10, 2), max_tokens=50)
+    c.submit("b", _prompt(10, 3), max_tokens=5)
+    for _ in range(4):
+        c.step()
+    out = c.sched.abort("a")
+    assert out.finish_reason == "abort"
+    c.run()
+    assert c.finish_reason("b") == "length"
+    assert len(c.tokens("a")) < 50
+    c.assert_all_free()
+
+
+def test_preemption_by_recompute_keeps_greedy_tokens(cluster, hf):
+    # 8 decode blocks of 4 tokens: three 6-token prompts growing to 18 tokens cannot all fit
+    c = cluster([("prefill", 64), ("decode", 8)])
+    prompts = {f"p{i}": _prompt(6, 10 + i) for i in range(3)}
+    for rid, p in prompts.items():
+        c.submit(rid, p, max_tokens=12)
+    c.run()
+    assert c.sched.num_preemptions > 0
+    for rid, p in prompts.items():
+        assert c.tokens(rid) == _greedy(hf, p, 12), rid
+    c.assert_all_free()
+
+
+def test_lost_decode_worker_requests_resume_elsewhere(cluster, hf):
+    c = cluster([("prefill", 64), ("decode", 64), ("decode", 64)])
+    prompts = {f"q{i}": _prompt(9, 20 + i) for i in range(4)}
+    for rid, p in prompts.items():
+        c.submit(rid, p, max_tokens=10)
+    for _ in range(5):
+        c.step()
+    lost = next(w for w in c.sched.workers.values()
+                if w.role == "decode" and w.decoding)
+    c.sched.remove_worker(lost.worker_id)
+    c.workers.pop(lost.worker_id).cache.close()
+    c.run()
+    for rid, p in prompts.items():
+        assert c.tokens(rid) == _greedy(hf, p, 10), rid
+    c.assert_all_free()
+
+
+def test_seeded_sampling_survives_preemption(cluster):
+    kw = dict(temperature=1.0, seed=7)
+    roomy = cluster([("prefill", 64), ("decode", 64)])
+    roomy.submit("s", _prompt(6, 5), max_tokens=12, **kw)
+    roomy.run()
+    tight = cluster([("prefill", 64), ("decode", 5)])
+    tight.submit("s", _prompt(6, 5), max_tokens=12, **kw)
+    tight.submit("t", _prompt(6, 6), max_tokens=12, **kw)
+    tight.run()
+    assert tight.sched.num_preemptions > 0
+    assert tight.tokens("s") == roomy.tokens("s")
+    tight.assert_all_free()
+
+
+def test_incompatible_worker_is_refused(cluster, tiny_models):
+    c = cluster([("decode", 16)])
+    other, reg = build_worker(WorkerConfig(role="prefill", model=str(tiny_models["qwen3"]),
+                                           worker_id="test-other", num_kv_blocks=4, block_size=4))
+    other.cache.close()
+    with pytest.raises(RegistrationError, match="fingerprint"):
+        c.sched.add_worker(reg)
+    reg.model_fingerprint = c.sched.workers[next(iter(c.sched.workers))].fingerprint
+    with pytest.raises(RegistrationError, match="KV layout"):
+        c.sched.add_worker(reg)
+
+
+def test_requests_that_never_fit_are_refused(cluster):
+    c = cluster([("decode", 4)])
+    with pytest.raises(ValueError, match="never fit"):
+        c.submit("big", _prompt(10, 1), max_tokens=10)
+    with pytest.raises(ValueError, match="maximum model length"):
+        c.submit("long", _prompt(10, 1), max_tokens=5000)
