@@ -176,7 +176,7 @@ def test_seeded_sampling_survives_preemption(cluster):
 def test_incompatible_worker_is_refused(cluster, tiny_models):
     c = cluster([("decode", 16)])
     other, reg = build_worker(WorkerConfig(role="prefill", model=str(tiny_models["qwen3"]),
-                                           worker_id="test-other", num_kv_blocks=4, block_size=4))
+                                           worker_id=f"test-other-{id(c)}", num_kv_blocks=4, block_size=4))
     other.cache.close()
     with pytest.raises(RegistrationError, match="fingerprint"):
         c.sched.add_worker(reg)
