@@ -181,6 +181,7 @@ def test_incompatible_worker_is_refused(cluster, tiny_models):
     with pytest.raises(RegistrationError, match="fingerprint"):
         c.sched.add_worker(reg)
     reg.model_fingerprint = c.sched.workers[next(iter(c.sched.workers))].fingerprint
+    reg.layout.block_size = 8
     with pytest.raises(RegistrationError, match="KV layout"):
         c.sched.add_worker(reg)
 
