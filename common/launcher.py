@@ -66,7 +66,7 @@ def commands(args) -> list[list[str]]:
     return cmds + [gateway]
 
 
-def _wait_ready(args, procs, deadline: float) -> bool:
+def _wait_ready(args, procs, deadline: float, stopping) -> bool:
     """Every worker registered and the gateway answering /health."""
     import grpc
     import httpx
@@ -77,7 +77,7 @@ def _wait_ready(args, procs, deadline: float) -> bool:
     url = f"http://{args.host}:{args.port}/health"
     with grpc.insecure_channel(f"{args.host}:{args.scheduler_port}") as ch:
         stub = scheduler_pb2_grpc.SchedulerStub(ch)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not stopping():
             if any(p.poll() is not None for p in procs):
                 return False
             try:
@@ -123,9 +123,10 @@ def run(args) -> int:
     try:
         time.sleep(0.5)
         procs += [subprocess.Popen(c) for c in cmds[1:]]
-        if not _wait_ready(args, procs, time.monotonic() + args.ready_timeout):
-            if not stopping:
-                print("pdserve up: the stack did not come up", file=sys.stderr)
+        if not _wait_ready(args, procs, time.monotonic() + args.ready_timeout, lambda: stopping):
+            if stopping:
+                return 0
+            print("pdserve up: the stack did not come up", file=sys.stderr)
             return 1
         print(f"pdserve is up: http://{args.host}:{args.port}/v1  model={args.model}  "
               f"({args.prefill_workers} prefill, {args.decode_workers} decode workers)", flush=True)

@@ -1,0 +1,88 @@
+"""The whole stack as `pdserve up` starts it: four real processes on 127.0.0.1."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PDSERVE = Path(sys.executable).parent / "pdserve"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, model_dir: Path, tmp: Path, *extra: str):
+        self.port, self.sched_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "stack.log"
+        cmd = [str(PDSERVE), "up", "--model", str(model_dir), "--port", str(self.port),
+               "--scheduler-port", str(self.sched_port), "--cpu-threads", "1", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     cwd=ROOT, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while "pdserve is up" not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the stack did not come up:\n{self.log.read_text()[-4000:]}")
+            time.sleep(0.3)
+
+    def stats(self) -> dict:
+        out = subprocess.run([str(PDSERVE), "stats", "--scheduler", f"127.0.0.1:{self.sched_port}"],
+                             capture_output=True, text=True, timeout=30, check=True)
+        import json
+        return json.loads(out.stdout)
+
+    def children(self) -> list[str]:
+        """Command lines of the launcher's child processes."""
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and (d / "stat").read_text().split()[3] == str(self.proc.pid):
+                    out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                pass
+        return out
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Stats once nothing runs or waits and every block is free (or the last seen)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            idle = (s["num_running"] == 0 and s["num_waiting"] == 0 and
+                    all(w["num_free_blocks"] == w["num_blocks"] for w in s["workers"]))
+            if idle or time.monotonic() > deadline:
+                return s
+            time.sleep(0.2)
+
+    def stop(self, sig=signal.SIGINT, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    s = Stack(tiny_llama, tmp_path_factory.mktemp("stack"), "--num-kv-blocks", "256")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(stack):
+    with httpx.Client(base_url=stack.url, timeout=120) as c:
+        yield c

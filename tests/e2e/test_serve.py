@@ -1,0 +1,173 @@
+"""End to end through the four real processes: greedy tokens equal transformers' greedy generate."""
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+
+from tests.e2e.conftest import Stack
+
+LENGTHS = [1, 15, 16, 17, 123]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 2000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _greedy(hf, prompt, n=MAX_TOKENS):
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _body(prompt, **kw):
+    return {"model": kw.pop("model", None), "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True, **kw}
+
+
+def _complete(client, stack, prompt, **kw):
+    body = _body(prompt, **kw)
+    body["model"] = body["model"] or _model_name(client)
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _model_name(client):
+    return client.get("/v1/models").json()["data"][0]["id"]
+
+
+def test_four_processes_named_for_their_roles(stack):
+    cmdlines = stack.children()
+    roles = sorted(c.split("pdserve ", 1)[1].split()[0] for c in cmdlines if "pdserve " in c)
+    assert roles == ["decode-worker", "gateway", "prefill-worker", "scheduler"], cmdlines
+
+
+def test_greedy_one_at_a_time_matches_hf(stack, client, hf):
+    for n in LENGTHS:
+        prompt = _prompt(n, n)
+        out = _complete(client, stack, prompt)
+        choice = out["choices"][0]
+        assert choice["token_ids"] == _greedy(hf, prompt), f"prompt of {n} tokens"
+        assert choice["finish_reason"] == "length"
+        assert out["usage"]["prompt_tokens"] == n
+        assert out["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_greedy_eight_concurrent_match_hf(stack, hf):
+    prompts = [_prompt(n, 100 + i) for i, n in enumerate([1, 15, 16, 17, 123, 40, 64, 3])]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+            name = (await c.get("/v1/models")).json()["data"][0]["id"]
+            rs = await asyncio.gather(*[c.post("/v1/completions", json=_body(p, model=name))
+                                        for p in prompts])
+            return [r.json()["choices"][0]["token_ids"] for r in rs]
+
+    got = asyncio.run(go())
+    for p, tokens in zip(prompts, got):
+        assert tokens == _greedy(hf, p), f"prompt of {len(p)} tokens"
+
+
+def test_streaming_equals_non_streaming(stack, client):
+    oc = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0)
+    name = _model_name(client)
+    prompt = "The cache holds the keys and values of every token"
+    full = oc.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = list(oc.completions.create(
+        model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    streamed_ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {})
+                    .get("token_ids") or []]
+    assert streamed_ids == full.choices[0].model_extra["token_ids"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_with_openai_client(stack, client):
+    oc = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0)
+    name = _model_name(client)
+    msgs = [{"role": "user", "content": "Where do the blocks go?"}]
+    full = oc.chat.completions.create(model=name, messages=msgs, max_tokens=8, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens <= 8
+    streamed = "".join(c.choices[0].delta.content or "" for c in oc.chat.completions.create(
+        model=name, messages=msgs, max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == full.choices[0].message.content
+
+
+def test_bad_input_gets_4xx_with_openai_error(stack, client):
+    name = _model_name(client)
+    r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = client.post("/v1/completions", json=_body([5] * 5000, model=name))
+    assert r.status_code == 400 and "error" in r.json()
+    r = client.post("/v1/completions", json=_body("hi", model="no-such-model"))
+    assert r.status_code == 404 and "error" in r.json()
+    r = client.post("/v1/completions", json=_body("hi", model=name, temperature=-1))
+    assert r.status_code == 400
+
+
+def test_client_disconnect_aborts_and_frees_blocks(stack, client):
+    name = _model_name(client)
+    body = _body(_prompt(30, 7), model=name, max_tokens=2000, stream=True)
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    # the response closed after a few chunks: the request must be aborted, not run 2000 tokens
+    s = stack.wait_idle(timeout=30)
+    assert s["num_running"] == 0 and s["num_waiting"] == 0
+
+
+def test_counters_show_the_disaggregated_path_and_no_block_leaks(stack, client):
+    _complete(client, stack, _prompt(50, 3))
+    s = stack.wait_idle()
+    by_role = {w["role"]: w for w in s["workers"]}
+    prefill, decode = by_role["prefill"], by_role["decode"]
+    for w in s["workers"]:
+        assert w["num_free_blocks"] == w["num_blocks"], w
+    assert int(prefill["prompt_tokens_computed"]) >= 50
+    assert int(prefill["kv_blocks_sent"]) > 0
+    assert int(decode["kv_blocks_received"]) == int(prefill["kv_blocks_sent"])
+    assert int(decode["prompt_tokens_computed"]) == 0
+    assert int(decode["tokens_decoded"]) > 0
+
+
+def test_ctrl_c_stops_all_four(tiny_llama, tmp_path):
+    s = Stack(tiny_llama, tmp_path, "--num-kv-blocks", "32")
+    children = [int(line) for line in _child_pids(s.proc.pid)]
+    assert len(children) == 4
+    shm_before = {p.name for p in Path("/dev/shm").glob("pdserve-kv-*")}
+    assert s.stop(signal.SIGINT) == 0
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    assert not shm_before & {p.name for p in Path("/dev/shm").glob("pdserve-kv-*")}
+
+
+def _child_pids(ppid: int) -> list[str]:
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "stat").read_text().split()[3] == str(ppid):
+                out.append(d.name)
+        except OSError:
+            pass
+    return out
