@@ -150,16 +150,22 @@ def test_counters_show_the_disaggregated_path_and_no_block_leaks(stack, client):
 
 
 def test_ctrl_c_stops_all_four(tiny_llama, tmp_path):
+    others = _shm_segments()
     s = Stack(tiny_llama, tmp_path, "--num-kv-blocks", "32")
     children = [int(line) for line in _child_pids(s.proc.pid)]
     assert len(children) == 4
-    shm_before = {p.name for p in Path("/dev/shm").glob("pdserve-kv-*")}
+    ours = _shm_segments() - others
+    assert len(ours) == 2  # one KV cache per worker
     assert s.stop(signal.SIGINT) == 0
     deadline = time.monotonic() + 10
     while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
-    assert not shm_before & {p.name for p in Path("/dev/shm").glob("pdserve-kv-*")}
+    assert not ours & _shm_segments()
+
+
+def _shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("pdserve-kv-*")}
 
 
 def _child_pids(ppid: int) -> list[str]:
