@@ -25,7 +25,6 @@ def _stats_args(p):
 
 def _stats(args) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
     from protos import scheduler_pb2, scheduler_pb2_grpc
 
     with grpc.insecure_channel(args.scheduler) as channel:
@@ -36,9 +35,21 @@ def _stats(args) -> int:
             print(f"pdserve stats: {args.scheduler}: {e.code().name}: {e.details()}",
                   file=sys.stderr)
             return 1
-    print(json.dumps(MessageToDict(resp, always_print_fields_with_no_presence=True,
-                                   preserving_proto_field_name=True), indent=2))
+    print(json.dumps(_to_dict(resp), indent=2))
     return 0
+
+
+def _to_dict(msg) -> dict:
+    """Fields by name with int64s as JSON numbers (protobuf's JSON mapping makes them strings)."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.message_type is not None:
+            value = [_to_dict(v) for v in value] if f.is_repeated else _to_dict(value)
+        elif f.is_repeated:
+            value = list(value)
+        out[f.name] = value
+    return out
 
 
 def _tiny_args(p):

@@ -142,11 +142,11 @@ def test_counters_show_the_disaggregated_path_and_no_block_leaks(stack, client):
     prefill, decode = by_role["prefill"], by_role["decode"]
     for w in s["workers"]:
         assert w["num_free_blocks"] == w["num_blocks"], w
-    assert int(prefill["prompt_tokens_computed"]) >= 50
-    assert int(prefill["kv_blocks_sent"]) > 0
-    assert int(decode["kv_blocks_received"]) == int(prefill["kv_blocks_sent"])
-    assert int(decode["prompt_tokens_computed"]) == 0
-    assert int(decode["tokens_decoded"]) > 0
+    assert prefill["prompt_tokens_computed"] >= 50
+    assert prefill["kv_blocks_sent"] > 0
+    assert decode["kv_blocks_received"] == prefill["kv_blocks_sent"]
+    assert decode["prompt_tokens_computed"] == 0
+    assert decode["tokens_decoded"] > 0
 
 
 def test_ctrl_c_stops_all_four(tiny_llama, tmp_path):

@@ -1,0 +1,81 @@
+"""Gateway configuration: one frozen dataclass, completed and validated at construction."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway process needs; CLI flags map 1:1 to fields.
+
+    Invariants after construction: `served_model_name` is a non-empty tuple (default: `model` as
+    given, like vLLM), `max_model_len` is set (default: config.json max_position_embeddings), and
+    an empty `api_key` means no authentication.
+    """
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    scheduler: str = "127.0.0.1:50051"
+    served_model_name: tuple[str, ...] = ()
+    max_model_len: int | None = None
+    api_key: str | None = None
+    request_timeout_s: float = 600.0  # deadline of every scheduler call
+    connect_timeout_s: float = 5.0  # how long /health and startup wait for the scheduler channel
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("a model directory is required (--model or PDSERVE_MODEL)")
+        model_dir = Path(self.model)
+        if not model_dir.is_dir():
+            raise ValueError(f"model directory {self.model!r} does not exist")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if not self.scheduler:
+            raise ValueError("scheduler address must not be empty")
+        if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("request and connect timeouts must be positive")
+        self._set_served_model_name()
+        self._set_max_model_len(model_dir)
+        if not self.api_key:
+            object.__setattr__(self, "api_key", None)
+
+    def _set_served_model_name(self) -> None:
+        names = tuple(self.served_model_name) or (self.model,)
+        if any(not name for name in names):
+            raise ValueError("served model names must not be empty")
+        object.__setattr__(self, "served_model_name", names)
+
+    def _set_max_model_len(self, model_dir: Path) -> None:
+        model_limit = read_max_position_embeddings(model_dir)
+        if self.max_model_len is None:
+            if model_limit is None:
+                raise ValueError(
+                    f"{model_dir}/config.json has no max_position_embeddings; pass --max-model-len"
+                )
+            object.__setattr__(self, "max_model_len", model_limit)
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if model_limit is not None and self.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {model_limit}"
+            )
+
+
+def read_max_position_embeddings(model_dir: Path) -> int | None:
+    """config.json's max_position_embeddings (also under text_config), or None when absent."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text(encoding="utf-8"))
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

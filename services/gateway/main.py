@@ -1,0 +1,136 @@
+"""`pdserve gateway`: flags (named like vLLM's), config, and the uvicorn server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+
+import uvicorn
+
+from services.gateway.app import create_app
+from services.gateway.config import GatewayConfig
+from services.gateway.scheduler_client import SchedulerClient
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    env_model = os.environ.get("PDSERVE_MODEL")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address.")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port.")
+    parser.add_argument(
+        "--scheduler",
+        default=os.environ.get("PDSERVE_SCHEDULER", "127.0.0.1:50051"),
+        help="Scheduler gRPC address host:port (default: $PDSERVE_SCHEDULER or 127.0.0.1:50051).",
+    )
+    parser.add_argument(
+        "--model",
+        default=env_model,
+        required=env_model is None,
+        help="HuggingFace model directory, for the tokenizer, chat template and limits "
+        "(default: $PDSERVE_MODEL).",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="Model name(s) the API accepts; the first is reported (default: --model as given).",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="Context length: prompt plus completion (default: config.json "
+        "max_position_embeddings).",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="Require `Authorization: Bearer <key>` on the API (default: $PDSERVE_API_KEY).",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="Deadline in seconds of every scheduler call; past it a request gets 504.",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=5.0,
+        help="Seconds to wait for the scheduler connection (at startup and in /health).",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="Log level of the HTTP server.",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        scheduler=args.scheduler,
+        served_model_name=tuple(args.served_model_name or ()),
+        max_model_len=args.max_model_len,
+        api_key=args.api_key,
+        request_timeout_s=args.request_timeout,
+        connect_timeout_s=args.connect_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; 0 on a clean shutdown, 2 on a bad config, 1 otherwise."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    try:
+        config = config_from_args(args)
+    except ValueError as err:
+        print(f"pdserve gateway: {err}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(config, log_level=args.uvicorn_log_level))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def serve(
+    config: GatewayConfig, log_level: str = "info", sock: socket.socket | None = None
+) -> int:
+    """Run the gateway in the current event loop (on `sock` if given, else host:port)."""
+    client = SchedulerClient.connect(
+        config.scheduler, config.request_timeout_s, config.connect_timeout_s
+    )
+    try:
+        if not await client.ready():
+            logger.warning(
+                "scheduler %s not reachable yet; /health answers 503 until it is", config.scheduler
+            )
+        app = create_app(config, client)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_level=log_level,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            )
+        )
+        try:
+            await server.serve(sockets=[sock] if sock is not None else None)
+        except SystemExit as exc:  # uvicorn exits this way when it cannot bind
+            return exc.code if isinstance(exc.code, int) else 1
+        return 0 if server.started else 1
+    finally:
+        await client.close()

@@ -1,0 +1,208 @@
+"""Request models: OpenAI's completions and chat completions, plus vLLM's extensions.
+
+Unknown fields are ignored, like OpenAI. Range checks live here so that every bad parameter
+is a pydantic error, which errors.py turns into a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+INT32 = 2**31
+INT64 = 2**63
+
+PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields shared by both generation APIs."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: str | list[str] | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    priority: int = Field(0, ge=-INT32, lt=INT32)
+    cache_salt: str | None = None  # accepted; the scheduler's prefix cache has no salt yet
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> SamplingRequest:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        limit = self.requested_max_tokens()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s]
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _check_prompt(cls, value: Any, handler: Any) -> Any:
+        try:
+            prompt = handler(value)
+        except ValidationError:
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of token ids "
+                "or a list of lists of token ids"
+            ) from None
+        if isinstance(prompt, list) and (not prompt or any(p in ("", []) for p in prompt)):
+            raise ValueError("prompt must not be empty")
+        if prompt == "":
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
+        return self
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the chat template
+    role: str = Field(min_length=1)
+    content: str | list[ContentPart] | None = None
+
+    def for_template(self) -> dict:
+        """The message as the chat template sees it: content flattened to text."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.type not in ("text", "input_text") or part.text is None:
+                    raise ValueError(f"content part type {part.type!r} is not supported")
+                texts.append(part.text)
+            message["content"] = "\n".join(texts)
+        elif self.content is None:
+            message["content"] = ""
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def num_logprobs(self) -> int:
+        """-1: none; otherwise the top-k to report (0: the sampled token only)."""
+        return (self.top_logprobs or 0) if self.logprobs else -1
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("response_format other than text is not supported")
+        for message in self.messages:
+            message.for_template()  # surfaces unsupported content parts as a 400
+        return self
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[StrictInt]
+

@@ -1,0 +1,84 @@
+"""A thin async wrapper around the Scheduler gRPC stub; every call carries a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import scheduler_pb2, scheduler_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 10.0
+
+
+class SchedulerClient:
+    """Invariant: a `generate` stream that is closed early (aclose, cancellation) cancels its
+    gRPC call; freeing the request's blocks is the caller's job, via `abort` / `abort_soon`."""
+
+    def __init__(
+        self, channel: grpc.aio.Channel, request_timeout_s: float, connect_timeout_s: float
+    ) -> None:
+        self._channel = channel
+        self._stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        self._request_timeout_s = request_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._background: set[asyncio.Task] = set()
+
+    @classmethod
+    def connect(
+        cls, address: str, request_timeout_s: float = 600.0, connect_timeout_s: float = 5.0
+    ) -> SchedulerClient:
+        """Open a channel (lazily connected) in the running event loop."""
+        options = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
+        channel = grpc.aio.insecure_channel(address, options=options)
+        return cls(channel, request_timeout_s, connect_timeout_s)
+
+    async def generate(
+        self, request: scheduler_pb2.GenerateRequest
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        call = self._stub.Generate(request, timeout=self._request_timeout_s)
+        try:
+            async for response in call:
+                yield response
+        finally:
+            call.cancel()  # a no-op once the call has finished
+
+    async def abort(self, request_id: str) -> bool:
+        timeout = min(self._request_timeout_s, ABORT_TIMEOUT_S)
+        response = await self._stub.Abort(
+            scheduler_pb2.AbortRequest(request_id=request_id), timeout=timeout
+        )
+        return response.found
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort in the background: callable from a `finally` that is being cancelled."""
+        task = asyncio.get_running_loop().create_task(self._abort_logged(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_logged(self, request_id: str) -> None:
+        try:
+            await self.abort(request_id)
+        except grpc.aio.AioRpcError as err:
+            logger.warning("abort of %s failed: %s %s", request_id, err.code(), err.details())
+
+    async def ready(self, timeout_s: float | None = None) -> bool:
+        """Whether the channel is (or within the connect deadline becomes) READY."""
+        if self._channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return True
+        try:
+            await asyncio.wait_for(
+                self._channel.channel_ready(), timeout_s or self._connect_timeout_s
+            )
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=ABORT_TIMEOUT_S)
+        await self._channel.close()

@@ -1,0 +1,195 @@
+"""A deterministic stand-in for the scheduler, for the gateway's own tests.
+
+`fake_gateway()` runs the real gateway (uvicorn on an ephemeral port) against a FakeScheduler
+served by a real grpc.aio server, so tests exercise HTTP, SSE and gRPC end to end.
+
+Output token k of a request is `output_ids[k % len]` when `output_ids` is set, else the prompt's
+ids cyclically. It honors max_tokens, min_tokens, eos (unless ignore_eos) and stop_token_ids the
+way the scheduler does, reports fake logprobs, and records requests, aborts and cancellations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import uvicorn
+from fastapi import FastAPI
+
+from protos import scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.app import create_app
+from services.gateway.config import GatewayConfig
+from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.tokenizer import Tokenizer
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(
+        self,
+        output_ids: list[int] | None = None,
+        tokens_per_message: int = 1,
+        delay_s: float = 0.0,
+        num_cached_tokens: int = 0,
+    ) -> None:
+        self.output_ids = output_ids
+        self.tokens_per_message = tokens_per_message
+        self.delay_s = delay_s
+        self.num_cached_tokens = num_cached_tokens
+        self.fail_with: tuple[grpc.StatusCode, str] | None = None  # abort every Generate
+        self.finish_with_error: str | None = None  # end streams with finish_reason "error"
+        self.requests: list[scheduler_pb2.GenerateRequest] = []
+        self.aborted: list[str] = []
+        self.cancelled: list[str] = []
+        self.finished: list[str] = []
+        self._aborting: set[str] = set()
+
+    def outputs(self, request: scheduler_pb2.GenerateRequest) -> tuple[list[int], str, int]:
+        """(token ids, finish reason, stop token id) that the request will produce."""
+        source = self.output_ids or list(request.prompt_token_ids)
+        sampling = request.sampling
+        eos = set(request.eos_token_ids)
+        stop_ids = set(sampling.stop_token_ids)
+        out: list[int] = []
+        while len(out) < sampling.max_tokens:
+            token = source[len(out) % len(source)]
+            out.append(token)
+            if len(out) <= sampling.min_tokens:
+                continue
+            if (token in eos and not sampling.ignore_eos) or token in stop_ids:
+                return out, "stop", token
+        return out, "length", -1
+
+    async def Generate(
+        self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        self.requests.append(request)
+        if self.fail_with is not None:
+            await context.abort(*self.fail_with)
+        ids, finish, stop_token = self.outputs(request)
+        step = self.tokens_per_message
+        try:
+            for start in range(0, len(ids), step):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                if request.request_id in self._aborting:
+                    yield scheduler_pb2.GenerateResponse(finish_reason="abort", stop_token_id=-1)
+                    return
+                chunk = ids[start : start + step]
+                response = scheduler_pb2.GenerateResponse(token_ids=chunk, stop_token_id=-1)
+                if request.sampling.logprobs >= 0:
+                    response.logprobs.extend(
+                        _fake_logprobs(token, start + k, request.sampling.logprobs)
+                        for k, token in enumerate(chunk)
+                    )
+                if start + step >= len(ids):
+                    response.finish_reason = "error" if self.finish_with_error else finish
+                    response.error = self.finish_with_error or ""
+                    response.stop_token_id = stop_token
+                    response.num_prompt_tokens = len(request.prompt_token_ids)
+                    response.num_cached_tokens = self.num_cached_tokens
+                yield response
+            self.finished.append(request.request_id)
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+
+    async def Abort(
+        self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.AbortResponse:
+        self.aborted.append(request.request_id)
+        self._aborting.add(request.request_id)
+        known = any(r.request_id == request.request_id for r in self.requests)
+        return scheduler_pb2.AbortResponse(found=known)
+
+    async def Stats(
+        self, request: scheduler_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.StatsResponse:
+        return scheduler_pb2.StatsResponse(num_finished=len(self.finished))
+
+
+def _fake_logprobs(token: int, position: int, k: int) -> scheduler_pb2.TokenLogprobs:
+    logprob = -0.25 * (position % 4) - 0.125
+    top = [scheduler_pb2.TopLogprob(token_id=token, logprob=logprob)]
+    top += [
+        scheduler_pb2.TopLogprob(token_id=abs(token - i), logprob=logprob - i) for i in range(1, k)
+    ]
+    return scheduler_pb2.TokenLogprobs(logprob=logprob, top=top[:k])
+
+
+async def start_fake_scheduler(
+    servicer: FakeScheduler, host: str = "127.0.0.1"
+) -> tuple[grpc.aio.Server, str]:
+    """Serve `servicer` on host:0; returns (server, "host:port")."""
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{host}:0")
+    await server.start()
+    return server, f"{host}:{port}"
+
+
+@asynccontextmanager
+async def serve_app(app: FastAPI, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Serve `app` with uvicorn on host:0 in this event loop; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(STARTUP_TIMEOUT_S):
+            while not server.started:
+                if task.done():
+                    task.result()  # raises what stopped it
+                    raise RuntimeError("uvicorn exited during startup")
+                await asyncio.sleep(0.005)
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, STARTUP_TIMEOUT_S)
+        sock.close()
+
+
+@dataclass
+class FakeGateway:
+    url: str
+    scheduler: FakeScheduler
+    config: GatewayConfig
+    client: SchedulerClient
+
+
+@asynccontextmanager
+async def fake_gateway(
+    model_dir: str,
+    tokenizer: Tokenizer | None = None,
+    scheduler: FakeScheduler | None = None,
+    scheduler_address: str | None = None,
+    **config: Any,
+) -> AsyncIterator[FakeGateway]:
+    """The real gateway against a FakeScheduler (or against `scheduler_address`, e.g. a dead
+    port). `config` overrides GatewayConfig fields."""
+    scheduler = scheduler or FakeScheduler()
+    server, address = await start_fake_scheduler(scheduler)
+    gateway_config = GatewayConfig(
+        model=model_dir, scheduler=scheduler_address or address, port=0, **config
+    )
+    client = SchedulerClient.connect(
+        gateway_config.scheduler, gateway_config.request_timeout_s,
+        gateway_config.connect_timeout_s,
+    )
+    try:
+        app = create_app(gateway_config, client, tokenizer)
+        async with serve_app(app) as url:
+            yield FakeGateway(url, scheduler, gateway_config, client)
+    finally:
+        await client.close()
+        await server.stop(None)

@@ -1,0 +1,352 @@
+"""Gateway failure paths: bad input, auth, scheduler errors, deadlines, clients that go away.
+
+Every error is an OpenAI-style body {"error": {message, type, param, code}} with the right
+status, never a 500 for bad input; a client that disconnects gets its scheduler request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from tests.services.fake_scheduler import FakeScheduler, fake_gateway
+from services.gateway.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.anyio
+
+HTTP_TIMEOUT_S = 30.0  # generous: the CI box may be busy
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama: Path) -> str:
+    return str(tiny_llama)  # tests/conftest.py: make_tiny_model(arch="llama"), once a session
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: str) -> Tokenizer:
+    return Tokenizer(model_dir)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def http_client(url: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S)
+
+
+async def wait_for(predicate: Callable[[], object], timeout_s: float = 15.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def openai_client(url: str, api_key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=HTTP_TIMEOUT_S
+    )
+
+
+def dead_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "min_p": 2}, "min_p"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, None),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, None),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, None),
+    ({"prompt": "x", "logit_bias": {"5": 1.0}}, None),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+]
+
+
+async def test_bad_completion_requests_are_400(model_dir: str, tokenizer: Tokenizer) -> None:
+    async with fake_gateway(model_dir, tokenizer) as gw:
+        async with http_client(gw.url) as http:
+            for body, param in BAD_COMPLETIONS:
+                response = await http.post("/v1/completions", json=body)
+                assert_error(response, 400, param)
+            invalid_json = await http.post(
+                "/v1/completions", content=b'{"prompt": ',
+                headers={"content-type": "application/json"},
+            )
+            assert_error(invalid_json, 400)
+            not_an_object = await http.post("/v1/completions", json=["prompt"])
+            assert_error(not_an_object, 400)
+    assert gw.scheduler.requests == []
+
+
+BAD_CHATS = [
+    {"messages": []},
+    {"messages": [{"content": "no role"}]},
+    {**CHAT, "top_logprobs": 2},
+    {**CHAT, "logprobs": True, "top_logprobs": 21},
+    {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {**CHAT, "max_completion_tokens": 0},
+    {**CHAT, "add_generation_prompt": True, "continue_final_message": True},
+]
+
+
+async def test_bad_chat_requests_are_400(model_dir: str, tokenizer: Tokenizer) -> None:
+    async with fake_gateway(model_dir, tokenizer) as gw:
+        async with http_client(gw.url) as http:
+            for body in BAD_CHATS:
+                assert_error(await http.post("/v1/chat/completions", json=body), 400)
+            parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                     "max_tokens": 1}
+            assert (await http.post("/v1/chat/completions", json=parts)).status_code == 200
+
+
+async def test_prompt_too_long_is_400(model_dir: str, tokenizer: Tokenizer) -> None:
+    async with fake_gateway(model_dir, tokenizer, max_model_len=16) as gw:
+        async with http_client(gw.url) as http:
+            long = await http.post("/v1/completions", json={"prompt": list(range(16))})
+            ten = list(range(10))
+            room = await http.post("/v1/completions", json={"prompt": ten, "max_tokens": 7})
+            fits = await http.post("/v1/completions", json={"prompt": ten, "max_tokens": 6})
+            chat = await http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "a long message " * 10}]})
+    assert "maximum context length is 16" in assert_error(long, 400, "prompt")["message"]
+    assert_error(room, 400, "max_tokens")
+    assert fits.status_code == 200
+    assert_error(chat, 400, "messages")
+
+
+async def test_unknown_model_is_404(model_dir: str, tokenizer: Tokenizer) -> None:
+    async with fake_gateway(model_dir, tokenizer, served_model_name=("tiny",)) as gw:
+        async with http_client(gw.url) as http:
+            response = await http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+            unknown_route = await http.get("/v1/nothing")
+        async with openai_client(gw.url, "x") as client:
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(model=model_dir, messages=CHAT["messages"])
+    error = assert_error(response, 404, "model")
+    assert error["message"] == "The model `gpt-9` does not exist."
+    assert error["code"] == "model_not_found"
+    assert_error(unknown_route, 404)
+
+
+async def test_api_key(model_dir: str, tokenizer: Tokenizer) -> None:
+    body = {"prompt": "x", "max_tokens": 1}
+    async with fake_gateway(model_dir, tokenizer, api_key="secret") as gw:
+        async with http_client(gw.url) as http:
+            missing = await http.post("/v1/completions", json=body)
+            wrong = await http.post(
+                "/v1/completions", json=body, headers={"Authorization": "Bearer no"}
+            )
+            invalid_body = await http.post("/v1/completions", json={})
+            models = await http.get("/v1/models")
+            tokenize = await http.post("/tokenize", json={"prompt": "x"})
+            health = await http.get("/health")
+        async with openai_client(gw.url, "secret") as client:
+            ok = await client.completions.create(model=model_dir, **body)
+    for response in (missing, wrong, invalid_body, models, tokenize):
+        assert_error(response, 401)
+    assert health.status_code == 200
+    assert ok.choices[0].finish_reason == "length"
+
+
+# -- scheduler failures -------------------------------------------------------------------------
+
+
+async def test_scheduler_unavailable_is_503(model_dir: str, tokenizer: Tokenizer) -> None:
+    async with fake_gateway(
+        model_dir, tokenizer, scheduler_address=dead_address(), connect_timeout_s=0.3
+    ) as gw:
+        async with http_client(gw.url) as http:
+            completion = await http.post("/v1/completions", json={"prompt": "x"})
+            streamed = await http.post("/v1/completions", json={"prompt": "x", "stream": True})
+            health = await http.get("/health")
+    for response in (completion, streamed, health):
+        assert_error(response, 503)
+        assert response.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
+async def test_scheduler_status_codes(
+    model_dir: str, tokenizer: Tokenizer, code: grpc.StatusCode, status: int
+) -> None:
+    scheduler = FakeScheduler()
+    scheduler.fail_with = (code, "scheduler says no")
+    async with fake_gateway(model_dir, tokenizer, scheduler) as gw:
+        async with http_client(gw.url) as http:
+            plain = await http.post("/v1/completions", json={"prompt": "x"})
+            # A stream fails before its first token, so it keeps the status too.
+            streamed = await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    for response in (plain, streamed):
+        error = assert_error(response, status)
+        assert "scheduler says no" in error["message"]
+        if status in (429, 503):
+            assert response.headers["retry-after"] == "1"
+
+
+async def test_deadline_exceeded_is_504(model_dir: str, tokenizer: Tokenizer) -> None:
+    scheduler = FakeScheduler(delay_s=0.15)
+    async with fake_gateway(model_dir, tokenizer, scheduler, request_timeout_s=0.4) as gw:
+        async with http_client(gw.url) as http:
+            plain = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
+            streamed = await http.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 20, "stream": True}
+            )
+            await wait_for(lambda: len(gw.scheduler.aborted) == 2)
+    assert_error(plain, 504)["code"] == "deadline_exceeded"
+    assert streamed.status_code == 200  # the first token came in time
+    events = [e for e in streamed.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "deadline_exceeded"
+
+
+async def test_error_in_a_started_stream_is_an_sse_event(
+    model_dir: str, tokenizer: Tokenizer
+) -> None:
+    scheduler = FakeScheduler()
+    scheduler.finish_with_error = "worker lost"
+    async with fake_gateway(model_dir, tokenizer, scheduler) as gw:
+        async with http_client(gw.url) as http:
+            plain = await http.post("/v1/completions", json={"prompt": "x y z", "max_tokens": 3})
+            streamed = await http.post(
+                "/v1/chat/completions", json={**CHAT, "max_tokens": 3, "stream": True}
+            )
+    assert "worker lost" in assert_error(plain, 500)["message"]
+    events = [e.removeprefix("data: ") for e in streamed.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == "worker lost"
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+
+
+# -- clients that go away -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_disconnect_mid_stream_aborts(
+    model_dir: str, tokenizer: Tokenizer, path: str
+) -> None:
+    scheduler = FakeScheduler(delay_s=0.02)
+    body = {"prompt": "x", **CHAT, "max_tokens": 1000, "stream": True}
+    async with fake_gateway(model_dir, tokenizer, scheduler, max_model_len=2048) as gw:
+        async with http_client(gw.url) as http:
+            async with http.stream("POST", path, json=body, headers={"x-request-id": "gone"}) as r:
+                assert r.status_code == 200
+                events = 0
+                async for line in r.aiter_lines():
+                    events += line.startswith("data: ")
+                    if events == 3:
+                        break
+            await wait_for(lambda: "gone" in gw.scheduler.aborted)
+            await wait_for(lambda: "gone" in gw.scheduler.cancelled)
+    assert "gone" not in gw.scheduler.finished
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_while_waiting_aborts(
+    model_dir: str, tokenizer: Tokenizer, stream: bool
+) -> None:
+    """Before any byte of the response: the JSON case, and a stream still waiting for its first
+    token (the gateway holds the status line until then)."""
+    scheduler = FakeScheduler(delay_s=0.5)
+    body = {"prompt": "x", "max_tokens": 1000, "n": 2, "stream": stream}
+    async with fake_gateway(model_dir, tokenizer, scheduler, max_model_len=2048) as gw:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=0.2) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/completions", json=body, headers={"x-request-id": "bye"})
+            await wait_for(lambda: sorted(gw.scheduler.aborted) == ["bye-0", "bye-1"])
+            await wait_for(lambda: len(gw.scheduler.cancelled) == 2)
+    assert gw.scheduler.finished == []
+
+
+# -- chat templates -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def strict_template_dir(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with a template that rejects a conversation opening with the assistant."""
+    out = tmp_path_factory.mktemp("strict")
+    shutil.copytree(model_dir, out, dirs_exist_ok=True)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = (
+        "{% if messages[0]['role'] == 'assistant' %}"
+        "{{ raise_exception('Conversation must start with a user message') }}{% endif %}"
+        + config["chat_template"]
+    )
+    config_path.write_text(json.dumps(config))
+    return str(out)
+
+
+async def test_chat_template_errors_are_400(strict_template_dir: str) -> None:
+    bad = {"messages": [{"role": "assistant", "content": "hi"}]}
+    async with fake_gateway(strict_template_dir) as gw:
+        async with http_client(gw.url) as http:
+            response = await http.post("/v1/chat/completions", json=bad)
+            good = await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+    assert "must start with a user message" in assert_error(response, 400, "messages")["message"]
+    assert good.status_code == 200
+
+
+async def test_no_chat_template_is_400(
+    model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    out = tmp_path_factory.mktemp("plain")
+    shutil.copytree(model_dir, out, dirs_exist_ok=True)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    async with fake_gateway(str(out)) as gw:
+        async with http_client(gw.url) as http:
+            response = await http.post("/v1/chat/completions", json=CHAT)
+            completion = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert "no chat template" in assert_error(response, 400)["message"]
+    assert completion.status_code == 200
