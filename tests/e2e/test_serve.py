@@ -177,3 +177,41 @@ def _child_pids(ppid: int) -> list[str]:
         except OSError:
             pass
     return out
+
+
+def test_logprobs_match_hf(stack, client, hf):
+    prompt = _prompt(20, 5)
+    out = _complete(client, stack, prompt, logprobs=3, max_tokens=6)
+    choice = out["choices"][0]
+    ids = choice["token_ids"]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+    ref = torch.log_softmax(logits, dim=-1)
+    got = torch.tensor(choice["logprobs"]["token_logprobs"])
+    torch.testing.assert_close(got, ref[torch.arange(len(ids)), torch.tensor(ids)],
+                               rtol=0, atol=1e-3)
+    for top, row in zip(choice["logprobs"]["top_logprobs"], ref):
+        assert len(top) == 3
+        torch.testing.assert_close(torch.tensor(sorted(top.values(), reverse=True)),
+                                   row.topk(3).values, rtol=0, atol=1e-3)
+
+
+def test_seeded_sampling_is_reproducible(stack, client):
+    prompt = _prompt(12, 9)
+    kw = dict(temperature=1.0, top_p=0.9, max_tokens=10)
+    a = _complete(client, stack, prompt, seed=1234, **kw)["choices"][0]["token_ids"]
+    b = _complete(client, stack, prompt, seed=1234, **kw)["choices"][0]["token_ids"]
+    c = _complete(client, stack, prompt, seed=4321, **kw)["choices"][0]["token_ids"]
+    assert a == b
+    assert a != c
+
+
+def test_stop_token_ids_and_min_tokens(stack, client, hf):
+    prompt = _prompt(10, 11)
+    greedy = _greedy(hf, prompt)
+    stop_at = greedy[4]
+    first = greedy.index(stop_at)
+    out = _complete(client, stack, prompt, stop_token_ids=[stop_at])["choices"][0]
+    assert out["token_ids"] == greedy[:first + 1] and out["finish_reason"] == "stop"
+    out = _complete(client, stack, prompt, stop_token_ids=[stop_at], min_tokens=MAX_TOKENS)
+    assert len(out["choices"][0]["token_ids"]) == MAX_TOKENS
