@@ -24,12 +24,22 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows of similar context length, so that padding each to the longest wastes at
+    most half of a gather (one long context must not make every row read its length)."""
+    rows: torch.Tensor | None    # [n] rows of the decode batch; None: all of them, in order
+    block_tables: torch.Tensor   # [n, max_blocks of the group]
+    seq_lens: torch.Tensor       # [n]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor         # [num_tokens]
     num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor      # [num_decodes]
     prefills: list[PrefillChunk]
+    decode_groups: list[DecodeGroup]
 
     @classmethod
     def build(cls, decodes: list[tuple[int, list[int]]],
@@ -54,7 +64,29 @@ class AttentionMetadata:
             slots.extend(slots_t.tolist())
             chunks.append(PrefillChunk(start, start + num_new, num_computed, table))
             start += num_new
-        return cls(torch.tensor(slots, dtype=torch.long), len(decodes), tables, seq_lens, chunks)
+        return cls(torch.tensor(slots, dtype=torch.long), len(decodes), tables, seq_lens, chunks,
+                   _group_decodes(tables, seq_lens, block_size))
+
+
+def _group_decodes(tables: torch.Tensor, seq_lens: torch.Tensor,
+                   block_size: int) -> list[DecodeGroup]:
+    if len(seq_lens) == 0:
+        return []
+    lens = seq_lens.tolist()
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = [[order[0]]]
+    for i in order[1:]:
+        if lens[i] > 2 * lens[groups[-1][0]] + block_size:
+            groups.append([])
+        groups[-1].append(i)
+    if len(groups) == 1:
+        return [DecodeGroup(None, tables, seq_lens)]
+    out = []
+    for g in groups:
+        rows = torch.tensor(g, dtype=torch.long)
+        max_blocks = -(-max(lens[i] for i in g) // block_size)
+        out.append(DecodeGroup(rows, tables[rows, :max_blocks], seq_lens[rows]))
+    return out
 
 
 class AttentionBackend(ABC):
@@ -70,13 +102,17 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta, scale):
         reference.write_kv(k, v, kv_cache, meta.slot_mapping)
         n = meta.num_decodes
-        if not meta.prefills:
+        if not meta.prefills and len(meta.decode_groups) == 1:
             return reference.decode_attention(q, kv_cache, meta.decode_block_tables,
                                               meta.decode_seq_lens, scale)
         out = torch.empty_like(q)
-        if n:
-            out[:n] = reference.decode_attention(q[:n], kv_cache, meta.decode_block_tables,
-                                                 meta.decode_seq_lens, scale)
+        for g in meta.decode_groups:
+            if g.rows is None:
+                out[:n] = reference.decode_attention(q[:n], kv_cache, g.block_tables, g.seq_lens,
+                                                     scale)
+            else:
+                out[g.rows] = reference.decode_attention(q[g.rows], kv_cache, g.block_tables,
+                                                         g.seq_lens, scale)
         for c in meta.prefills:
             out[c.start:c.end] = reference.prefill_attention(
                 q[c.start:c.end], k[c.start:c.end], v[c.start:c.end], kv_cache, c.block_table,

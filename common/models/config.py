@@ -75,7 +75,7 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=_max_positions(arch, cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,
@@ -83,6 +83,14 @@ class ModelConfig:
             eos_token_ids=_eos_ids(model_dir, cfg),
             fingerprint=_fingerprint(model_dir, raw),
         )
+
+
+def _max_positions(arch: str, cfg: dict) -> int:
+    """Sliding-window attention is not implemented: cap the length where it would start."""
+    limit = cfg.get("max_position_embeddings", 4096)
+    window = cfg.get("sliding_window")
+    sliding = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+    return min(limit, window) if sliding and window else limit
 
 
 def _eos_ids(model_dir: Path, cfg: dict) -> tuple[int, ...]:

@@ -84,3 +84,23 @@ def test_chunked_prefill_and_mixed_batch_match_hf(tiny_models, arch):
     torch.testing.assert_close(logits[0], _hf_logits(hf, na)[-1], **TOL)
     torch.testing.assert_close(logits[1], _hf_logits(hf, nb)[-1], **TOL)
     torch.testing.assert_close(logits[2:], _hf_logits(hf, c), **TOL)
+
+
+def test_decodes_of_very_different_lengths_match_hf(tiny_models):
+    """A batch whose contexts differ a lot is split into groups; every row stays exact."""
+    hf = _hf(tiny_models["llama"])
+    model, cache = _ours(tiny_models["llama"])
+    g = torch.Generator().manual_seed(3)
+    lens = [3, 70, 5, 130, 20]
+    seqs, tables, nxt = [], [], 0
+    for n in lens:
+        seqs.append(torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist())
+        blocks = -(-(n + 1) // BLOCK)
+        tables.append(list(range(nxt, nxt + blocks)))
+        nxt += blocks
+    _run(model, cache, prefills=[(s[:-1], 0, t) for s, t in zip(seqs, tables)])
+    meta = AttentionMetadata.build([(len(s) - 1, t) for s, t in zip(seqs, tables)], [], BLOCK)
+    assert len(meta.decode_groups) > 1
+    logits = _run(model, cache, decodes=[(s[-1], len(s) - 1, t) for s, t in zip(seqs, tables)])
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(logits[i], _hf_logits(hf, s)[-1], **TOL)
