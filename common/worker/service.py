@@ -101,8 +101,8 @@ async def serve(cfg: WorkerConfig) -> int:
                 print(f"pdserve {cfg.role}-worker refused: {e}", flush=True)
                 return 1
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError) as e:
-                log.warning("scheduler %s unreachable or stream broken: %s", cfg.scheduler,
-                            getattr(e, "details", lambda: e)())
+                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+                log.warning("scheduler %s unreachable or stream broken: %s", cfg.scheduler, detail)
             worker.reset()
             try:
                 await asyncio.wait_for(stop.wait(), cfg.reconnect_s)

@@ -1,6 +1,5 @@
 """End to end through the four real processes: greedy tokens equal transformers' greedy generate."""
 import asyncio
-import json
 import signal
 import time
 from pathlib import Path

@@ -11,7 +11,6 @@ import json
 import shutil
 import socket
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import httpx
@@ -26,21 +25,6 @@ pytestmark = pytest.mark.anyio
 HTTP_TIMEOUT_S = 30.0  # generous: the CI box may be busy
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_llama: Path) -> str:
-    return str(tiny_llama)  # tests/conftest.py: make_tiny_model(arch="llama"), once a session
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: str) -> Tokenizer:
-    return Tokenizer(model_dir)
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:

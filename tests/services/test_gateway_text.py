@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -16,16 +15,6 @@ from services.gateway.stop import StopMatcher
 from services.gateway.tokenizer import Tokenizer
 
 MULTIBYTE_TEXT = "Hello 😀 日本語 你好 café 👍🏽 — ok 🎉"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_llama: Path) -> str:
-    return str(tiny_llama)  # tests/conftest.py: make_tiny_model(arch="llama"), once a session
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: str) -> Tokenizer:
-    return Tokenizer(model_dir)
 
 
 def stream_text(
