@@ -174,26 +174,34 @@ class WorkerCounters(_message.Message):
     def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "sends_done", "errors", "counters")
+    __slots__ = ("step_id", "sampled", "errors", "counters")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
-    SENDS_DONE_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
-    sends_done: _containers.RepeatedCompositeFieldContainer[TransferDone]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
     counters: WorkerCounters
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., sends_done: _Optional[_Iterable[_Union[TransferDone, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ...) -> None: ...
+
+class TransfersDone(_message.Message):
+    __slots__ = ("done", "counters")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    done: _containers.RepeatedCompositeFieldContainer[TransferDone]
+    counters: WorkerCounters
+    def __init__(self, done: _Optional[_Iterable[_Union[TransferDone, _Mapping]]] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("register", "result")
+    __slots__ = ("register", "result", "transfers")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     register: Register
     result: StepResult
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
+    transfers: TransfersDone
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., transfers: _Optional[_Union[TransfersDone, _Mapping]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
     __slots__ = ("ack", "plan")

@@ -77,6 +77,9 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: worker_pb2.Registe
                 return
             result = await asyncio.to_thread(worker.execute, msg.plan)
             await call.write(worker_pb2.WorkerMessage(result=result))
+            if msg.plan.sends:
+                done = await asyncio.to_thread(worker.send_kv, msg.plan.sends)
+                await call.write(worker_pb2.WorkerMessage(transfers=done))
 
 
 async def serve(cfg: WorkerConfig) -> int:

@@ -1,4 +1,5 @@
-"""A worker's step logic: apply a StepPlan to its request states, run it, answer a StepResult.
+"""A worker's step logic: apply a StepPlan to its request states, run it, answer a StepResult,
+then run the plan's KV sends and answer TransfersDone.
 
 No I/O here besides the KV transport calls the plan orders; the gRPC loop lives in service.py.
 """
@@ -53,11 +54,15 @@ class Worker:
                                    logprobs=s.logprobs)
             self.counters.prompt_tokens_computed += stats.prompt_tokens
             self.counters.tokens_decoded += stats.decode_tokens
-        for send in plan.sends:
-            result.sends_done.append(self._send(send))
         self.counters.steps += 1
         result.counters.CopyFrom(self.counters)
         return result
+
+    def send_kv(self, sends) -> worker_pb2.TransfersDone:
+        """Runs a plan's KV sends; called after its StepResult went out."""
+        done = worker_pb2.TransfersDone(done=[self._send(s) for s in sends])
+        done.counters.CopyFrom(self.counters)
+        return done
 
     def _add(self, new: worker_pb2.NewRequest, result: worker_pb2.StepResult) -> None:
         if new.kv_transfer_id:

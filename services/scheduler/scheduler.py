@@ -46,7 +46,7 @@ class WorkerState:
     to_drop: list[str] = field(default_factory=list)
     recvs: list[worker_pb2.KVRecv] = field(default_factory=list)
     inflight: set[str] | None = None                       # requests of the running step
-    frees_after_step: list[tuple["WorkerState", list[int]]] = field(default_factory=list)
+    frees_after_step: list[list[int]] = field(default_factory=list)  # blocks its step uses
     counters: worker_pb2.WorkerCounters = field(default_factory=worker_pb2.WorkerCounters)
 
     @property
@@ -54,11 +54,14 @@ class WorkerState:
         return self.inflight is None
 
 
-@dataclass
+@dataclass(eq=False)
 class Transfer:
     request: Request
     src: WorkerState
     dst: WorkerState
+    ordered: bool = False    # the send is in a plan: blocks on both sides are in use until done
+    cancelled: bool = False  # its request moved on; only the blocks below still wait for done
+    frees: list[tuple[WorkerState, list[int]]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -105,7 +108,14 @@ class Scheduler:
         if w is None:
             return
         for t_id, t in list(self.transfers.items()):
-            if worker_id in (t.src.worker_id, t.dst.worker_id):
+            if t.src is not w:
+                continue  # a live sender still reports its send done, which frees its blocks
+            # a dead sender writes nothing more: the blocks its send held are free now
+            for owner, blocks in t.frees:
+                owner.kv.pool.free(blocks)
+            t.frees.clear()
+            t.ordered = False
+            if t.cancelled:
                 del self.transfers[t_id]
         for req in list(self.requests.values()):
             if worker_id in (req.prefill_worker, req.decode_worker):
@@ -256,6 +266,7 @@ class Scheduler:
         req.num_computed_tokens += n
         if req.num_computed_tokens == req.num_tokens and req.transfer_id:
             t = self.transfers[req.transfer_id]
+            t.ordered = True
             plan.sends.add(transfer_id=req.transfer_id, request_id=req.request_id,
                            src_block_ids=w.kv.get_block_ids(req.request_id),
                            dst_block_ids=t.dst.kv.get_block_ids(req.request_id),
@@ -292,10 +303,8 @@ class Scheduler:
             req = self._current(w, s.request_id, ran)
             if req is not None:
                 outputs.append(self._on_token(w, req, s))
-        for done in result.sends_done:
-            self._on_transfer(done)
-        for owner, blocks in w.frees_after_step:
-            owner.kv.pool.free(blocks)
+        for blocks in w.frees_after_step:
+            w.kv.pool.free(blocks)
         w.frees_after_step.clear()
         return outputs
 
@@ -324,9 +333,21 @@ class Scheduler:
         return Output(req.request_id, [s.token_id], logprobs,
                       num_prompt_tokens=len(req.prompt_token_ids) if first else 0)
 
-    def _on_transfer(self, done: worker_pb2.TransferDone) -> None:
-        t = self.transfers.pop(done.transfer_id, None)
-        if t is None:  # its request was finished or re-queued meanwhile
+    def transfers_done(self, worker_id: str, msg: worker_pb2.TransfersDone) -> None:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return
+        w.counters.CopyFrom(msg.counters)
+        for done in msg.done:
+            t = self.transfers.get(done.transfer_id)
+            if t is not None and t.src is w:
+                self._on_transfer(t, done)
+
+    def _on_transfer(self, t: Transfer, done: worker_pb2.TransferDone) -> None:
+        del self.transfers[done.transfer_id]
+        for owner, blocks in t.frees:
+            owner.kv.pool.free(blocks)
+        if t.cancelled:  # its request finished or was re-queued meanwhile
             return
         req, src, dst = t.request, t.src, t.dst
         if done.error:
@@ -371,11 +392,15 @@ class Scheduler:
         self.waiting.push_front(req)
 
     def _release(self, req: Request) -> None:
-        """Drops req from every worker. Blocks that a running step may still write (the step's
-        own worker, or the destination of a transfer that step sends) go back to their pool only
-        when that step's result arrives."""
+        """Drops req from every worker. Blocks still in use go back to their pool later: those of
+        a running step when its result arrives, those of an ordered KV send (both sides) when
+        the sender reports it done."""
         rid = req.request_id
-        transfer = self.transfers.pop(req.transfer_id, None) if req.transfer_id else None
+        transfer = self.transfers.get(req.transfer_id) if req.transfer_id else None
+        if transfer is not None and transfer.ordered:
+            transfer.cancelled = True  # its sender may be reading and writing blocks right now
+        elif transfer is not None:
+            del self.transfers[req.transfer_id]
         for w in self.workers.values():
             for lst in (w.prefilling, w.decoding, w.arrivals):
                 if req in lst:
@@ -390,14 +415,12 @@ class Scheduler:
             blocks = w.kv.detach(rid)
             if not blocks:
                 continue
-            blocker = w if w.inflight and rid in w.inflight else None
-            if transfer is not None and w is transfer.dst and transfer.src.inflight \
-                    and rid in transfer.src.inflight:
-                blocker = transfer.src
-            if blocker is None:
-                w.kv.pool.free(blocks)
+            if transfer is not None and transfer.ordered and w in (transfer.src, transfer.dst):
+                transfer.frees.append((w, blocks))
+            elif w.inflight and rid in w.inflight:
+                w.frees_after_step.append(blocks)
             else:
-                blocker.frees_after_step.append((w, blocks))
+                w.kv.pool.free(blocks)
 
     # ---- stats ---------------------------------------------------------------------------------
 

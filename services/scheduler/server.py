@@ -110,7 +110,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
         wake = self._wake[wid] = asyncio.Event()
         results: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()
-        reader = asyncio.create_task(self._read(context, results, wake, gone))
+        reader = asyncio.create_task(self._read(wid, context, results, wake, gone))
         self._wake_all()
         try:
             await self._drive(wid, context, results, wake, gone)
@@ -120,14 +120,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             self.scheduler.remove_worker(wid)
             self._wake_all()
 
-    async def _read(self, context, results: asyncio.Queue, wake: asyncio.Event,
+    async def _read(self, wid: str, context, results: asyncio.Queue, wake: asyncio.Event,
                     gone: asyncio.Event) -> None:
         try:
             while True:
                 msg = await context.read()
                 if msg is grpc.aio.EOF:
                     break
-                results.put_nowait(msg)
+                if msg.HasField("transfers"):
+                    self.scheduler.transfers_done(wid, msg.transfers)
+                    self._wake_all()
+                else:
+                    results.put_nowait(msg)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
         finally:

@@ -23,6 +23,14 @@ class Cluster:
             self.sched.add_worker(reg)
             self.workers[reg.worker_id] = worker
         self.outputs = {}
+        self.hold_sends = False  # keep KV sends back, as a slow transport would
+        self.held = []
+
+    def deliver(self):
+        for wid, sends in self.held:
+            if wid in self.workers:
+                self.sched.transfers_done(wid, self.workers[wid].send_kv(sends))
+        self.held.clear()
 
     def close(self):
         for w in self.workers.values():
@@ -44,6 +52,10 @@ class Cluster:
                 ran = True
                 for out in self.sched.update(wid, worker.execute(plan)):
                     self.outputs[out.request_id].append(out)
+                if plan.sends and self.hold_sends:
+                    self.held.append((wid, plan.sends))
+                elif plan.sends:
+                    self.sched.transfers_done(wid, worker.send_kv(plan.sends))
         return ran
 
     def run(self, max_steps=500):
@@ -192,3 +204,57 @@ def test_requests_that_never_fit_are_refused(cluster):
         c.submit("big", _prompt(10, 1), max_tokens=10)
     with pytest.raises(ValueError, match="maximum model length"):
         c.submit("long", _prompt(10, 1), max_tokens=5000)
+
+
+def _free(c, role):
+    w = next(w for w in c.sched.workers.values() if w.role == role)
+    return w.kv.num_free_blocks
+
+
+def test_abort_while_kv_is_in_flight_frees_only_after_the_send(cluster):
+    c = cluster([("prefill", 16), ("decode", 16)])
+    c.hold_sends = True
+    c.submit("a", _prompt(9, 4), max_tokens=20)
+    while not c.held:
+        c.step()
+    assert c.tokens("a")  # the first token went out before the KV send finished
+    c.sched.abort("a")
+    # both sides' blocks are still being read and written by the send
+    assert _free(c, "prefill") == 16 - 3 and _free(c, "decode") == 16 - 3
+    c.deliver()
+    c.run()
+    c.assert_all_free()
+
+
+def test_prefill_worker_lost_mid_transfer_recomputes_on_the_decode_worker(cluster, hf):
+    c = cluster([("prefill", 16), ("decode", 16)])
+    c.hold_sends = True
+    prompt = _prompt(9, 8)
+    c.submit("a", prompt, max_tokens=10)
+    while not c.held:
+        c.step()
+    pid = next(w for w in c.sched.workers.values() if w.role == "prefill").worker_id
+    c.sched.remove_worker(pid)
+    c.workers.pop(pid).cache.close()
+    c.held.clear()
+    c.run()  # no prefill worker left: the decode worker prefills prompt + first token itself
+    assert c.tokens("a") == _greedy(hf, prompt, 10)
+    c.assert_all_free()
+
+
+def test_decode_worker_lost_mid_transfer_frees_the_senders_blocks_when_done(cluster, hf):
+    c = cluster([("prefill", 16), ("decode", 16), ("decode", 16)])
+    c.hold_sends = True
+    prompt = _prompt(9, 12)
+    c.submit("a", prompt, max_tokens=10)
+    while not c.held:
+        c.step()
+    did = c.sched.transfers[next(iter(c.sched.transfers))].dst.worker_id
+    c.sched.remove_worker(did)
+    c.workers.pop(did).cache.close()
+    assert _free(c, "prefill") == 16 - 3  # the send still reads them
+    c.deliver()  # the send fails or lands in a dead cache; either way the blocks come back
+    c.hold_sends = False
+    c.run()
+    assert c.tokens("a") == _greedy(hf, prompt, 10)
+    c.assert_all_free()
