@@ -63,7 +63,7 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     priority: int = Field(0, ge=-INT32, lt=INT32)
-    cache_salt: str | None = None  # accepted; the scheduler's prefix cache has no salt yet
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries
 
     @model_validator(mode="after")
     def _check_sampling(self) -> SamplingRequest:

@@ -143,6 +143,7 @@ class ServingContext:
                         sampling=self.sampling_params(req, max_tokens, num_logprobs, seed),
                         eos_token_ids=self.tokenizer.eos_token_ids,
                         priority=req.priority,
+                        cache_salt=req.cache_salt or "",
                     )
                 )
         return [

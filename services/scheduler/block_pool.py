@@ -1,35 +1,71 @@
-"""Block ids of one worker's KV cache: a free queue and reference counts. Knows nothing of requests."""
+"""Block ids of one worker's KV cache: ref counts, an LRU free queue, and the prefix cache's
+hash -> block map. Knows nothing of requests.
+
+A free block may still hold a cached prefix: it stays findable by hash until it is handed out
+again. The free queue is in eviction order: the front is reused (and its hash forgotten) first.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 
 class BlockPool:
-    """Free blocks are handed out from the front of the queue; freed blocks join at the back."""
-
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
         assert num_blocks > 0, "a block pool needs at least one block"
         self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    def free_block_ids(self) -> list[int]:
+        """In eviction order (tests and invariant checks)."""
+        return list(self._free)
+
     def allocate(self, n: int) -> list[int]:
-        """n fresh blocks with a reference count of 1 each."""
+        """n blocks from the front of the free queue, each with a reference count of 1; a block
+        that held a cached prefix is evicted from the cache."""
         assert 0 <= n <= len(self._free), f"asked for {n} blocks, {len(self._free)} free"
-        ids = [self._free.popleft() for _ in range(n)]
-        for b in ids:
+        ids = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            h = self.block_hash[b]
+            if h is not None:
+                del self.cached[h]
+                self.block_hash[b] = None
             self.ref_cnt[b] = 1
+            ids.append(b)
         return ids
 
+    def touch(self, ids: list[int]) -> None:
+        """One more reference to each (cached) block; a free one leaves the free queue."""
+        for b in ids:
+            if self.ref_cnt[b] == 0:
+                del self._free[b]
+            self.ref_cnt[b] += 1
+
     def free(self, ids: list[int]) -> None:
-        """Drops one reference of each block; blocks at zero go back to the queue, last first so
-        that the tail of a sequence is reused before its head."""
+        """Drops one reference of each block. Blocks at zero join the back of the free queue,
+        last block first, so that a sequence's tail is evicted before its (more shareable) head."""
         for b in reversed(ids):
             assert self.ref_cnt[b] > 0, f"block {b} freed with no reference"
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    def get_cached(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def cache(self, block_id: int, block_hash: bytes) -> None:
+        """Makes a full, computed block findable by its hash. If another block already holds the
+        same tokens, that one stays the cached copy and this one stays anonymous."""
+        if not self.enable_caching or block_hash in self.cached:
+            return
+        assert self.block_hash[block_id] is None, f"block {block_id} is cached twice"
+        self.cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash

@@ -12,7 +12,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0           # 0: the smallest of the workers' limits
     scheduling_policy: str = "fcfs"
-    placement: str = "least-loaded"
+    placement: str = "prefix-aware"
+    mode: str = "disaggregated"        # or "colocated": decode workers only, each does both
+    enable_prefix_caching: bool = True
+    prefill_bypass_threshold: int = 0  # prompts with at most this many uncached tokens skip P
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0  # 0: 4% of the model length when partials > 1
+    max_waiting_requests: int = 0      # 0: unbounded
     step_timeout_s: float = 120.0    # a worker that does not answer a step in time is dropped
     register_timeout_s: float = 30.0
 
@@ -25,3 +32,15 @@ class SchedulerConfig:
             raise ValueError("--max-model-len must be >= 0")
         if self.step_timeout_s <= 0 or self.register_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"unknown --mode {self.mode!r}; known: disaggregated, colocated")
+        if self.max_num_partial_prefills < 1 or self.max_long_partial_prefills < 1:
+            raise ValueError("--max-num-partial-prefills and --max-long-partial-prefills "
+                             "must be >= 1")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError("--max-long-partial-prefills cannot exceed "
+                             "--max-num-partial-prefills")
+        for name in ("prefill_bypass_threshold", "long_prefill_token_threshold",
+                     "max_waiting_requests"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")

@@ -1,14 +1,22 @@
-"""Per-request view of one worker's blocks: which blocks each request holds."""
+"""Per-request view of one worker's blocks: which blocks each request holds, prefix hits, and
+which of its full blocks are registered in the prefix cache.
+
+A request's blocks:
+
+    [0, num_hit)            cached prefix found at admission (shared, ref counted)
+    [num_hit, len(blocks))  its own, filled by compute (or by a KV transfer)
+"""
 from __future__ import annotations
 
 from services.scheduler.block_pool import BlockPool
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}  # leading blocks already in the prefix cache
 
     @property
     def num_blocks(self) -> int:
@@ -21,27 +29,57 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_fit(self, request_id: str, num_tokens: int) -> bool:
-        held = len(self._blocks.get(request_id, ()))
-        return self.blocks_for(num_tokens) - held <= self.pool.num_free_blocks
-
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Grows the request's blocks to hold num_tokens tokens in all.
-
-        Returns the newly added block ids (possibly none), or None when the pool cannot supply
-        them, in which case nothing changes.
-        """
-        held = self._blocks.setdefault(request_id, [])
-        need = self.blocks_for(num_tokens) - len(held)
-        if need <= 0:
+    def find_prefix(self, block_hashes: list[bytes], num_tokens: int) -> list[int]:
+        """Cached blocks holding the longest prefix of the sequence. At least one token is left
+        to compute (its logits give the next token), so the last token's block never counts."""
+        if not self.pool.enable_caching:
             return []
-        if need > self.pool.num_free_blocks:
-            if not held:
-                del self._blocks[request_id]
+        hits = []
+        for h in block_hashes[:(num_tokens - 1) // self.block_size]:
+            b = self.pool.get_cached(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def can_fit(self, request_id: str, num_tokens: int, prefix: list[int] = ()) -> bool:
+        held = self._blocks.get(request_id)
+        if held is None:
+            need = self.blocks_for(num_tokens) - len(prefix)
+            need += sum(self.pool.ref_cnt[b] == 0 for b in prefix)  # they leave the free queue
+        else:
+            need = self.blocks_for(num_tokens) - len(held)
+        return need <= self.pool.num_free_blocks
+
+    def allocate_slots(self, request_id: str, num_tokens: int,
+                       prefix: list[int] = ()) -> list[int] | None:
+        """Grows the request's blocks to hold num_tokens tokens in all; a new request starts
+        from the cached `prefix` blocks. Returns the newly allocated block ids (possibly none),
+        or None when the pool cannot supply them, in which case nothing changes."""
+        if not self.can_fit(request_id, num_tokens, prefix):
             return None
-        new = self.pool.allocate(need)
+        held = self._blocks.get(request_id)
+        if held is None:
+            self.pool.touch(list(prefix))
+            held = self._blocks[request_id] = list(prefix)
+            self._num_registered[request_id] = len(prefix)
+        new = self.pool.allocate(max(0, self.blocks_for(num_tokens) - len(held)))
         held.extend(new)
         return new
+
+    def cache_blocks(self, request_id: str, block_hashes: list[bytes], num_tokens: int) -> None:
+        """Registers the request's full blocks among its first num_tokens (computed) tokens."""
+        held = self._blocks.get(request_id)
+        if held is None:
+            return
+        start = self._num_registered[request_id]
+        end = min(num_tokens // self.block_size, len(block_hashes), len(held))
+        for i in range(start, end):
+            self.pool.cache(held[i], block_hashes[i])
+        self._num_registered[request_id] = max(start, end)
+
+    def num_registered(self, request_id: str) -> int:
+        return self._num_registered.get(request_id, 0)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self._blocks.get(request_id, [])
@@ -54,7 +92,8 @@ class KVCacheManager:
 
     def detach(self, request_id: str) -> list[int]:
         """Forgets the request's blocks without releasing them: the caller frees them through
-        `pool.free` once nothing writes into them any more."""
+        `pool.free` once nothing reads or writes them any more."""
+        self._num_registered.pop(request_id, None)
         return self._blocks.pop(request_id, [])
 
     def request_ids(self) -> list[str]:

@@ -11,22 +11,41 @@ if TYPE_CHECKING:
 
 class Placement(ABC):
     @abstractmethod
-    def choose_decode(self, req: "Request", candidates: list["WorkerState"],
-                      num_tokens: int) -> "WorkerState | None":
+    def choose_decode(self, req: "Request", candidates: list["WorkerState"], num_tokens: int,
+                      block_hashes: list[bytes]) -> "WorkerState | None":
         """A decode worker with room for num_tokens of req, or None to keep it waiting."""
 
 
 class LeastLoaded(Placement):
     """Fewest requests holding blocks, then most free blocks, then registration order."""
 
-    def choose_decode(self, req, candidates, num_tokens):
-        fits = [w for w in candidates if w.kv.can_fit(req.request_id, num_tokens)]
+    def choose_decode(self, req, candidates, num_tokens, block_hashes):
+        fits = [w for w in candidates if _fits(w, req, num_tokens, block_hashes)]
         if not fits:
             return None
         return min(fits, key=lambda w: (len(w.kv.request_ids()), -w.kv.num_free_blocks))
 
 
-_PLACEMENTS = {"least-loaded": LeastLoaded}
+class PrefixAware(Placement):
+    """Longest cached prefix first (fewer blocks travel), then least loaded."""
+
+    def choose_decode(self, req, candidates, num_tokens, block_hashes):
+        best, best_key = None, None
+        for w in candidates:
+            prefix = w.kv.find_prefix(block_hashes, num_tokens - 1)
+            if not w.kv.can_fit(req.request_id, num_tokens, prefix):
+                continue
+            key = (-len(prefix), len(w.kv.request_ids()), -w.kv.num_free_blocks)
+            if best_key is None or key < best_key:
+                best, best_key = w, key
+        return best
+
+
+def _fits(w, req, num_tokens, block_hashes) -> bool:
+    return w.kv.can_fit(req.request_id, num_tokens, w.kv.find_prefix(block_hashes, num_tokens - 1))
+
+
+_PLACEMENTS = {"prefix-aware": PrefixAware, "least-loaded": LeastLoaded}
 
 
 def create_placement(name: str) -> Placement:

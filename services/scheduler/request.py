@@ -45,6 +45,9 @@ class Request:
     transfer_id: str = ""
     num_preemptions: int = 0
     finish_reason: str = ""
+    cache_salt: str = ""
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained
+    num_cached_tokens: int | None = None  # prefix hit at first admission
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -28,6 +28,10 @@ class RequestQueue(ABC):
     @abstractmethod
     def __len__(self) -> int: ...
 
+    @abstractmethod
+    def __iter__(self):
+        """Requests in admission order."""
+
 
 class FCFSQueue(RequestQueue):
     def __init__(self):
@@ -54,6 +58,9 @@ class FCFSQueue(RequestQueue):
 
     def __len__(self):
         return len(self._q)
+
+    def __iter__(self):
+        return iter(self._q)
 
 
 class PriorityQueue(RequestQueue):
@@ -96,6 +103,11 @@ class PriorityQueue(RequestQueue):
 
     def __len__(self):
         return len(self._heap) - len(self._removed)
+
+    def __iter__(self):
+        live = (e for e in sorted(self._heap, key=lambda e: e[:3])
+                if e[3].request_id not in self._removed)
+        return (e[3] for e in live)
 
 
 _QUEUES = {"fcfs": FCFSQueue, "priority": PriorityQueue}

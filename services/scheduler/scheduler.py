@@ -12,56 +12,27 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
 
+from services.scheduler.block_hash import extend_block_hashes
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.placement import create_placement
 from services.scheduler.request import Output, Request, Status
 from services.scheduler.request_queue import create_request_queue
+from services.scheduler.worker_state import Transfer, WorkerState
 from protos import worker_pb2
 
 log = logging.getLogger(__name__)
+
+ADMISSION_LOOKAHEAD = 8  # waiting requests a worker looks past a head that cannot start now
 
 
 class RegistrationError(Exception):
     """A worker that cannot join this deployment."""
 
 
-@dataclass(eq=False)
-class WorkerState:
-    """The scheduler's view of one worker."""
-    worker_id: str
-    role: str
-    endpoint: str
-    fingerprint: str
-    layout: worker_pb2.KVLayout
-    max_model_len: int
-    transports: tuple[str, ...]
-    kv: KVCacheManager
-    prefilling: list[Request] = field(default_factory=list)
-    decoding: list[Request] = field(default_factory=list)
-    arrivals: list[Request] = field(default_factory=list)  # KV landed, not yet sent to the worker
-    known: set[str] = field(default_factory=set)           # requests whose state the worker holds
-    to_drop: list[str] = field(default_factory=list)
-    recvs: list[worker_pb2.KVRecv] = field(default_factory=list)
-    inflight: set[str] | None = None                       # requests of the running step
-    frees_after_step: list[list[int]] = field(default_factory=list)  # blocks its step uses
-    counters: worker_pb2.WorkerCounters = field(default_factory=worker_pb2.WorkerCounters)
-
-    @property
-    def is_idle(self) -> bool:
-        return self.inflight is None
-
-
-@dataclass(eq=False)
-class Transfer:
-    request: Request
-    src: WorkerState
-    dst: WorkerState
-    ordered: bool = False    # the send is in a plan: blocks on both sides are in use until done
-    cancelled: bool = False  # its request moved on; only the blocks below still wait for done
-    frees: list[tuple[WorkerState, list[int]]] = field(default_factory=list)
+class QueueFull(Exception):
+    """The waiting queue is at --max-waiting-requests: retry later."""
 
 
 class Scheduler:
@@ -94,10 +65,13 @@ class Scheduler:
                 raise RegistrationError(
                     f"KV layout {_layout_str(reg.layout)} differs from worker {other.worker_id}'s "
                     f"{_layout_str(other.layout)}")
+        if reg.role == "prefill" and self.config.mode == "colocated":
+            raise RegistrationError("the scheduler runs --mode colocated: decode workers only")
         w = WorkerState(worker_id=reg.worker_id, role=reg.role, endpoint=reg.kv_endpoint,
                         fingerprint=reg.model_fingerprint, layout=reg.layout,
                         max_model_len=reg.max_model_len, transports=tuple(reg.transports),
-                        kv=KVCacheManager(reg.num_blocks, reg.layout.block_size))
+                        kv=KVCacheManager(reg.num_blocks, reg.layout.block_size,
+                                          self.config.enable_prefix_caching))
         self.workers[w.worker_id] = w
         log.info("worker %s joined: role=%s blocks=%d", w.worker_id, w.role, reg.num_blocks)
         return w
@@ -147,6 +121,10 @@ class Scheduler:
         decoders = [w for w in self.workers.values() if w.role == "decode"]
         if decoders and all(w.kv.blocks_for(total) > w.kv.num_blocks for w in decoders):
             raise ValueError(f"{total} tokens can never fit in a decode worker's KV cache")
+        limit = self.config.max_waiting_requests
+        if limit and len(self.waiting) >= limit:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting already (the limit is "
+                            f"{limit}); retry later")
         self.requests[req.request_id] = req
         self.waiting.push(req)
 
@@ -170,9 +148,11 @@ class Scheduler:
                     or (len(self.waiting) and self._admits(w)))
 
     def _admits(self, w: WorkerState) -> bool:
+        """Whether w may take requests from the waiting queue."""
+        has_prefill = any(p.role == "prefill" for p in self.workers.values())
         if w.role == "prefill":
             return any(d.role == "decode" for d in self.workers.values())
-        return not any(p.role == "prefill" for p in self.workers.values())
+        return not has_prefill or self.config.prefill_bypass_threshold > 0
 
     def schedule(self, worker_id: str) -> worker_pb2.StepPlan | None:
         w = self.workers[worker_id]
@@ -181,9 +161,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if w.role == "decode":
             budget -= self._schedule_decodes(w, plan)
-        budget = self._schedule_prefills(w, plan, budget)
-        if self._admits(w):
-            self._admit(w, plan, budget)
+        self._schedule_prefills(w, plan, budget)
         # last: planning above may preempt; the worker drops before it adds
         plan.finished_request_ids.extend(w.to_drop)
         plan.recvs.extend(w.recvs)
@@ -202,12 +180,14 @@ class Scheduler:
             req.transfer_id = ""
         w.arrivals.clear()
         scheduled = 0
-        for req in list(w.decoding):
+        # most important first; victims come from the back, so never one planned already
+        order = sorted(w.decoding, key=lambda r: (r.priority, r.arrival_time))
+        for req in order:
             if req.status is not Status.DECODING:  # preempted below
                 continue
             new_blocks = w.kv.allocate_slots(req.request_id, req.num_tokens)
             while new_blocks is None:
-                victim = w.decoding[-1]
+                victim = next(r for r in reversed(order) if r.status is Status.DECODING)
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -217,68 +197,140 @@ class Scheduler:
             if new_blocks:
                 plan.cached_requests.add(request_id=req.request_id, new_block_ids=new_blocks)
             plan.scheduled.add(request_id=req.request_id, num_tokens=1)
+            self._cache(w, req, req.num_tokens)
             scheduled += 1
         return scheduled
 
-    def _schedule_prefills(self, w: WorkerState, plan: worker_pb2.StepPlan, budget: int) -> int:
-        """Next chunks of prompts already being prefilled on w."""
+    # ---- prefill: chunks under the step's token budget --------------------------------------
+    #
+    # A prompt is a *partial* prefill from the step that starts it until the step that
+    # finishes it. At most max_num_partial_prefills are partial on a worker at once, at most
+    # max_long_partial_prefills of them long; a prompt that fits whole in what is left of the
+    # budget may always start, so short prompts pass long ones.
+
+    def _schedule_prefills(self, w: WorkerState, plan: worker_pb2.StepPlan, budget: int) -> None:
         for req in w.prefilling:
             if budget <= 0:
                 break
-            if req.request_id in w.known and req.status is Status.PREFILLING:
+            if req.status is Status.PREFILLING and req.num_computed_tokens < req.num_tokens:
                 budget -= self._schedule_chunk(w, plan, req, budget)
-        return budget
-
-    def _admit(self, w: WorkerState, plan: worker_pb2.StepPlan, budget: int) -> None:
-        while len(self.waiting) and budget > 0 and self._num_seqs(w) < self.config.max_num_seqs:
-            req = self.waiting.peek()
-            n = req.num_tokens
-            dst = None
-            if w.role == "prefill":
-                decoders = [d for d in self.workers.values() if d.role == "decode"
-                            and self._num_seqs(d) < self.config.max_num_seqs
-                            and _transport(w, d)]
-                dst = self.placement.choose_decode(req, decoders, n + 1)
-                if dst is None:
-                    return
-            if w.kv.allocate_slots(req.request_id, n) is None:
+        if not self._admits(w):
+            return
+        lookahead = self.config.max_num_partial_prefills + ADMISSION_LOOKAHEAD
+        for req in list(itertools.islice(self.waiting, lookahead)):
+            if budget <= 0 or self._num_seqs(w) >= self.config.max_num_seqs:
                 return
-            self.waiting.pop()
-            req.status = Status.PREFILLING
-            req.prefill_worker = w.worker_id
-            req.decode_worker = (dst or w).worker_id
-            req.num_computed_tokens = 0
-            w.prefilling.append(req)
-            if dst is not None:
-                assert dst.kv.allocate_slots(req.request_id, n) is not None
-                req.transfer_id = f"{req.request_id}/{next(self._ids)}"
-                dst.recvs.append(worker_pb2.KVRecv(
-                    transfer_id=req.transfer_id, request_id=req.request_id,
-                    block_ids=dst.kv.get_block_ids(req.request_id)))
-                self.transfers[req.transfer_id] = Transfer(req, w, dst)
-            self._send_new(w, plan, req)
-            budget -= self._schedule_chunk(w, plan, req, budget)
+            verdict = self._try_admit(w, plan, req, budget)
+            if verdict is None:
+                return  # no room anywhere: keep the queue's order
+            budget -= verdict
+
+    def _try_admit(self, w: WorkerState, plan: worker_pb2.StepPlan, req: Request,
+                   budget: int) -> int | None:
+        """Starts req on w; returns the tokens it scheduled (0: req skipped, later ones may
+        go) or None (stop admitting this step)."""
+        n = req.num_tokens
+        hashes = self._hashes(req)
+        prefix = w.kv.find_prefix(hashes, n)
+        todo = n - len(prefix) * w.kv.block_size
+        if w.role == "decode" and any(p.role == "prefill" for p in self.workers.values()) \
+                and todo > self.config.prefill_bypass_threshold:
+            return 0  # a prefill worker takes it
+        if todo > min(budget, self._chunk_cap(req)) and not self._may_start_partial(w, req):
+            return 0
+        dst = dst_prefix = None
+        if w.role == "prefill":
+            decoders = [d for d in self.workers.values() if d.role == "decode"
+                        and self._num_seqs(d) < self.config.max_num_seqs and _transport(w, d)]
+            dst = self.placement.choose_decode(req, decoders, n + 1, hashes)
+            if dst is None:
+                return None
+            dst_prefix = dst.kv.find_prefix(hashes, n)
+        if w.kv.allocate_slots(req.request_id, n, prefix) is None:
+            return None
+        self.waiting.remove(req)
+        req.status = Status.PREFILLING
+        req.prefill_worker = w.worker_id
+        req.decode_worker = (dst or w).worker_id
+        req.num_computed_tokens = len(prefix) * w.kv.block_size
+        if req.num_cached_tokens is None:  # first admission: the hit the client is told
+            req.num_cached_tokens = req.num_computed_tokens
+        w.prefilling.append(req)
+        if dst is not None:
+            assert dst.kv.allocate_slots(req.request_id, n, dst_prefix) is not None
+            req.transfer_id = f"{req.request_id}/{next(self._ids)}"
+            skip = len(dst_prefix)  # blocks the decode worker has cached already
+            dst.recvs.append(worker_pb2.KVRecv(
+                transfer_id=req.transfer_id, request_id=req.request_id,
+                block_ids=dst.kv.get_block_ids(req.request_id)[skip:]))
+            self.transfers[req.transfer_id] = Transfer(req, w, dst, skip=skip)
+        self._send_new(w, plan, req)
+        return self._schedule_chunk(w, plan, req, budget)
+
+    @property
+    def long_prefill_token_threshold(self) -> int:
+        t = self.config.long_prefill_token_threshold
+        if t == 0 and self.config.max_num_partial_prefills > 1:
+            t = max(1, int(0.04 * self.max_model_len))
+        return t
+
+    def _chunk_cap(self, req: Request) -> int:
+        """Most tokens of one prompt in one step: long prompts are capped when several partial
+        prefills share a step, so that none of them takes the whole budget."""
+        if self.config.max_num_partial_prefills > 1:
+            return self.long_prefill_token_threshold
+        return self.max_model_len
+
+    def _is_long(self, req: Request) -> bool:
+        t = self.long_prefill_token_threshold
+        return t > 0 and req.num_tokens > t
+
+    def _may_start_partial(self, w: WorkerState, req: Request) -> bool:
+        partial = [r for r in w.prefilling
+                   if r.status is Status.PREFILLING and r.num_computed_tokens < r.num_tokens]
+        if len(partial) >= self.config.max_num_partial_prefills:
+            return False
+        if self._is_long(req):
+            return sum(map(self._is_long, partial)) < self.config.max_long_partial_prefills
+        return True
 
     def _schedule_chunk(self, w: WorkerState, plan: worker_pb2.StepPlan, req: Request,
                         budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap(req))
         plan.scheduled.add(request_id=req.request_id, num_tokens=n)
         req.num_computed_tokens += n
+        self._cache(w, req, req.num_computed_tokens)
         if req.num_computed_tokens == req.num_tokens and req.transfer_id:
             t = self.transfers[req.transfer_id]
             t.ordered = True
             plan.sends.add(transfer_id=req.transfer_id, request_id=req.request_id,
-                           src_block_ids=w.kv.get_block_ids(req.request_id),
-                           dst_block_ids=t.dst.kv.get_block_ids(req.request_id),
+                           src_block_ids=w.kv.get_block_ids(req.request_id)[t.skip:],
+                           dst_block_ids=t.dst.kv.get_block_ids(req.request_id)[t.skip:],
                            dst_endpoint=t.dst.endpoint, transport=_transport(w, t.dst))
         return n
+
+    def _hashes(self, req: Request) -> list[bytes]:
+        if len(req.block_hashes) < req.num_tokens // self.block_size:
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size,
+                                req.cache_salt)
+        return req.block_hashes
+
+    def _cache(self, w: WorkerState, req: Request, num_computed: int) -> None:
+        """Full blocks whose KV this step computes become prefix-cache hits for later steps of
+        the same worker (its steps run in order)."""
+        if num_computed >= (w.kv.num_registered(req.request_id) + 1) * self.block_size:
+            w.kv.cache_blocks(req.request_id, self._hashes(req), num_computed)
+
+    @property
+    def block_size(self) -> int:
+        return next(iter(self.workers.values())).layout.block_size
 
     def _send_new(self, w: WorkerState, plan: worker_pb2.StepPlan, req: Request,
                   kv_transfer_id: str = "") -> None:
         plan.new_requests.add(
             request_id=req.request_id, all_token_ids=req.all_token_ids,
             num_prompt_tokens=len(req.prompt_token_ids),
-            num_computed_tokens=req.num_tokens - 1 if kv_transfer_id else 0,
+            num_computed_tokens=req.num_tokens - 1 if kv_transfer_id else req.num_computed_tokens,
             block_ids=w.kv.get_block_ids(req.request_id), sampling=req.sampling,
             kv_transfer_id=kv_transfer_id, eos_token_ids=req.eos_token_ids)
         w.known.add(req.request_id)
@@ -331,7 +383,8 @@ class Scheduler:
             return self._finish(req, reason, token_ids=[s.token_id], logprobs=logprobs,
                                 stop_token_id=stop_id)
         return Output(req.request_id, [s.token_id], logprobs,
-                      num_prompt_tokens=len(req.prompt_token_ids) if first else 0)
+                      num_prompt_tokens=len(req.prompt_token_ids) if first else 0,
+                      num_cached_tokens=req.num_cached_tokens or 0)
 
     def transfers_done(self, worker_id: str, msg: worker_pb2.TransfersDone) -> None:
         w = self.workers.get(worker_id)
@@ -375,7 +428,7 @@ class Scheduler:
         self.num_finished += 1
         return Output(req.request_id, token_ids or [], logprobs or [], finish_reason=reason,
                       stop_token_id=stop_token_id, num_prompt_tokens=len(req.prompt_token_ids),
-                      error=error)
+                      num_cached_tokens=req.num_cached_tokens or 0, error=error)
 
     def _preempt(self, req: Request) -> None:
         log.info("preempting %s", req.request_id)

@@ -15,7 +15,7 @@ import grpc
 from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Output, Request
-from services.scheduler.scheduler import RegistrationError, Scheduler
+from services.scheduler.scheduler import QueueFull, RegistrationError, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid} is in use")
         req = Request(request_id=rid, prompt_token_ids=list(request.prompt_token_ids),
                       sampling=request.sampling, eos_token_ids=list(request.eos_token_ids),
-                      priority=request.priority)
+                      priority=request.priority, cache_salt=request.cache_salt)
         try:
             self.scheduler.add_request(req)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         queue: asyncio.Queue[Output] = asyncio.Queue()
         self._streams[rid] = queue
         self._wake_all()

@@ -1,0 +1,45 @@
+"""The scheduler's view of one worker, and of one KV transfer between two workers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos import worker_pb2
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request
+
+
+@dataclass(eq=False)
+class WorkerState:
+    """The scheduler's view of one worker."""
+    worker_id: str
+    role: str
+    endpoint: str
+    fingerprint: str
+    layout: worker_pb2.KVLayout
+    max_model_len: int
+    transports: tuple[str, ...]
+    kv: KVCacheManager
+    prefilling: list[Request] = field(default_factory=list)
+    decoding: list[Request] = field(default_factory=list)
+    arrivals: list[Request] = field(default_factory=list)  # KV landed, not yet sent to the worker
+    known: set[str] = field(default_factory=set)           # requests whose state the worker holds
+    to_drop: list[str] = field(default_factory=list)
+    recvs: list[worker_pb2.KVRecv] = field(default_factory=list)
+    inflight: set[str] | None = None                       # requests of the running step
+    frees_after_step: list[list[int]] = field(default_factory=list)  # blocks its step uses
+    counters: worker_pb2.WorkerCounters = field(default_factory=worker_pb2.WorkerCounters)
+
+    @property
+    def is_idle(self) -> bool:
+        return self.inflight is None
+
+
+@dataclass(eq=False)
+class Transfer:
+    request: Request
+    src: WorkerState
+    dst: WorkerState
+    skip: int = 0            # leading blocks the receiver has cached: they do not travel
+    ordered: bool = False    # the send is in a plan: blocks on both sides are in use until done
+    cancelled: bool = False  # its request moved on; only the blocks below still wait for done
+    frees: list[tuple[WorkerState, list[int]]] = field(default_factory=list)
