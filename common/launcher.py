@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="see `pdserve scheduler`")
     p.add_argument("--max-model-len", type=int, default=0, help="see `pdserve scheduler`")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated",
+                   help="colocated: no prefill workers; the decode workers do both phases")
+    p.add_argument("--scheduler-args", default="",
+                   help="more `pdserve scheduler` flags, as one string "
+                        "(e.g. \"--max-num-partial-prefills 4 --no-enable-prefix-caching\")")
     p.add_argument("--ready-timeout", type=float, default=180.0,
                    help="seconds to wait for every service to come up")
 
@@ -47,6 +53,8 @@ def _pdserve() -> list[str]:
 def commands(args) -> list[list[str]]:
     exe = _pdserve()
     sched = f"{args.host}:{args.scheduler_port}"
+    if args.mode == "colocated":
+        args.prefill_workers = 0
     num_workers = args.prefill_workers + args.decode_workers
     threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
     worker = ["--model", args.model, "--scheduler", sched, "--block-size", str(args.block_size),
@@ -56,7 +64,8 @@ def commands(args) -> list[list[str]]:
     cmds = [exe + ["scheduler", "--host", args.host, "--port", str(args.scheduler_port),
                    "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                   "--max-model-len", str(args.max_model_len)]]
+                   "--max-model-len", str(args.max_model_len), "--mode", args.mode,
+                   *shlex.split(args.scheduler_args)]]
     cmds += [exe + ["prefill-worker"] + worker for _ in range(args.prefill_workers)]
     cmds += [exe + ["decode-worker"] + worker for _ in range(args.decode_workers)]
     gateway = exe + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler", sched,

@@ -1,5 +1,11 @@
 import os
 
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels then run on CPU tensors under the interpreter, which must be chosen before
+    # any @triton.jit is defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402

@@ -4,14 +4,19 @@ Token order inside a step's batch:
 
     [0, num_decodes)              one token per decoding sequence
     [num_decodes, num_tokens)     prefill chunks, one sequence after another
+
+Backends: `torch` (the CPU path, kernels/reference.py) and `triton` (kernels/*.py: CUDA tensors,
+or CPU tensors under TRITON_INTERPRET=1 for tests). `auto` takes triton on CUDA, else torch.
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from common.models.ops import ModelOps, TorchOps, TritonOps
 from kernels import reference
 
 
@@ -40,6 +45,12 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor      # [num_decodes]
     prefills: list[PrefillChunk]
     decode_groups: list[DecodeGroup]
+    # every prefill chunk at once, for a varlen kernel; query_start_loc counts from the first
+    # prefill token (batch row num_decodes)
+    query_start_loc: torch.Tensor | None = None        # [num_prefills + 1]
+    prefill_num_cached: torch.Tensor | None = None     # [num_prefills]
+    prefill_block_tables: torch.Tensor | None = None   # [num_prefills, max_blocks], zero-padded
+    max_prefill_len: int = 0
 
     @classmethod
     def build(cls, decodes: list[tuple[int, list[int]]],
@@ -65,7 +76,36 @@ class AttentionMetadata:
             chunks.append(PrefillChunk(start, start + num_new, num_computed, table))
             start += num_new
         return cls(torch.tensor(slots, dtype=torch.long), len(decodes), tables, seq_lens, chunks,
-                   _group_decodes(tables, seq_lens, block_size))
+                   _group_decodes(tables, seq_lens, block_size), *_varlen_prefills(chunks))
+
+    def to(self, device: torch.device | str) -> "AttentionMetadata":
+        """The same metadata with every tensor on `device`: one copy per step, before the forward."""
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+        return replace(
+            self, slot_mapping=move(self.slot_mapping),
+            decode_block_tables=move(self.decode_block_tables),
+            decode_seq_lens=move(self.decode_seq_lens),
+            prefills=[replace(c, block_table=move(c.block_table)) for c in self.prefills],
+            decode_groups=[replace(g, rows=move(g.rows), block_tables=move(g.block_tables),
+                                   seq_lens=move(g.seq_lens)) for g in self.decode_groups],
+            query_start_loc=move(self.query_start_loc),
+            prefill_num_cached=move(self.prefill_num_cached),
+            prefill_block_tables=move(self.prefill_block_tables))
+
+
+def _varlen_prefills(chunks: list[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor, int]:
+    """query_start_loc, num_cached, padded block tables and the longest chunk of the prefills."""
+    lens = [c.end - c.start for c in chunks]
+    starts = torch.zeros(len(chunks) + 1, dtype=torch.long)
+    starts[1:] = torch.tensor(lens, dtype=torch.long).cumsum(0)
+    num_cached = torch.tensor([c.num_cached for c in chunks], dtype=torch.long)
+    tables = torch.zeros((len(chunks), max((len(c.block_table) for c in chunks), default=0)),
+                         dtype=torch.long)
+    for i, c in enumerate(chunks):
+        tables[i, :len(c.block_table)] = c.block_table
+    return starts, num_cached, tables, max(lens, default=0)
 
 
 def _group_decodes(tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -92,6 +132,8 @@ def _group_decodes(tables: torch.Tensor, seq_lens: torch.Tensor,
 class AttentionBackend(ABC):
     """Writes the step's new keys/values into the paged cache and attends over it."""
 
+    ops: ModelOps  # the norms, rope and activation that go with this backend
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -99,6 +141,9 @@ class AttentionBackend(ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self):
+        self.ops = TorchOps()
+
     def forward(self, q, k, v, kv_cache, meta, scale):
         reference.write_kv(k, v, kv_cache, meta.slot_mapping)
         n = meta.num_decodes
@@ -120,12 +165,42 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-_BACKENDS = {"torch": TorchAttentionBackend}
+class TritonAttentionBackend(AttentionBackend):
+    """One launch for all decode rows (the kernel walks each row's own blocks, so decode groups
+    are not needed) and one for all prefill chunks, after one KV write for the whole step."""
+
+    def __init__(self):
+        from kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+        self._decode = paged_decode_attention.paged_decode_attention
+        self._prefill = paged_prefill_attention.paged_prefill_attention
+        self._write_kv = reshape_and_cache.reshape_and_cache
+        self.ops = TritonOps()
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        # the chunk's keys first: prefill then reads every key through the block table
+        self._write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        n = meta.num_decodes
+        if n:
+            self._decode(q[:n], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                         out=out[:n])
+        if meta.prefills:
+            self._prefill(q[n:], kv_cache, meta.prefill_block_tables, meta.query_start_loc,
+                          meta.prefill_num_cached, meta.max_prefill_len, scale, out=out[n:])
+        return out
+
+
+_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
 
 
 def create_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """auto: triton when the model's tensors live on CUDA, else torch."""
+    on_cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        name = "torch"
+        name = "triton" if on_cuda else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(_BACKENDS)}")
+    if name == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton attention backend needs CUDA tensors (or TRITON_INTERPRET=1 "
+                         "to interpret the kernels on CPU, for tests)")
     return _BACKENDS[name]()

@@ -29,7 +29,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
                    help="order of admission from the waiting queue")
     p.add_argument("--placement", default=d.placement,
-                   help="how a decode worker is chosen for a prefilled request")
+                   help="how a decode worker is chosen: prefix-aware | least-loaded")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default=d.mode,
+                   help="colocated: decode workers only, each prefills its own requests "
+                        "(the baseline disaggregation is measured against)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching,
+                   help="reuse the KV of full blocks already computed for the same prefix")
+    p.add_argument("--prefill-bypass-threshold", type=int, default=d.prefill_bypass_threshold,
+                   help="prompts with at most this many uncached tokens are prefilled by their "
+                        "decode worker; 0 never bypasses the prefill pool")
+    p.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
+                   help="prompts a worker may have started and not finished prefilling at once")
+    p.add_argument("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
+                   help="of those, how many may be longer than --long-prefill-token-threshold")
+    p.add_argument("--long-prefill-token-threshold", type=int,
+                   default=d.long_prefill_token_threshold,
+                   help="a prompt longer than this is long; also the chunk cap per prompt when "
+                        "partial prefills > 1; 0: 4%% of the model length")
+    p.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   help="beyond this many queued requests new ones get 429; 0: unbounded")
     p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
                    help="seconds a worker may take for one step before it is dropped")
 
@@ -39,7 +58,13 @@ def config_from_args(args) -> SchedulerConfig:
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            max_model_len=args.max_model_len,
                            scheduling_policy=args.scheduling_policy, placement=args.placement,
-                           step_timeout_s=args.step_timeout)
+                           step_timeout_s=args.step_timeout, mode=args.mode,
+                           enable_prefix_caching=args.enable_prefix_caching,
+                           prefill_bypass_threshold=args.prefill_bypass_threshold,
+                           max_num_partial_prefills=args.max_num_partial_prefills,
+                           max_long_partial_prefills=args.max_long_partial_prefills,
+                           long_prefill_token_threshold=args.long_prefill_token_threshold,
+                           max_waiting_requests=args.max_waiting_requests)
 
 
 async def serve(config: SchedulerConfig) -> None:

@@ -64,50 +64,51 @@ class FCFSQueue(RequestQueue):
 
 
 class PriorityQueue(RequestQueue):
-    """Lower `priority` first (vLLM's convention), then earlier arrival."""
+    """Lower `priority` first (vLLM's convention), then earlier arrival. Removal is lazy: a
+    heap entry is live only while it is its request's latest entry."""
 
     def __init__(self):
         self._heap: list[tuple[int, float, int, Request]] = []
+        self._live: dict[str, int] = {}  # request id -> seq of its live entry
         self._seq = 0
-        self._removed: set[str] = set()
 
-    def _key(self, req: Request, front: bool):
+    def _push(self, req: Request, front: bool) -> None:
         self._seq += 1
-        return (req.priority, -1.0 if front else req.arrival_time, self._seq, req)
+        self._live[req.request_id] = self._seq
+        heapq.heappush(self._heap, (req.priority, -1.0 if front else req.arrival_time,
+                                    self._seq, req))
 
     def push(self, req):
-        self._removed.discard(req.request_id)
-        heapq.heappush(self._heap, self._key(req, front=False))
+        self._push(req, front=False)
 
     def push_front(self, req):
-        self._removed.discard(req.request_id)
-        heapq.heappush(self._heap, self._key(req, front=True))
+        self._push(req, front=True)
 
-    def _skip_removed(self):
-        while self._heap and self._heap[0][3].request_id in self._removed:
-            self._removed.discard(heapq.heappop(self._heap)[3].request_id)
+    def _is_live(self, entry) -> bool:
+        return self._live.get(entry[3].request_id) == entry[2]
+
+    def _skip_dead(self):
+        while self._heap and not self._is_live(self._heap[0]):
+            heapq.heappop(self._heap)
 
     def peek(self):
-        self._skip_removed()
+        self._skip_dead()
         return self._heap[0][3]
 
     def pop(self):
-        self._skip_removed()
-        return heapq.heappop(self._heap)[3]
+        self._skip_dead()
+        entry = heapq.heappop(self._heap)
+        del self._live[entry[3].request_id]
+        return entry[3]
 
     def remove(self, req):
-        if any(e[3] is req for e in self._heap) and req.request_id not in self._removed:
-            self._removed.add(req.request_id)
-            return True
-        return False
+        return self._live.pop(req.request_id, None) is not None
 
     def __len__(self):
-        return len(self._heap) - len(self._removed)
+        return len(self._live)
 
     def __iter__(self):
-        live = (e for e in sorted(self._heap, key=lambda e: e[:3])
-                if e[3].request_id not in self._removed)
-        return (e[3] for e in live)
+        return (e[3] for e in sorted(self._heap) if self._is_live(e))
 
 
 _QUEUES = {"fcfs": FCFSQueue, "priority": PriorityQueue}

@@ -233,9 +233,12 @@ class Scheduler:
         hashes = self._hashes(req)
         prefix = w.kv.find_prefix(hashes, n)
         todo = n - len(prefix) * w.kv.block_size
-        if w.role == "decode" and any(p.role == "prefill" for p in self.workers.values()) \
-                and todo > self.config.prefill_bypass_threshold:
+        short = todo <= self.config.prefill_bypass_threshold
+        if w.role == "decode" and not short and \
+                any(p.role == "prefill" for p in self.workers.values()):
             return 0  # a prefill worker takes it
+        if w.role == "prefill" and short:
+            return 0  # its decode worker prefills it: no KV hop for a short prompt
         if todo > min(budget, self._chunk_cap(req)) and not self._may_start_partial(w, req):
             return 0
         dst = dst_prefix = None

@@ -258,3 +258,102 @@ def test_decode_worker_lost_mid_transfer_frees_the_senders_blocks_when_done(clus
     c.run()
     assert c.tokens("a") == _greedy(hf, prompt, 10)
     c.assert_all_free()
+
+
+def _by_role(c, role):
+    return next(w for w in c.sched.workers.values() if w.role == role)
+
+
+def test_repeated_prompt_prefills_only_its_tail_and_sends_only_missing_blocks(cluster, hf):
+    c = cluster([("prefill", 64), ("decode", 64)])
+    prompt = _prompt(23, 30)  # blocks of 4: 5 full + 3 tokens
+    c.submit("first", prompt, max_tokens=6)
+    c.run()
+    p, d = _by_role(c, "prefill"), _by_role(c, "decode")
+    computed, sent = p.counters.prompt_tokens_computed, p.counters.kv_blocks_sent
+    assert (computed, sent) == (23, 6)
+    c.submit("again", prompt, max_tokens=6)
+    c.run()
+    assert c.tokens("again") == c.tokens("first") == _greedy(hf, prompt, 6)
+    assert c.outputs["again"][-1].num_cached_tokens == 20
+    assert p.counters.prompt_tokens_computed - computed == 3
+    # the decode worker held all 5 full prompt blocks: only the last, partial one travels
+    assert p.counters.kv_blocks_sent - sent == 1
+    assert d.counters.kv_blocks_received == p.counters.kv_blocks_sent
+    c.assert_all_free()
+
+
+def test_short_prompt_finishes_prefill_while_a_long_one_is_chunking(cluster, hf):
+    c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=8,
+                max_num_partial_prefills=2, max_long_partial_prefills=1,
+                long_prefill_token_threshold=6)
+    long, short = _prompt(60, 40), _prompt(5, 41)
+    c.submit("long", long, max_tokens=4)
+    c.step()
+    c.submit("short", short, max_tokens=4)
+    while not c.tokens("short"):
+        c.step()
+    assert c.tokens("long") == []  # still chunking: 60 tokens at most 6 per step
+    c.run()
+    assert c.tokens("long") == _greedy(hf, long, 4)
+    assert c.tokens("short") == _greedy(hf, short, 4)
+    c.assert_all_free()
+
+
+def test_one_partial_prefill_at_a_time_by_default(cluster):
+    c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=8)
+    c.submit("a", _prompt(20, 1), max_tokens=2)
+    c.submit("b", _prompt(20, 2), max_tokens=2)
+    c.step()
+    p = _by_role(c, "prefill")
+    assert [r.request_id for r in p.prefilling] == ["a"]  # b waits: a is partial already
+    c.run()
+    c.assert_all_free()
+
+
+def test_short_prompts_bypass_the_prefill_pool(cluster, hf):
+    c = cluster([("prefill", 64), ("decode", 64)], prefill_bypass_threshold=8)
+    short, long = _prompt(6, 50), _prompt(30, 51)
+    c.submit("short", short, max_tokens=5)
+    c.submit("long", long, max_tokens=5)
+    c.run()
+    p, d = _by_role(c, "prefill"), _by_role(c, "decode")
+    assert d.counters.prompt_tokens_computed == 6
+    assert p.counters.prompt_tokens_computed == 30
+    assert c.tokens("short") == _greedy(hf, short, 5)
+    assert c.tokens("long") == _greedy(hf, long, 5)
+    c.assert_all_free()
+
+
+def test_colocated_mode_refuses_prefill_workers(cluster, tiny_llama):
+    c = cluster([("decode", 16)], mode="colocated")
+    w, reg = build_worker(WorkerConfig(role="prefill", model=str(tiny_llama),
+                                       worker_id=f"test-p-{id(c)}", num_kv_blocks=4, block_size=4))
+    w.cache.close()
+    with pytest.raises(RegistrationError, match="colocated"):
+        c.sched.add_worker(reg)
+
+
+def test_waiting_queue_is_bounded(cluster):
+    from services.scheduler.scheduler import QueueFull
+    c = cluster([("decode", 16)], max_waiting_requests=2)
+    c.submit("a", _prompt(4, 1))
+    c.submit("b", _prompt(4, 2))
+    with pytest.raises(QueueFull):
+        c.submit("c", _prompt(4, 3))
+    c.run()
+    c.submit("c", _prompt(4, 3))  # room again once the queue drained
+    c.run()
+    c.assert_all_free()
+
+
+def test_preemption_takes_the_least_important_request(cluster):
+    c = cluster([("prefill", 64), ("decode", 6)], scheduling_policy="priority")
+    c.submit("urgent", _prompt(6, 60), max_tokens=12, )
+    c.sched.requests["urgent"].priority = -1
+    c.submit("relaxed", _prompt(6, 61), max_tokens=12)
+    c.run()
+    assert c.sched.num_preemptions > 0
+    # the urgent one was never the victim: its tokens never had to be recomputed
+    assert len(c.tokens("urgent")) == 12 == len(c.tokens("relaxed"))
+    c.assert_all_free()

@@ -1,0 +1,81 @@
+"""The decoder's norms, rotary embedding and activation, one implementation per backend.
+
+The attention backend carries its `ModelOps` (`backend.ops`), so choosing a backend chooses
+these too: pure torch on CPU (bit-identical to HuggingFace), Triton kernels on CUDA (fused
+residual-add RMSNorm, in-place rope, fused SiLU-and-mul).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kernels import reference
+
+
+class ModelOps(ABC):
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [..., hidden] -> [..., hidden]."""
+
+    @abstractmethod
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual = x + residual; returns (rms_norm(residual), residual). The residual passed
+        in may be updated in place: the caller must not use it afterwards."""
+
+    @abstractmethod
+    def rope_step(self, positions: torch.Tensor, cos_cache: torch.Tensor,
+                  sin_cache: torch.Tensor) -> tuple:
+        """Built once per step from positions [num_tokens] and the [max_positions, head_dim]
+        caches; every layer's `rope` reuses it."""
+
+    @abstractmethod
+    def rope(self, q: torch.Tensor, k: torch.Tensor, step: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Neox rotation of q [num_tokens, heads, dim] and k [num_tokens, kv_heads, dim]; may
+        rotate them in place."""
+
+    @abstractmethod
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up."""
+
+
+class TorchOps(ModelOps):
+    def rms_norm(self, x, weight, eps):
+        return reference.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+    def rope_step(self, positions, cos_cache, sin_cache):
+        return cos_cache[positions], sin_cache[positions]  # [num_tokens, head_dim] each
+
+    def rope(self, q, k, step):
+        cos, sin = step
+        return reference.apply_rope(q, cos, sin), reference.apply_rope(k, cos, sin)
+
+    def silu_mul(self, gate, up):
+        return torch.nn.functional.silu(gate) * up
+
+
+class TritonOps(ModelOps):
+    def __init__(self):
+        # imported here: TRITON_INTERPRET must be set before any @triton.jit is defined, and the
+        # torch path must not need triton at all
+        from kernels import activation, rms_norm, rotary
+        self._activation, self._rms_norm, self._rotary = activation, rms_norm, rotary
+
+    def rms_norm(self, x, weight, eps):
+        return self._rms_norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self._rms_norm.fused_add_rms_norm(x, residual, weight, eps)
+
+    def rope_step(self, positions, cos_cache, sin_cache):
+        return positions, cos_cache, sin_cache
+
+    def rope(self, q, k, step):
+        return self._rotary.rotary(q, k, *step)
+
+    def silu_mul(self, gate, up):
+        return self._activation.silu_mul(gate, up)

@@ -1,0 +1,74 @@
+"""Varlen causal prefill over the paged cache against kernels.reference.prefill_attention."""
+import pytest
+import torch
+
+from kernels import reference
+from kernels.paged_prefill_attention import paged_prefill_attention
+from kernels.reshape_and_cache import reshape_and_cache
+from tests.kernels.paged import (ATTN_TOL, DEVICE, HEADS, block_tables, param_id, random_cache,
+                                 slots_of)
+
+# (num_cached, chunk) per sequence, one batch: a one-token prompt, a fresh prompt, prefix-cached
+# chunks (prefix a non-multiple and a multiple of the block size), and a chunk longer than one
+# 64-row query tile
+SEQS = [(0, 1), (0, 37), (13, 20), (32, 7), (5, 70)]
+
+
+def _check(seqs, dtype, head_dim, gqa, block_size, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = HEADS[gqa]
+    lens = [c + n for c, n in seqs]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+    tables = block_tables(lens, block_size, num_blocks, gen)
+    num_tokens = sum(n for _, n in seqs)
+
+    def rand(heads):
+        return torch.randn((num_tokens, heads, head_dim), generator=gen).to(dtype).to(DEVICE)
+
+    q, k, v = rand(num_heads), rand(num_kv_heads), rand(num_kv_heads)
+    starts = [0]
+    for _, n in seqs:
+        starts.append(starts[-1] + n)
+    # the prefixes are whatever the random cache holds; the chunks are written first
+    slots = torch.cat([slots_of(tables[i], c, c + n, block_size) for i, (c, n) in enumerate(seqs)])
+    reshape_and_cache(k, v, cache, slots)
+    scale = head_dim ** -0.5
+    out = paged_prefill_attention(
+        q, cache, tables, torch.tensor(starts, device=DEVICE),
+        torch.tensor([c for c, _ in seqs], device=DEVICE), max(n for _, n in seqs), scale)
+    for i, (c, _) in enumerate(seqs):
+        a, b = starts[i], starts[i + 1]
+        ref = reference.prefill_attention(q[a:b], k[a:b], v[a:b], cache, tables[i], c, scale)
+        torch.testing.assert_close(out[a:b], ref, **ATTN_TOL[dtype], msg=lambda m: f"seq {i}: {m}")
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=param_id)
+def test_prefill_matches_reference(dtype, head_dim, gqa, block_size):
+    _check(SEQS, dtype, head_dim, gqa, block_size)
+
+
+def test_single_sequence_and_strided_out():
+    """One sequence; writes a view of a larger output (the backend's out[num_decodes:])."""
+    gen = torch.Generator().manual_seed(3)
+    cache = random_cache(4, 16, 2, 64, torch.float32, gen)
+    tables = block_tables([40], 16, 4, gen)
+    q = torch.randn((3 + 40, 4, 64), generator=gen).to(DEVICE)
+    k, v = (torch.randn((40, 2, 64), generator=gen).to(DEVICE) for _ in range(2))
+    reshape_and_cache(k, v, cache, slots_of(tables[0], 0, 40, 16))
+    out = torch.full_like(q, 7.0)
+    paged_prefill_attention(q[3:], cache, tables, torch.tensor([0, 40], device=DEVICE),
+                            torch.tensor([0], device=DEVICE), 40, 0.125, out=out[3:])
+    ref = reference.prefill_attention(q[3:], k, v, cache, tables[0], 0, 0.125)
+    torch.testing.assert_close(out[3:], ref, **ATTN_TOL[torch.float32])
+    assert (out[:3] == 7).all()
+
+
+@pytest.mark.cuda
+def test_long_prompts_bf16_on_gpu():
+    seqs = [(0, 1000), (512, 300), (0, 1)]
+    _check_bf16 = dict(dtype=torch.bfloat16, head_dim=128, gqa=4, block_size=16)
+    _check(seqs, **_check_bf16)
