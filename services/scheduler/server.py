@@ -79,7 +79,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
     async def Stats(self, request, context):
         s = self.scheduler
         resp = scheduler_pb2.StatsResponse(num_running=s.num_running, num_waiting=len(s.waiting),
-                                           num_finished=s.num_finished)
+                                           num_finished=s.num_finished,
+                                           num_preemptions=s.num_preemptions)
         for w in s.workers.values():
             c = w.counters
             resp.workers.add(

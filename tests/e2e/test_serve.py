@@ -214,3 +214,50 @@ def test_stop_token_ids_and_min_tokens(stack, client, hf):
     assert out["token_ids"] == greedy[:first + 1] and out["finish_reason"] == "stop"
     out = _complete(client, stack, prompt, stop_token_ids=[stop_at], min_tokens=MAX_TOKENS)
     assert len(out["choices"][0]["token_ids"]) == MAX_TOKENS
+
+
+def test_repeated_prompt_prefills_only_its_uncached_tail(stack, client, hf):
+    prompt = _prompt(75, 77)  # 4 full blocks of 16 + 11 tokens
+    first = _complete(client, stack, prompt)
+    before = {w["role"]: w for w in stack.wait_idle()["workers"]}
+    again = _complete(client, stack, prompt)
+    after = {w["role"]: w for w in stack.wait_idle()["workers"]}
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"] == \
+        _greedy(hf, prompt)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    computed = after["prefill"]["prompt_tokens_computed"] - before["prefill"]["prompt_tokens_computed"]
+    assert computed == 75 - 64
+    sent = after["prefill"]["kv_blocks_sent"] - before["prefill"]["kv_blocks_sent"]
+    assert sent == 1  # the decode worker kept the 4 full blocks: only the partial one travels
+
+
+def test_n3_shares_the_prompt_blocks(stack, client):
+    prompt = _prompt(40, 78)
+    before = {w["role"]: w for w in stack.wait_idle()["workers"]}
+    out = _complete(client, stack, prompt, n=3, temperature=1.0, seed=5)
+    after = {w["role"]: w for w in stack.wait_idle()["workers"]}
+    assert len(out["choices"]) == 3
+    computed = after["prefill"]["prompt_tokens_computed"] - before["prefill"]["prompt_tokens_computed"]
+    assert computed < 3 * 40  # the two full blocks were computed once
+
+
+def test_forced_preemption_keeps_greedy_output(tiny_llama, tmp_path, hf):
+    """12 decode blocks of 16 tokens: four 40-token prompts growing by 40 cannot all fit."""
+    s = Stack(tiny_llama, tmp_path, "--num-kv-blocks", "12")
+    try:
+        prompts = [_prompt(40, 200 + i) for i in range(4)]
+
+        async def go():
+            async with httpx.AsyncClient(base_url=s.url, timeout=300) as c:
+                name = (await c.get("/v1/models")).json()["data"][0]["id"]
+                rs = await asyncio.gather(*[c.post("/v1/completions", json=_body(
+                    p, model=name, max_tokens=40)) for p in prompts])
+                return [r.json()["choices"][0]["token_ids"] for r in rs]
+
+        for p, tokens in zip(prompts, asyncio.run(go())):
+            assert tokens == _greedy(hf, p, 40)
+        stats = s.wait_idle()
+        assert stats["num_preemptions"] > 0
+        assert all(w["num_free_blocks"] == w["num_blocks"] for w in stats["workers"])
+    finally:
+        s.stop()
