@@ -108,7 +108,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(model: str, shape_args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def launch(model: str, shape_args: list[str], log: Path) -> tuple[subprocess.Popen, str, str]:
+    """`pdserve up` on free ports: (process, gateway url, scheduler address)."""
     port, sport = free_port(), free_port()
     proc = subprocess.Popen([str(Path(sys.executable).parent / "pdserve"), "up", "--model", model,
                              "--port", str(port), "--scheduler-port", str(sport),
@@ -120,7 +121,7 @@ def launch(model: str, shape_args: list[str], log: Path) -> tuple[subprocess.Pop
             proc.kill()
             raise RuntimeError(log.read_text()[-3000:])
         time.sleep(0.3)
-    return proc, f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{sport}"
 
 
 def main() -> int:
@@ -151,7 +152,7 @@ def main() -> int:
             make_tiny_model(args.model)
         for name, shape in SHAPES.items():
             log = Path(f"/tmp/pdserve-bench-{name.split()[0]}.log")
-            proc, url = launch(args.model, shape, log)
+            proc, url, _ = launch(args.model, shape, log)
             try:
                 results, wall = asyncio.run(run_load(url, prompts, args.rate, args.max_tokens,
                                                      args.seed))
