@@ -27,3 +27,11 @@ class KVFrameHeader(_message.Message):
     last: bool
     auth_tag: bytes
     def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., auth_tag: _Optional[bytes] = ...) -> None: ...
+
+class KVTransferAck(_message.Message):
+    __slots__ = ("transfer_id", "error")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    error: str
+    def __init__(self, transfer_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...

@@ -1,74 +1,130 @@
-"""KV transfer between workers: a sender side, a receiver side, and a factory.
+"""KV transfer between workers: senders, the receiver's bookkeeping, listeners, factories.
 
 A transfer moves the KV of `src_block_ids` on the sending worker into `dst_block_ids` on the
-receiving worker, all layers. The scheduler reserved the destination blocks and told the receiver
-to expect the transfer id before the sender was told to send it.
+receiving worker, all layers. The scheduler reserves the destination blocks and tells the
+receiver to expect the transfer id (KVRecv) before it orders the send (KVSend); the sender
+reports the transfer done, and only then does the request join the receiver's batch.
+
+Per transport a module provides a sender (runs in the worker's step thread, blocking, with a
+deadline) and a listener (runs in the worker's event loop; shm needs none: the sender writes
+straight into the receiver's shared-memory cache).
 """
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from common.worker.kv_cache import KVLayout, PagedKVCache
+
+KNOWN_TRANSPORTS = ("shm", "tcp")
 
 
 class KVTransferError(Exception):
     """A transfer failed; reported to the scheduler as data, never raised across the step."""
 
 
+@dataclass(frozen=True)
+class TransferConfig:
+    timeout_s: float = 30.0       # deadline of one whole transfer
+    secret: bytes = b""           # shared secret authenticating tcp headers; empty: none
+    tcp_host: str = "127.0.0.1"   # where the tcp listener binds
+    tcp_port: int = 0             # 0: a free port
+    advertise_host: str = ""      # the address peers dial; default tcp_host
+
+
 class KVSender(ABC):
     @abstractmethod
     def send(self, transfer_id: str, cache: PagedKVCache, src_block_ids: list[int],
-             dst_endpoint: str, dst_block_ids: list[int]) -> None:
-        """Pushes the blocks; returns when they are in the destination's cache."""
+             dst_endpoint: str, dst_block_ids: list[int]) -> int:
+        """Pushes the blocks; returns the bytes moved once they are in the destination's cache."""
 
     def close(self) -> None:
         pass
 
 
-class KVReceiver(ABC):
-    """Tracks which transfers may land in which blocks."""
+class KVReceiver:
+    """Which transfers may land in which blocks; thread-safe (the step thread adds and checks
+    expectations, listeners on the event loop write data)."""
 
     def __init__(self) -> None:
-        self._expected: dict[str, tuple[str, tuple[int, ...]]] = {}  # transfer -> (request, blocks)
+        self._lock = threading.Lock()
+        self._expected: dict[str, tuple[str, tuple[int, ...], str]] = {}  # id -> rid, blocks, tr
+        self._received: set[str] = set()
 
-    @abstractmethod
-    def endpoint(self) -> str:
-        """The address peers send to, advertised at registration."""
+    def expect(self, transfer_id: str, request_id: str, block_ids: list[int],
+               transport: str = "shm") -> None:
+        with self._lock:
+            assert transfer_id not in self._expected, f"transfer {transfer_id} expected twice"
+            self._expected[transfer_id] = (request_id, tuple(block_ids), transport)
 
-    def expect(self, transfer_id: str, request_id: str, block_ids: list[int]) -> None:
-        assert transfer_id not in self._expected, f"transfer {transfer_id} expected twice"
-        self._expected[transfer_id] = (request_id, tuple(block_ids))
+    def expected_blocks(self, transfer_id: str) -> tuple[int, ...] | None:
+        with self._lock:
+            entry = self._expected.get(transfer_id)
+            return None if entry is None or transfer_id in self._received else entry[1]
+
+    def mark_received(self, transfer_id: str) -> None:
+        with self._lock:
+            if transfer_id in self._expected:
+                self._received.add(transfer_id)
 
     def complete(self, transfer_id: str, block_ids: list[int]) -> int:
         """The scheduler says the transfer landed in block_ids; returns the number of blocks."""
-        _, expected = self._expected.pop(transfer_id, (None, None))
+        with self._lock:
+            _, expected, transport = self._expected.pop(transfer_id, (None, None, None))
+            received = transfer_id in self._received
+            self._received.discard(transfer_id)
         if expected is None:
             raise KVTransferError(f"transfer {transfer_id} was never expected")
         if not set(expected) <= set(block_ids):
             raise KVTransferError(f"transfer {transfer_id} landed in {block_ids}, "
                                   f"expected {list(expected)}")
+        if transport != "shm" and not received:
+            raise KVTransferError(f"transfer {transfer_id} never arrived over {transport}")
         return len(expected)
 
     def cancel_request(self, request_id: str) -> None:
-        for t in [t for t, (rid, _) in self._expected.items() if rid == request_id]:
-            del self._expected[t]
+        with self._lock:
+            for t in [t for t, e in self._expected.items() if e[0] == request_id]:
+                del self._expected[t]
+                self._received.discard(t)
 
     def reset(self) -> None:
-        self._expected.clear()
+        with self._lock:
+            self._expected.clear()
+            self._received.clear()
 
-    def close(self) -> None:
+
+class KVListener(ABC):
+    """The receiving end of one transport."""
+
+    @abstractmethod
+    def endpoint(self) -> str:
+        """The address peers send to, advertised at registration."""
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
         pass
 
 
-def create_sender(transport: str, layout: KVLayout) -> KVSender:
+def create_sender(transport: str, layout: KVLayout, cfg: TransferConfig) -> KVSender:
     if transport == "shm":
         from common.kv_transfer.shm import ShmSender
         return ShmSender(layout)
-    raise ValueError(f"unknown KV transport {transport!r}; known: shm")
+    if transport == "tcp":
+        from common.kv_transfer.tcp import TcpSender
+        return TcpSender(layout, cfg)
+    raise ValueError(f"unknown KV transport {transport!r}; known: {', '.join(KNOWN_TRANSPORTS)}")
 
 
-def create_receiver(transport: str, cache: PagedKVCache) -> KVReceiver:
+def create_listener(transport: str, cache: PagedKVCache, receiver: KVReceiver,
+                    cfg: TransferConfig) -> KVListener:
     if transport == "shm":
-        from common.kv_transfer.shm import ShmReceiver
-        return ShmReceiver(cache)
-    raise ValueError(f"unknown KV transport {transport!r}; known: shm")
+        from common.kv_transfer.shm import ShmListener
+        return ShmListener(cache)
+    if transport == "tcp":
+        from common.kv_transfer.tcp import TcpListener
+        return TcpListener(cache, receiver, cfg)
+    raise ValueError(f"unknown KV transport {transport!r}; known: {', '.join(KNOWN_TRANSPORTS)}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from common.kv_transfer.base import KVReceiver, KVSender, KVTransferError
+from common.kv_transfer.base import KVListener, KVSender, KVTransferError
 from common.worker.kv_cache import SHM_DIR, KVLayout, PagedKVCache, map_shared
 
 SCHEME = "shm://"
@@ -47,15 +47,16 @@ class ShmSender(KVSender):
             raise KVTransferError(f"transfer {transfer_id}: destination block out of range")
         src = torch.tensor(src_block_ids, dtype=torch.long)
         dst = torch.tensor(dst_block_ids, dtype=torch.long)
-        peer.index_copy_(2, dst, cache.tensor.index_select(2, src))
+        blocks = cache.tensor.index_select(2, src)
+        peer.index_copy_(2, dst, blocks)
+        return blocks.numel() * blocks.element_size()
 
     def close(self):
         self._peers.clear()
 
 
-class ShmReceiver(KVReceiver):
+class ShmListener(KVListener):
     def __init__(self, cache: PagedKVCache):
-        super().__init__()
         assert cache.shm_path is not None, "the shm transport needs a KV cache in shared memory"
         self._endpoint = f"{SCHEME}{Path(cache.shm_path).name}?num_blocks={cache.num_blocks}"
 

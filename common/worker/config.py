@@ -7,7 +7,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-KNOWN_TRANSPORTS = ("shm",)
+from common.kv_transfer.base import KNOWN_TRANSPORTS
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,13 @@ class WorkerConfig:
     kv_cache_memory_mib: int = 256
     max_model_len: int = 0           # 0: the model's max_position_embeddings
     cpu_threads: int = 0             # 0: torch's default
-    kv_transports: tuple[str, ...] = ("shm",)
+    kv_transports: tuple[str, ...] = ("shm", "tcp")
+    kv_host: str = "127.0.0.1"       # where the tcp KV listener binds
+    kv_port: int = 0
+    kv_advertise_host: str = ""      # the address peers dial; default kv_host
+    kv_secret: str = ""              # shared secret authenticating tcp KV frames
+    kv_transfer_timeout_s: float = 30.0
+    host_id: str = ""                # workers with equal host ids share memory (shm)
     attention_backend: str = "auto"
     seed: int = 0
     connect_timeout_s: float = 30.0
@@ -66,6 +72,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads for this worker; 0 keeps torch's default")
     p.add_argument("--kv-transports", nargs="+", default=list(d.kv_transports),
                    help=f"KV transports offered, preferred first; known: {KNOWN_TRANSPORTS}")
+    p.add_argument("--kv-host", default=env("PDSERVE_KV_HOST", d.kv_host),
+                   help="address the tcp KV listener binds (env PDSERVE_KV_HOST)")
+    p.add_argument("--kv-port", type=int, default=int(env("PDSERVE_KV_PORT", d.kv_port)),
+                   help="tcp KV port; 0 picks a free one (env PDSERVE_KV_PORT)")
+    p.add_argument("--kv-advertise-host", default=env("PDSERVE_KV_ADVERTISE_HOST", ""),
+                   help="address peers dial for KV; default --kv-host "
+                        "(env PDSERVE_KV_ADVERTISE_HOST)")
+    p.add_argument("--kv-secret", default=env("PDSERVE_KV_SECRET", ""),
+                   help="shared secret authenticating tcp KV frames (env PDSERVE_KV_SECRET)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout_s,
+                   help="seconds one KV transfer may take before it fails")
+    p.add_argument("--host-id", default=env("PDSERVE_HOST_ID", ""),
+                   help="workers with the same host id use shared memory between them; "
+                        "default hostname + machine id (env PDSERVE_HOST_ID)")
     p.add_argument("--attention-backend", default=d.attention_backend,
                    help="auto | torch")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded sampling")
@@ -77,5 +97,8 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory_mib=args.kv_cache_memory_mib,
                         max_model_len=args.max_model_len, cpu_threads=args.cpu_threads,
-                        kv_transports=tuple(args.kv_transports),
+                        kv_transports=tuple(args.kv_transports), kv_host=args.kv_host,
+                        kv_port=args.kv_port, kv_advertise_host=args.kv_advertise_host,
+                        kv_secret=args.kv_secret, kv_transfer_timeout_s=args.kv_transfer_timeout,
+                        host_id=args.host_id,
                         attention_backend=args.attention_backend, seed=args.seed)

@@ -13,7 +13,7 @@ import socket
 import grpc
 import torch
 
-from common.kv_transfer.base import create_receiver, create_sender
+from common.kv_transfer.base import KVReceiver, TransferConfig, create_listener, create_sender
 from common.models.attention import create_attention_backend
 from common.models.llama import load_model
 from common.worker.config import WorkerConfig
@@ -40,19 +40,39 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
                       head_dim=mc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype)
     num_blocks = cfg.num_kv_blocks or max(1, (cfg.kv_cache_memory_mib << 20) // layout.block_bytes)
     cache = PagedKVCache(layout, num_blocks, shm_name=f"pdserve-kv-{cfg.worker_id}")
-    transport = cfg.kv_transports[0]
-    receiver = create_receiver(transport, cache)
+    tcfg = TransferConfig(timeout_s=cfg.kv_transfer_timeout_s, secret=cfg.kv_secret.encode(),
+                          tcp_host=cfg.kv_host, tcp_port=cfg.kv_port,
+                          advertise_host=cfg.kv_advertise_host)
+    receiver = KVReceiver()
     worker = Worker(ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed)), cache,
-                    create_sender(transport, layout), receiver)
+                    {t: create_sender(t, layout, tcfg) for t in cfg.kv_transports}, receiver,
+                    {t: create_listener(t, cache, receiver, tcfg) for t in cfg.kv_transports})
     max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     reg = worker_pb2.Register(
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
-        num_blocks=num_blocks, kv_endpoint=receiver.endpoint(), transports=cfg.kv_transports,
-        host_id=socket.gethostname(), max_model_len=max_len,
+        num_blocks=num_blocks, transports=cfg.kv_transports,
+        host_id=cfg.host_id or default_host_id(), max_model_len=max_len,
         layout=worker_pb2.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                                    head_dim=layout.head_dim, block_size=layout.block_size,
                                    dtype=layout.dtype))
     return worker, reg
+
+
+async def start_listeners(worker: Worker, reg: worker_pb2.Register) -> None:
+    """Starts every transport's listener and advertises where it listens."""
+    for name, listener in worker.listeners.items():
+        await listener.start()
+        reg.kv_endpoints[name] = listener.endpoint()
+    reg.kv_endpoint = reg.kv_endpoints[reg.transports[0]]
+
+
+def default_host_id() -> str:
+    """Same host id = same memory: shared memory works between the two."""
+    try:
+        machine = open("/etc/machine-id").read().strip()
+    except OSError:
+        machine = ""
+    return f"{socket.gethostname()}/{machine}"
 
 
 async def attach_once(cfg: WorkerConfig, worker: Worker, reg: worker_pb2.Register) -> None:
@@ -84,6 +104,7 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: worker_pb2.Registe
 
 async def serve(cfg: WorkerConfig) -> int:
     worker, reg = build_worker(cfg)
+    await start_listeners(worker, reg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -113,5 +134,8 @@ async def serve(cfg: WorkerConfig) -> int:
                 pass
     finally:
         worker.cache.close()
-        worker.sender.close()
+        for sender in worker.senders.values():
+            sender.close()
+        for listener in worker.listeners.values():
+            await listener.close()
     return 0

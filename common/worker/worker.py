@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from common.kv_transfer.base import KVReceiver, KVSender, KVTransferError
+from common.kv_transfer.base import KVListener, KVReceiver, KVSender, KVTransferError
 from common.worker.kv_cache import PagedKVCache
 from common.worker.model_runner import ModelRunner, RequestState
 from protos import worker_pb2
@@ -16,12 +16,13 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, runner: ModelRunner, cache: PagedKVCache, sender: KVSender,
-                 receiver: KVReceiver):
+    def __init__(self, runner: ModelRunner, cache: PagedKVCache, senders: dict[str, KVSender],
+                 receiver: KVReceiver, listeners: dict[str, KVListener]):
         self.runner = runner
         self.cache = cache
-        self.sender = sender
+        self.senders = senders
         self.receiver = receiver
+        self.listeners = listeners
         self.requests: dict[str, RequestState] = {}
         self.counters = worker_pb2.WorkerCounters()
 
@@ -36,7 +37,8 @@ class Worker:
             self.requests.pop(rid, None)
             self.receiver.cancel_request(rid)
         for recv in plan.recvs:
-            self.receiver.expect(recv.transfer_id, recv.request_id, list(recv.block_ids))
+            self.receiver.expect(recv.transfer_id, recv.request_id, list(recv.block_ids),
+                                 recv.transport or "shm")
         for new in plan.new_requests:
             self._add(new, result)
         for diff in plan.cached_requests:
@@ -83,9 +85,12 @@ class Worker:
         )
 
     def _send(self, send: worker_pb2.KVSend) -> worker_pb2.TransferDone:
+        sender = self.senders.get(send.transport)
         try:
-            self.sender.send(send.transfer_id, self.cache, list(send.src_block_ids),
-                             send.dst_endpoint, list(send.dst_block_ids))
+            if sender is None:
+                raise KVTransferError(f"this worker does not send over {send.transport!r}")
+            sender.send(send.transfer_id, self.cache, list(send.src_block_ids),
+                        send.dst_endpoint, list(send.dst_block_ids))
         except KVTransferError as e:
             log.warning("KV transfer %s failed: %s", send.transfer_id, e)
             return worker_pb2.TransferDone(transfer_id=send.transfer_id, error=str(e))

@@ -48,6 +48,7 @@ class Request:
     cache_salt: str = ""
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained
     num_cached_tokens: int | None = None  # prefix hit at first admission
+    prefill_locally: bool = False  # its KV transfer failed once: its decode worker prefills it
 
     @property
     def all_token_ids(self) -> list[int]:

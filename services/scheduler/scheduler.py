@@ -24,6 +24,7 @@ from protos import worker_pb2
 
 log = logging.getLogger(__name__)
 
+SAME_HOST_TRANSPORTS = ("shm",)
 ADMISSION_LOOKAHEAD = 8  # waiting requests a worker looks past a head that cannot start now
 
 
@@ -70,6 +71,9 @@ class Scheduler:
         w = WorkerState(worker_id=reg.worker_id, role=reg.role, endpoint=reg.kv_endpoint,
                         fingerprint=reg.model_fingerprint, layout=reg.layout,
                         max_model_len=reg.max_model_len, transports=tuple(reg.transports),
+                        host_id=reg.host_id,
+                        endpoints=dict(reg.kv_endpoints) or {t: reg.kv_endpoint
+                                                             for t in reg.transports},
                         kv=KVCacheManager(reg.num_blocks, reg.layout.block_size,
                                           self.config.enable_prefix_caching))
         self.workers[w.worker_id] = w
@@ -233,7 +237,7 @@ class Scheduler:
         hashes = self._hashes(req)
         prefix = w.kv.find_prefix(hashes, n)
         todo = n - len(prefix) * w.kv.block_size
-        short = todo <= self.config.prefill_bypass_threshold
+        short = todo <= self.config.prefill_bypass_threshold or req.prefill_locally
         if w.role == "decode" and not short and \
                 any(p.role == "prefill" for p in self.workers.values()):
             return 0  # a prefill worker takes it
@@ -263,10 +267,12 @@ class Scheduler:
             assert dst.kv.allocate_slots(req.request_id, n, dst_prefix) is not None
             req.transfer_id = f"{req.request_id}/{next(self._ids)}"
             skip = len(dst_prefix)  # blocks the decode worker has cached already
+            transport = _transport(w, dst)
             dst.recvs.append(worker_pb2.KVRecv(
                 transfer_id=req.transfer_id, request_id=req.request_id,
-                block_ids=dst.kv.get_block_ids(req.request_id)[skip:]))
-            self.transfers[req.transfer_id] = Transfer(req, w, dst, skip=skip)
+                block_ids=dst.kv.get_block_ids(req.request_id)[skip:], transport=transport))
+            self.transfers[req.transfer_id] = Transfer(req, w, dst, transport=transport,
+                                                       skip=skip)
         self._send_new(w, plan, req)
         return self._schedule_chunk(w, plan, req, budget)
 
@@ -309,7 +315,7 @@ class Scheduler:
             plan.sends.add(transfer_id=req.transfer_id, request_id=req.request_id,
                            src_block_ids=w.kv.get_block_ids(req.request_id)[t.skip:],
                            dst_block_ids=t.dst.kv.get_block_ids(req.request_id)[t.skip:],
-                           dst_endpoint=t.dst.endpoint, transport=_transport(w, t.dst))
+                           dst_endpoint=t.dst.endpoints[t.transport], transport=t.transport)
         return n
 
     def _hashes(self, req: Request) -> list[bytes]:
@@ -407,9 +413,10 @@ class Scheduler:
             return
         req, src, dst = t.request, t.src, t.dst
         if done.error:
-            log.warning("transfer %s failed (%s); recomputing %s", done.transfer_id, done.error,
-                        req.request_id)
+            log.warning("transfer %s failed (%s); %s is recomputed on a decode worker",
+                        done.transfer_id, done.error, req.request_id)
             self._requeue(req)
+            req.prefill_locally = True  # no second hop for it
             return
         src.kv.free(req.request_id)
         src.prefilling.remove(req)
@@ -495,5 +502,7 @@ def _layout_str(layout: worker_pb2.KVLayout) -> str:
 
 
 def _transport(src: WorkerState, dst: WorkerState) -> str:
-    """The first transport of the sender's preference list that the receiver offers."""
-    return next((t for t in src.transports if t in dst.transports), "")
+    """The sender's first preference that the receiver offers; shared memory only on one host."""
+    same_host = src.host_id == dst.host_id
+    return next((t for t in src.transports if t in dst.transports
+                 and (same_host or t not in SAME_HOST_TRANSPORTS)), "")

@@ -19,6 +19,8 @@ class WorkerState:
     max_model_len: int
     transports: tuple[str, ...]
     kv: KVCacheManager
+    host_id: str = ""
+    endpoints: dict[str, str] = field(default_factory=dict)  # transport -> address
     prefilling: list[Request] = field(default_factory=list)
     decoding: list[Request] = field(default_factory=list)
     arrivals: list[Request] = field(default_factory=list)  # KV landed, not yet sent to the worker
@@ -39,6 +41,7 @@ class Transfer:
     request: Request
     src: WorkerState
     dst: WorkerState
+    transport: str = ""
     skip: int = 0            # leading blocks the receiver has cached: they do not travel
     ordered: bool = False    # the send is in a plan: blocks on both sides are in use until done
     cancelled: bool = False  # its request moved on; only the blocks below still wait for done

@@ -1,11 +1,15 @@
-"""The scheduler driving real workers in this process (no network): tokens equal HuggingFace's
-greedy ones, and every block comes back through finishes, aborts, preemptions and lost workers."""
+"""The scheduler driving real workers in this process (no gRPC): tokens equal HuggingFace's
+greedy ones, and every block comes back through finishes, aborts, preemptions and lost workers.
+KV moves over the real transports (shm by default, tcp on loopback where a test asks)."""
+import asyncio
+import threading
+
 import pytest
 import torch
 import transformers
 
 from common.worker.config import WorkerConfig
-from common.worker.service import build_worker
+from common.worker.service import build_worker, start_listeners
 from protos import scheduler_pb2
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
@@ -13,13 +17,18 @@ from services.scheduler.scheduler import RegistrationError, Scheduler
 
 
 class Cluster:
-    def __init__(self, model_dir, roles_blocks, **sched_kw):
+    def __init__(self, model_dir, roles_blocks, worker_kw=None, **sched_kw):
         self.sched = Scheduler(SchedulerConfig(**sched_kw))
         self.workers = {}
+        self.loop = asyncio.new_event_loop()  # the workers' listeners run here
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
         for i, (role, blocks) in enumerate(roles_blocks):
+            kw = {"kv_transports": ("shm",), **(worker_kw or {})}
             worker, reg = build_worker(WorkerConfig(
                 role=role, model=str(model_dir), worker_id=f"test-{role}-{i}-{id(self)}",
-                num_kv_blocks=blocks, block_size=4))
+                num_kv_blocks=blocks, block_size=4, **kw))
+            self._await(start_listeners(worker, reg))
+            self.registrations = getattr(self, "registrations", []) + [reg]
             self.sched.add_worker(reg)
             self.workers[reg.worker_id] = worker
         self.outputs = {}
@@ -32,9 +41,17 @@ class Cluster:
                 self.sched.transfers_done(wid, self.workers[wid].send_kv(sends))
         self.held.clear()
 
+    def _await(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+
     def close(self):
         for w in self.workers.values():
             w.cache.close()
+            for s in w.senders.values():
+                s.close()
+            for listener in w.listeners.values():
+                self._await(listener.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
     def submit(self, rid, prompt, max_tokens=8, **kw):
         self.outputs[rid] = []

@@ -1,0 +1,255 @@
+"""Any-host transport: asyncio TCP on the receiver, a blocking socket with a deadline on the sender.
+
+A transfer is one or more frames on a connection, then one ack:
+
+    [u32 header length][KVFrameHeader][payload: layers [l0, l1) of the blocks, raw bytes] ...
+    <- [u32 ack length][KVTransferAck]      after the frame marked `last`
+
+The receiver checks every header before it reads the payload: the transfer id must be expected,
+the blocks reserved for it, dtype, shape and byte count must match its cache layout, and with a
+shared secret the header's HMAC must verify. A bad header ends the connection (its payload is
+never read, let alone deserialized: the bytes go straight into tensor memory).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import socket
+import struct
+import time
+
+import torch
+
+from common.kv_transfer.base import (KVListener, KVReceiver, KVSender, KVTransferError,
+                                     TransferConfig)
+from common.worker.kv_cache import KVLayout, PagedKVCache
+from protos import kv_transfer_pb2
+
+log = logging.getLogger(__name__)
+
+SCHEME = "tcp://"
+LEN = struct.Struct("!I")
+MAX_HEADER_BYTES = 1 << 20
+MAX_FRAME_BYTES = 64 << 20
+EXPECT_POLL_S = 0.005
+
+
+def _tag(secret: bytes, header: kv_transfer_pb2.KVFrameHeader) -> bytes:
+    unsigned = kv_transfer_pb2.KVFrameHeader()
+    unsigned.CopyFrom(header)
+    unsigned.ClearField("auth_tag")
+    return hmac.new(secret, unsigned.SerializeToString(deterministic=True), hashlib.sha256).digest()
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    if not endpoint.startswith(SCHEME):
+        raise KVTransferError(f"not a tcp endpoint: {endpoint}")
+    host, _, port = endpoint[len(SCHEME):].rpartition(":")
+    if not host or not port.isdigit():
+        raise KVTransferError(f"malformed tcp endpoint {endpoint}")
+    return host.strip("[]"), int(port)
+
+
+class TcpSender(KVSender):
+    def __init__(self, layout: KVLayout, cfg: TransferConfig):
+        self.layout = layout
+        self.cfg = cfg
+        self._conns: dict[str, socket.socket] = {}
+
+    def send(self, transfer_id, cache, src_block_ids, dst_endpoint, dst_block_ids):
+        if len(src_block_ids) != len(dst_block_ids):
+            raise KVTransferError(f"transfer {transfer_id}: {len(src_block_ids)} source blocks, "
+                                  f"{len(dst_block_ids)} destination blocks")
+        deadline = time.monotonic() + self.cfg.timeout_s
+        try:
+            sock = self._connect(dst_endpoint, deadline)
+            moved = self._send_frames(sock, transfer_id, cache, src_block_ids, dst_block_ids,
+                                      deadline)
+            ack = kv_transfer_pb2.KVTransferAck.FromString(_recv_msg(sock, deadline))
+        except (OSError, ValueError, KVTransferError) as e:
+            self._drop(dst_endpoint)
+            raise KVTransferError(f"transfer {transfer_id} to {dst_endpoint}: {e}") from e
+        if ack.transfer_id != transfer_id or ack.error:
+            self._drop(dst_endpoint)
+            raise KVTransferError(f"transfer {transfer_id} refused: {ack.error or 'wrong ack'}")
+        return moved
+
+    def _send_frames(self, sock, transfer_id, cache, src_block_ids, dst_block_ids,
+                     deadline) -> int:
+        num_layers = self.layout.num_layers
+        per_layer = self.layout.block_bytes // num_layers * len(src_block_ids)
+        step = max(1, MAX_FRAME_BYTES // max(1, per_layer))
+        src = torch.tensor(src_block_ids, dtype=torch.long)
+        moved = 0
+        for l0 in range(0, num_layers, step):
+            l1 = min(num_layers, l0 + step)
+            payload = cache.tensor[l0:l1].index_select(2, src).contiguous()
+            data = payload.view(torch.uint8).numpy().data  # raw bytes, no copy
+            header = kv_transfer_pb2.KVFrameHeader(
+                transfer_id=transfer_id, dst_block_ids=dst_block_ids, layer_start=l0,
+                layer_end=l1, dtype=self.layout.dtype, shape=list(payload.shape),
+                payload_bytes=data.nbytes, last=l1 == num_layers)
+            if self.cfg.secret:
+                header.auth_tag = _tag(self.cfg.secret, header)
+            raw = header.SerializeToString(deterministic=True)
+            _settimeout(sock, deadline)
+            sock.sendall(LEN.pack(len(raw)) + raw)
+            _settimeout(sock, deadline)
+            sock.sendall(data)
+            moved += data.nbytes
+        return moved
+
+    def _connect(self, endpoint: str, deadline: float) -> socket.socket:
+        sock = self._conns.get(endpoint)
+        if sock is None:
+            host, port = parse_endpoint(endpoint)
+            sock = socket.create_connection((host, port), timeout=_remaining(deadline))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conns[endpoint] = sock
+        return sock
+
+    def _drop(self, endpoint: str) -> None:
+        sock = self._conns.pop(endpoint, None)
+        if sock is not None:
+            sock.close()
+
+    def close(self):
+        for endpoint in list(self._conns):
+            self._drop(endpoint)
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise KVTransferError("deadline exceeded")
+    return left
+
+
+def _settimeout(sock: socket.socket, deadline: float) -> None:
+    sock.settimeout(_remaining(deadline))
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        _settimeout(sock, deadline)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise KVTransferError("connection closed by the receiver")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv_msg(sock: socket.socket, deadline: float) -> bytes:
+    (n,) = LEN.unpack(_recv_exact(sock, LEN.size, deadline))
+    if n > MAX_HEADER_BYTES:
+        raise KVTransferError(f"ack of {n} bytes")
+    return _recv_exact(sock, n, deadline)
+
+
+class FrameRejected(Exception):
+    pass
+
+
+class TcpListener(KVListener):
+    def __init__(self, cache: PagedKVCache, receiver: KVReceiver, cfg: TransferConfig):
+        self.cache = cache
+        self.receiver = receiver
+        self.cfg = cfg
+        self.layout = cache.layout
+        self._server: asyncio.base_events.Server | None = None
+        self._port = cfg.tcp_port
+        self._covered: dict[str, set[int]] = {}  # transfer -> blocks written so far
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.cfg.tcp_host, self.cfg.tcp_port)
+        self._port = self._server.sockets[0].getsockname()[1]
+
+    def endpoint(self) -> str:
+        assert self._server is not None, "start() the listener first"
+        host = self.cfg.advertise_host or self.cfg.tcp_host
+        return f"{SCHEME}{host}:{self._port}"
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:
+                try:
+                    raw_len = await reader.readexactly(LEN.size)
+                except asyncio.IncompleteReadError:
+                    return  # the sender closed between transfers
+                await self._frame(reader, writer, LEN.unpack(raw_len)[0])
+        except FrameRejected as e:
+            log.warning("KV frame from %s rejected: %s", peer, e)
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError) as e:
+            log.warning("KV connection from %s broken: %r", peer, e)
+        finally:
+            writer.close()
+
+    async def _frame(self, reader, writer, header_len: int) -> None:
+        timeout = self.cfg.timeout_s
+        if header_len > MAX_HEADER_BYTES:
+            raise FrameRejected(f"header of {header_len} bytes")
+        header = kv_transfer_pb2.KVFrameHeader.FromString(
+            await asyncio.wait_for(reader.readexactly(header_len), timeout))
+        try:
+            blocks, shape = await self._check(header)
+        except FrameRejected as e:
+            await self._ack(writer, header.transfer_id, str(e))
+            raise
+        payload = bytearray(await asyncio.wait_for(reader.readexactly(header.payload_bytes),
+                                                   timeout))
+        tensor = torch.frombuffer(payload, dtype=self.layout.torch_dtype).view(shape)
+        dst = torch.tensor(list(header.dst_block_ids), dtype=torch.long)
+        await asyncio.to_thread(self.cache.tensor[header.layer_start:header.layer_end]
+                                .index_copy_, 2, dst, tensor)
+        if header.last:
+            covered = self._covered.pop(header.transfer_id, set()) | set(header.dst_block_ids)
+            if covered != set(blocks):
+                await self._ack(writer, header.transfer_id, "not every reserved block was sent")
+                raise FrameRejected(f"transfer {header.transfer_id} incomplete")
+            self.receiver.mark_received(header.transfer_id)
+            await self._ack(writer, header.transfer_id, "")
+        else:
+            self._covered.setdefault(header.transfer_id, set()).update(header.dst_block_ids)
+
+    async def _check(self, h: kv_transfer_pb2.KVFrameHeader) -> tuple[tuple[int, ...], tuple]:
+        if self.cfg.secret and not hmac.compare_digest(h.auth_tag, _tag(self.cfg.secret, h)):
+            raise FrameRejected("bad authentication tag")
+        blocks = await self._wait_expected(h.transfer_id)
+        lay = self.layout
+        shape = (h.layer_end - h.layer_start, 2, len(h.dst_block_ids), lay.block_size,
+                 lay.num_kv_heads, lay.head_dim)
+        elem = torch.empty((), dtype=lay.torch_dtype).element_size()
+        if not set(h.dst_block_ids) <= set(blocks) or len(set(h.dst_block_ids)) != len(h.dst_block_ids):
+            raise FrameRejected(f"transfer {h.transfer_id}: blocks outside its reservation")
+        if not 0 <= h.layer_start < h.layer_end <= lay.num_layers:
+            raise FrameRejected(f"layers [{h.layer_start}, {h.layer_end}) out of range")
+        if h.dtype != lay.dtype or tuple(h.shape) != shape:
+            raise FrameRejected(f"{h.dtype}{list(h.shape)} does not match the cache's "
+                                f"{lay.dtype}{list(shape)}")
+        if h.payload_bytes != elem * torch.Size(shape).numel():
+            raise FrameRejected(f"{h.payload_bytes} payload bytes for shape {list(shape)}")
+        return blocks, shape
+
+    async def _wait_expected(self, transfer_id: str) -> tuple[int, ...]:
+        """The sender may be faster than our step thread registering the expectation."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while (blocks := self.receiver.expected_blocks(transfer_id)) is None:
+            if time.monotonic() > deadline:
+                raise FrameRejected(f"transfer {transfer_id} is not expected")
+            await asyncio.sleep(EXPECT_POLL_S)
+        return blocks
+
+    async def _ack(self, writer, transfer_id: str, error: str) -> None:
+        raw = kv_transfer_pb2.KVTransferAck(transfer_id=transfer_id, error=error).SerializeToString()
+        writer.write(LEN.pack(len(raw)) + raw)
+        await writer.drain()
