@@ -79,7 +79,7 @@ class AttentionMetadata:
                    _group_decodes(tables, seq_lens, block_size), *_varlen_prefills(chunks))
 
     def to(self, device: torch.device | str) -> "AttentionMetadata":
-        """The same metadata with every tensor on `device`: one copy per step, before the forward."""
+        """The same metadata with every tensor on `device`: one copy per step, before forward."""
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
         return replace(

@@ -31,7 +31,8 @@ class ModelOps(ABC):
         caches; every layer's `rope` reuses it."""
 
     @abstractmethod
-    def rope(self, q: torch.Tensor, k: torch.Tensor, step: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, q: torch.Tensor, k: torch.Tensor,
+             step: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Neox rotation of q [num_tokens, heads, dim] and k [num_tokens, kv_heads, dim]; may
         rotate them in place."""
 

@@ -17,6 +17,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks already in the prefix cache
+        # prefix-cache lookups that led to an allocation, in tokens (vLLM's units for metrics)
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -60,6 +63,9 @@ class KVCacheManager:
             return None
         held = self._blocks.get(request_id)
         if held is None:
+            if self.pool.enable_caching:
+                self.num_queried_tokens += num_tokens
+                self.num_hit_tokens += len(prefix) * self.block_size
             self.pool.touch(list(prefix))
             held = self._blocks[request_id] = list(prefix)
             self._num_registered[request_id] = len(prefix)

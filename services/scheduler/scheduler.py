@@ -156,7 +156,12 @@ class Scheduler:
         has_prefill = any(p.role == "prefill" for p in self.workers.values())
         if w.role == "prefill":
             return any(d.role == "decode" for d in self.workers.values())
-        return not has_prefill or self.config.prefill_bypass_threshold > 0
+        return (not has_prefill or self.config.prefill_bypass_threshold > 0
+                or any(r.prefill_locally for r in itertools.islice(self.waiting, self._lookahead)))
+
+    @property
+    def _lookahead(self) -> int:
+        return self.config.max_num_partial_prefills + ADMISSION_LOOKAHEAD
 
     def schedule(self, worker_id: str) -> worker_pb2.StepPlan | None:
         w = self.workers[worker_id]
@@ -220,8 +225,7 @@ class Scheduler:
                 budget -= self._schedule_chunk(w, plan, req, budget)
         if not self._admits(w):
             return
-        lookahead = self.config.max_num_partial_prefills + ADMISSION_LOOKAHEAD
-        for req in list(itertools.islice(self.waiting, lookahead)):
+        for req in list(itertools.islice(self.waiting, self._lookahead)):
             if budget <= 0 or self._num_seqs(w) >= self.config.max_num_seqs:
                 return
             verdict = self._try_admit(w, plan, req, budget)

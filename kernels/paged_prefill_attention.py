@@ -1,0 +1,127 @@
+"""Causal prefill attention of a variable-length batch over the paged KV cache.
+
+Reference: `kernels.reference.prefill_attention`, once per sequence. The chunk's own keys and
+values must already be in the cache (`reshape_and_cache` first): every key is then read through
+the block table, cached prefix and new chunk alike. For sequence i:
+
+    positions   [0, num_cached[i])  |  [num_cached[i], num_cached[i] + q_len[i])
+                cached prefix          this chunk: q rows query_start_loc[i] .. query_start_loc[i+1]
+
+A query at position p sees keys [0, p]. A program owns BLOCK_M query rows of one sequence and one
+query head, and walks the keys up to its last row's position (flash attention, online softmax).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_decode_attention import dot_precision
+
+BLOCK_M = 64
+BLOCK_N = 64              # 32 for fp32, whose tiles would outgrow ~100 KB of shared memory
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,                       # [num_tokens, num_heads, head_dim]
+    cache_ptr,                   # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    table_ptr,                   # [num_seqs, max_blocks]
+    query_start_ptr,             # [num_seqs + 1]
+    num_cached_ptr,              # [num_seqs]
+    out_ptr,                     # [num_tokens, num_heads, head_dim]
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
+    stride_ckv, stride_cb, stride_cs, stride_ch,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return  # the grid is sized for the longest chunk
+    num_cached = tl.load(num_cached_ptr + seq)
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)                  # rows of the chunk
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < q_len
+    q_pos = num_cached + offs_m                                           # [BLOCK_M]
+
+    # load q: it stays in registers for the whole loop                   # [BLOCK_M, HEAD_DIM]
+    rows = (q_start + offs_m)[:, None]
+    q = tl.load(q_ptr + rows * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    k_base = cache_ptr + kv_head * stride_ch
+    v_base = k_base + stride_ckv
+
+    # causal: nothing past this tile's last query position
+    kv_end = tl.minimum(num_cached + q_len, num_cached + (m_block + 1) * BLOCK_M)
+    for tile in range(0, kv_end, BLOCK_N):
+        pos = tile + offs_n                                               # [BLOCK_N]
+        n_mask = pos < kv_end
+        block = tl.load(table_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=n_mask, other=0)
+        row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+        k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))   # also masks pos >= kv_end
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]  # every row sees at least key 0
+    tl.store(out_ptr + rows * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start_loc: torch.Tensor, num_cached: torch.Tensor,
+                            max_query_len: int, scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim], the chunks one after another; block_tables:
+    [num_seqs, max_blocks]; query_start_loc: [num_seqs + 1] (0 first, num_tokens last);
+    num_cached: [num_seqs]; max_query_len: the longest chunk, a host int (sizes the grid without
+    a device sync). Returns [num_tokens, num_heads, head_dim]."""
+    _, num_heads, head_dim = q.shape
+    two, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
+    num_seqs = num_cached.shape[0]
+    assert two == 2 and cache_dim == head_dim, (
+        f"cache {tuple(kv_cache.shape)} vs q {tuple(q.shape)}")
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads over {num_kv_heads} kv heads"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, (
+        f"block_tables {tuple(block_tables.shape)} for {num_seqs} sequences")
+    assert query_start_loc.shape == (num_seqs + 1,), (
+        f"query_start_loc {tuple(query_start_loc.shape)} for {num_seqs} sequences")
+    assert q.dtype == kv_cache.dtype, f"q {q.dtype} != cache {kv_cache.dtype}"
+    assert not any(t.dtype.is_floating_point for t in (block_tables, query_start_loc, num_cached))
+    assert q.stride(-1) == kv_cache.stride(-1) == 1, "head_dim must be contiguous"
+    assert block_tables.stride(1) == 1 and query_start_loc.stride(0) == num_cached.stride(0) == 1
+    assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, f"head_dim {head_dim} unsupported"
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    grid = (triton.cdiv(max_query_len, BLOCK_M), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, kv_cache, block_tables, query_start_loc, num_cached, out,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N if q.element_size() < 4 else BLOCK_N // 2,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4 if head_dim <= 64 else 8,
+    )
+    return out

@@ -1,0 +1,156 @@
+"""KV transports moving real blocks between two caches: exact bytes, validation, deadlines."""
+import asyncio
+import socket
+import struct
+import threading
+
+import pytest
+import torch
+
+from common.kv_transfer.base import KVReceiver, KVTransferError, TransferConfig
+from common.kv_transfer.shm import ShmListener, ShmSender
+from common.kv_transfer.tcp import TcpListener, TcpSender
+from common.worker.kv_cache import KVLayout, PagedKVCache
+from protos import kv_transfer_pb2
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(5)
+
+
+def run(loop, coro):
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+
+def caches(name):
+    src = PagedKVCache(LAYOUT, 10)
+    src.tensor.copy_(torch.randn(src.tensor.shape))
+    dst = PagedKVCache(LAYOUT, 8, shm_name=f"pdserve-kv-test-{name}-{id(src)}")
+    return src, dst
+
+
+@pytest.fixture
+def tcp(loop):
+    made = []
+
+    def make(secret=b"", sender_secret=None, timeout=5.0):
+        src, dst = caches("tcp")
+        receiver = KVReceiver()
+        listener = TcpListener(dst, receiver, TransferConfig(timeout_s=timeout, secret=secret))
+        run(loop, listener.start())
+        sender = TcpSender(LAYOUT, TransferConfig(
+            timeout_s=timeout, secret=secret if sender_secret is None else sender_secret))
+        made.append((listener, sender, dst))
+        return src, dst, receiver, listener, sender
+    yield make
+    for listener, sender, dst in made:
+        sender.close()
+        run(loop, listener.close())
+        dst.close()
+
+
+def test_tcp_moves_exact_blocks_and_nothing_else(tcp):
+    src, dst, receiver, listener, sender = tcp()
+    before = dst.tensor.clone()
+    receiver.expect("t1", "r1", [5, 2, 7], transport="tcp")
+    moved = sender.send("t1", src, [1, 3, 9], listener.endpoint(), [5, 2, 7])
+    assert moved == 3 * LAYOUT.block_bytes
+    for s, d in zip([1, 3, 9], [5, 2, 7]):
+        assert torch.equal(dst.tensor[:, :, d], src.tensor[:, :, s])
+    untouched = [b for b in range(8) if b not in (5, 2, 7)]
+    assert torch.equal(dst.tensor[:, :, untouched], before[:, :, untouched])
+    assert receiver.complete("t1", [0, 5, 2, 7]) == 3
+    # the connection is reused for the next transfer
+    receiver.expect("t2", "r2", [0], transport="tcp")
+    sender.send("t2", src, [4], listener.endpoint(), [0])
+    assert torch.equal(dst.tensor[:, :, 0], src.tensor[:, :, 4])
+
+
+def test_tcp_completion_needs_the_data(tcp):
+    src, dst, receiver, listener, sender = tcp()
+    receiver.expect("t1", "r1", [1], transport="tcp")
+    with pytest.raises(KVTransferError, match="never arrived"):
+        receiver.complete("t1", [1])
+
+
+def test_tcp_refuses_unexpected_transfers_and_foreign_blocks(tcp):
+    src, dst, receiver, listener, sender = tcp(timeout=0.5)
+    before = dst.tensor.clone()
+    with pytest.raises(KVTransferError):
+        sender.send("nobody-expects-me", src, [1], listener.endpoint(), [1])
+    receiver.expect("t1", "r1", [2, 3], transport="tcp")
+    with pytest.raises(KVTransferError, match="outside its reservation"):
+        sender.send("t1", src, [1, 2], listener.endpoint(), [3, 4])
+    assert torch.equal(dst.tensor, before)
+
+
+def test_tcp_refuses_a_wrong_secret(tcp):
+    src, dst, receiver, listener, sender = tcp(secret=b"right", sender_secret=b"wrong")
+    before = dst.tensor.clone()
+    receiver.expect("t1", "r1", [1], transport="tcp")
+    with pytest.raises(KVTransferError, match="authentication"):
+        sender.send("t1", src, [1], listener.endpoint(), [1])
+    assert torch.equal(dst.tensor, before)
+
+
+def test_tcp_refuses_a_header_whose_shape_lies(tcp):
+    src, dst, receiver, listener, sender = tcp()
+    receiver.expect("t1", "r1", [1], transport="tcp")
+    header = kv_transfer_pb2.KVFrameHeader(
+        transfer_id="t1", dst_block_ids=[1], layer_start=0, layer_end=3, dtype="float32",
+        shape=[3, 2, 1, 4, 2, 16], payload_bytes=3 * 2 * 4 * 2 * 16 * 4, last=True)
+    raw = header.SerializeToString()
+    host, port = listener.endpoint()[len("tcp://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(struct.pack("!I", len(raw)) + raw)
+        n = struct.unpack("!I", s.recv(4))[0]
+        ack = kv_transfer_pb2.KVTransferAck.FromString(s.recv(n))
+    assert "does not match" in ack.error
+
+
+def test_tcp_sender_gives_up_at_its_deadline():
+    """A peer that accepts and then says nothing: the sender fails within its deadline."""
+    src, dst = caches("stall")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    sender = TcpSender(LAYOUT, TransferConfig(timeout_s=0.5))
+    try:
+        with pytest.raises(KVTransferError, match="timed out|deadline"):
+            sender.send("t1", src, [1], f"tcp://127.0.0.1:{server.getsockname()[1]}", [1])
+    finally:
+        sender.close()
+        server.close()
+        dst.close()
+
+
+def test_tcp_sender_reports_a_refused_connection():
+    src, dst = caches("refused")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    sender = TcpSender(LAYOUT, TransferConfig(timeout_s=2))
+    with pytest.raises(KVTransferError):
+        sender.send("t1", src, [1], f"tcp://127.0.0.1:{port}", [1])
+    dst.close()
+
+
+def test_shm_moves_exact_blocks():
+    src, dst = caches("shm")
+    try:
+        sender = ShmSender(LAYOUT)
+        sender.send("t1", src, [0, 9], ShmListener(dst).endpoint(), [6, 1])
+        assert torch.equal(dst.tensor[:, :, [6, 1]], src.tensor[:, :, [0, 9]])
+        with pytest.raises(KVTransferError, match="out of range"):
+            sender.send("t2", src, [0], ShmListener(dst).endpoint(), [8])
+    finally:
+        dst.close()
