@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 
+from common import metrics, tracing
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.server import create_server
 
@@ -51,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="beyond this many queued requests new ones get 429; 0: unbounded")
     p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
                    help="seconds a worker may take for one step before it is dropped")
+    metrics.add_arguments(p)
+    tracing.add_arguments(p)
 
 
 def config_from_args(args) -> SchedulerConfig:
@@ -67,10 +70,17 @@ def config_from_args(args) -> SchedulerConfig:
                            max_waiting_requests=args.max_waiting_requests)
 
 
-async def serve(config: SchedulerConfig) -> None:
-    server, port, _ = await create_server(config)
+async def serve(config: SchedulerConfig, metrics_host: str = "127.0.0.1",
+                metrics_port: int = 0) -> None:
+    server, port, service = await create_server(config)
     log.info("scheduler listening on %s:%d", config.host, port)
     print(f"pdserve scheduler listening on {config.host}:{port}", flush=True)
+    if metrics_port:
+        await metrics.start_metrics_server(service.telemetry.registry, metrics_host,
+                                           metrics_port)
+        service.telemetry.metrics_on = True
+        print(f"pdserve scheduler metrics on http://{metrics_host}:{metrics_port}/metrics",
+              flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -80,5 +90,6 @@ async def serve(config: SchedulerConfig) -> None:
 
 
 def run(args) -> int:
-    asyncio.run(serve(config_from_args(args)))
+    tracing.setup_tracing("pdserve-scheduler", args.otlp_traces_endpoint)
+    asyncio.run(serve(config_from_args(args), args.metrics_host, args.metrics_port))
     return 0

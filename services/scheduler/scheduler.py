@@ -149,7 +149,12 @@ class Scheduler:
         if w is None or not w.is_idle:
             return False
         return bool(w.to_drop or w.recvs or w.prefilling or w.decoding or w.arrivals
-                    or (len(self.waiting) and self._admits(w)))
+                    or (len(self.waiting) and self._admits(w)) or self._sendable(w))
+
+    def _sendable(self, w: WorkerState) -> list[Transfer]:
+        """Transfers w may start now: computed, and the receiver expects them."""
+        return [t for t in self.transfers.values() if t.src is w and t.computed
+                and t.receiver_ready and not t.ordered and not t.cancelled]
 
     def _admits(self, w: WorkerState) -> bool:
         """Whether w may take requests from the waiting queue."""
@@ -168,15 +173,19 @@ class Scheduler:
         assert w.is_idle, f"worker {worker_id} already runs a step"
         plan = worker_pb2.StepPlan(step_id=next(self._ids))
         budget = self.config.max_num_batched_tokens
+        for t in self._sendable(w):
+            self._order_send(plan, t)
         if w.role == "decode":
             budget -= self._schedule_decodes(w, plan)
         self._schedule_prefills(w, plan, budget)
         # last: planning above may preempt; the worker drops before it adds
         plan.finished_request_ids.extend(w.to_drop)
         plan.recvs.extend(w.recvs)
+        w.recvs_in_step = [r.transfer_id for r in w.recvs]
         w.to_drop.clear()
         w.recvs.clear()
-        if not (plan.scheduled or plan.finished_request_ids or plan.recvs or plan.new_requests):
+        if not (plan.scheduled or plan.finished_request_ids or plan.recvs or plan.new_requests
+                or plan.sends):
             return None
         w.inflight = {s.request_id for s in plan.scheduled}
         return plan
@@ -315,12 +324,20 @@ class Scheduler:
         self._cache(w, req, req.num_computed_tokens)
         if req.num_computed_tokens == req.num_tokens and req.transfer_id:
             t = self.transfers[req.transfer_id]
-            t.ordered = True
-            plan.sends.add(transfer_id=req.transfer_id, request_id=req.request_id,
-                           src_block_ids=w.kv.get_block_ids(req.request_id)[t.skip:],
-                           dst_block_ids=t.dst.kv.get_block_ids(req.request_id)[t.skip:],
-                           dst_endpoint=t.dst.endpoints[t.transport], transport=t.transport)
+            t.computed = True
+            if t.receiver_ready:  # else a later plan orders it, once the receiver expects it
+                self._order_send(plan, t)
         return n
+
+    def _order_send(self, plan: worker_pb2.StepPlan, t: Transfer) -> None:
+        """The send runs after the plan's compute; from here on, blocks on both sides stay in
+        use until the sender reports it done."""
+        rid = t.request.request_id
+        t.ordered = True
+        plan.sends.add(transfer_id=t.request.transfer_id, request_id=rid,
+                       src_block_ids=t.src.kv.get_block_ids(rid)[t.skip:],
+                       dst_block_ids=t.dst.kv.get_block_ids(rid)[t.skip:],
+                       dst_endpoint=t.dst.endpoints[t.transport], transport=t.transport)
 
     def _hashes(self, req: Request) -> list[bytes]:
         if len(req.block_hashes) < req.num_tokens // self.block_size:
@@ -359,6 +376,10 @@ class Scheduler:
             return []
         ran, w.inflight = w.inflight or set(), None
         w.counters.CopyFrom(result.counters)
+        for tid in w.recvs_in_step:
+            if tid in self.transfers:
+                self.transfers[tid].receiver_ready = True
+        w.recvs_in_step = []
         outputs: list[Output] = []
         for err in result.errors:
             req = self._current(w, err.request_id, ran)

@@ -8,24 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 import grpc
 
+from common import tracing
 from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Output, Request
 from services.scheduler.scheduler import QueueFull, RegistrationError, Scheduler
+from services.scheduler.telemetry import SchedulerTelemetry
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 5.0
+TRACED_METHODS = ("Generate", "Abort")  # not Attach: one span as long as a worker's life
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.WorkerControlServicer):
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.scheduler = Scheduler(config)
+        self.telemetry = SchedulerTelemetry(self.scheduler)
         self._streams: dict[str, asyncio.Queue[Output]] = {}
         self._wake: dict[str, asyncio.Event] = {}
 
@@ -56,15 +61,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         queue: asyncio.Queue[Output] = asyncio.Queue()
         self._streams[rid] = queue
+        self.telemetry.on_generate(req)
         self._wake_all()
+        num_output_tokens = 0
         try:
             while True:
                 out = await queue.get()
+                num_output_tokens += len(out.token_ids)
+                if out.finish_reason:
+                    self.telemetry.on_finish(out, num_output_tokens)
                 yield _to_response(out)
                 if out.finish_reason:
                     return
         finally:  # finished, or the caller went away (cancellation lands here too)
             self._streams.pop(rid, None)
+            self.telemetry.on_end(rid)
             if self.scheduler.abort(rid) is not None:
                 log.info("request %s aborted: its stream closed", rid)
                 self._wake_all()
@@ -148,6 +159,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             wake.clear()
             if gone.is_set():
                 return
+            planned_at = time.time()
             plan = self.scheduler.schedule(wid) if self.scheduler.has_work(wid) else None
             if plan is None:
                 try:
@@ -155,6 +167,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 except asyncio.TimeoutError:
                     pass
                 continue
+            self.telemetry.on_plan(wid, plan, planned_at)
             await context.write(worker_pb2.SchedulerMessage(plan=plan))
             try:
                 msg = await asyncio.wait_for(results.get(), self.config.step_timeout_s)
@@ -180,7 +193,8 @@ def _to_response(out: Output) -> scheduler_pb2.GenerateResponse:
 
 async def create_server(config: SchedulerConfig) -> tuple[grpc.aio.Server, int, SchedulerService]:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+                                      ("grpc.max_send_message_length", 64 << 20)],
+                             interceptors=tracing.aio_server_interceptors(TRACED_METHODS))
     service = SchedulerService(config)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     worker_pb2_grpc.add_WorkerControlServicer_to_server(service, server)

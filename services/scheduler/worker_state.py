@@ -27,6 +27,7 @@ class WorkerState:
     known: set[str] = field(default_factory=set)           # requests whose state the worker holds
     to_drop: list[str] = field(default_factory=list)
     recvs: list[worker_pb2.KVRecv] = field(default_factory=list)
+    recvs_in_step: list[str] = field(default_factory=list)  # transfer ids its running step expects
     inflight: set[str] | None = None                       # requests of the running step
     frees_after_step: list[list[int]] = field(default_factory=list)  # blocks its step uses
     counters: worker_pb2.WorkerCounters = field(default_factory=worker_pb2.WorkerCounters)
@@ -43,6 +44,8 @@ class Transfer:
     dst: WorkerState
     transport: str = ""
     skip: int = 0            # leading blocks the receiver has cached: they do not travel
+    computed: bool = False   # the sender's step computing the last chunk is planned
+    receiver_ready: bool = False  # the receiver ran the step that registered the expectation
     ordered: bool = False    # the send is in a plan: blocks on both sides are in use until done
     cancelled: bool = False  # its request moved on; only the blocks below still wait for done
     frees: list[tuple[WorkerState, list[int]]] = field(default_factory=list)

@@ -374,3 +374,29 @@ def test_preemption_takes_the_least_important_request(cluster):
     # the urgent one was never the victim: its tokens never had to be recomputed
     assert len(c.tokens("urgent")) == 12 == len(c.tokens("relaxed"))
     c.assert_all_free()
+
+
+def test_kv_over_tcp_matches_hf(cluster, hf):
+    c = cluster([("prefill", 64), ("decode", 64)], worker_kw={"kv_transports": ("tcp",)})
+    prompts = {f"t{n}": _prompt(n, 300 + n) for n in (3, 17, 40)}
+    for rid, p in prompts.items():
+        c.submit(rid, p, max_tokens=6)
+    c.run()
+    for rid, p in prompts.items():
+        assert c.tokens(rid) == _greedy(hf, p, 6), rid
+    p, d = _by_role(c, "prefill"), _by_role(c, "decode")
+    assert p.counters.kv_blocks_sent == d.counters.kv_blocks_received > 0
+    c.assert_all_free()
+
+
+def test_broken_tcp_transfer_is_recomputed_on_the_decode_worker(cluster, hf):
+    c = cluster([("prefill", 64), ("decode", 64)],
+                worker_kw={"kv_transports": ("tcp",), "kv_transfer_timeout_s": 2.0})
+    d = _by_role(c, "decode")
+    c._await(c.workers[d.worker_id].listeners["tcp"].close())  # nothing listens any more
+    prompt = _prompt(21, 400)
+    c.submit("a", prompt, max_tokens=6)
+    c.run()
+    assert c.tokens("a") == _greedy(hf, prompt, 6)
+    assert d.counters.prompt_tokens_computed == 21  # the whole prompt, recomputed there
+    c.assert_all_free()

@@ -1,0 +1,149 @@
+"""The scheduler's metrics and spans, fed by server.py; the policy (scheduler.py) never sees them.
+
+Metrics: gauges and counters are read from the scheduler's state when /metrics is scraped (no
+per-step cost); request_queue_time_seconds is observed when a request is first admitted.
+
+Spans, under the request's span (the gRPC server span of Generate):
+
+    scheduler.queue      arrival -> first admission
+    scheduler.placement  the planning call that admitted it; the chosen workers and transport
+
+The request's span context is injected into every NewRequest the workers get (trace_context),
+so that their spans join the same trace.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from common import tracing
+from common.metrics import LATENCY_BUCKETS, PREFIX
+from protos import worker_pb2
+from services.scheduler.request import Output, Request
+from services.scheduler.scheduler import Scheduler
+
+
+@dataclass
+class _Tracked:
+    arrival_wall: float
+    arrival: float                          # monotonic
+    carrier: dict[str, str] = field(default_factory=dict)
+    span: object = None                     # the request's span (tracing on)
+    context: object = None                  # ... as the parent of the spans made here
+    admitted: bool = False
+
+
+class SchedulerTelemetry:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.registry = CollectorRegistry()
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Histogram of time spent in the waiting queue before first admission, in seconds.",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_StateCollector(scheduler))
+        self.metrics_on = False                 # set when a /metrics server runs
+        self._tracked: dict[str, _Tracked] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.metrics_on or tracing.enabled()
+
+    def on_generate(self, req: Request) -> None:
+        """In the Generate handler, with the request's span current."""
+        if not self.active:
+            return
+        t = _Tracked(time.time(), time.monotonic())
+        if tracing.enabled():
+            span = tracing.current_span()
+            span.set_attributes({"pdserve.request_id": req.request_id,
+                                 "pdserve.prompt_tokens": len(req.prompt_token_ids),
+                                 "pdserve.max_tokens": req.max_tokens,
+                                 "pdserve.priority": req.priority})
+            t.span, t.context = span, tracing.context_of(span)
+            tracing.inject(t.carrier)
+        self._tracked[req.request_id] = t
+
+    def on_plan(self, worker_id: str, plan: worker_pb2.StepPlan | None,
+                planned_at: float) -> None:
+        """Before the plan goes out: context into its new requests; first admissions."""
+        if plan is None or not self._tracked:
+            return
+        for new in plan.new_requests:
+            t = self._tracked.get(new.request_id)
+            if t is None:
+                continue
+            if t.carrier:
+                new.trace_context.update(t.carrier)
+            if new.kv_transfer_id or t.admitted:
+                continue  # the decode worker taking over, or a request re-queued and resumed
+            t.admitted = True
+            if self.metrics_on:
+                self.queue_time.observe(time.monotonic() - t.arrival)
+            if t.context is not None:
+                self._trace_admission(worker_id, new, t, planned_at)
+
+    def _trace_admission(self, worker_id: str, new: worker_pb2.NewRequest, t: _Tracked,
+                         planned_at: float) -> None:
+        now = time.time()
+        tracing.record_span("scheduler.queue", t.arrival_wall, planned_at, t.context)
+        req = self.scheduler.requests.get(new.request_id)
+        if req is None:
+            return
+        transfer = self.scheduler.transfers.get(req.transfer_id) if req.transfer_id else None
+        attrs = {"pdserve.prefill_worker": req.prefill_worker or worker_id,
+                 "pdserve.decode_worker": req.decode_worker or worker_id,
+                 "pdserve.cached_tokens": new.num_computed_tokens,
+                 "pdserve.transport": getattr(transfer, "transport", "") if transfer else "",
+                 "pdserve.disaggregated": transfer is not None}
+        tracing.record_span("scheduler.placement", planned_at, now, t.context, attrs)
+        t.span.set_attributes(attrs)
+
+    def on_finish(self, out: Output, num_output_tokens: int) -> None:
+        t = self._tracked.get(out.request_id)
+        if t is None or t.span is None:
+            return
+        t.span.set_attributes({
+            "pdserve.output_tokens": num_output_tokens,
+            "pdserve.cached_tokens": out.num_cached_tokens,
+            "pdserve.finish_reason": out.finish_reason})
+
+    def on_end(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+
+
+class _StateCollector:
+    """Gauges and counters read from the scheduler at scrape time."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self):
+        s = self.scheduler
+        yield GaugeMetricFamily(PREFIX + "num_requests_running",
+                                "Number of requests admitted (prefilling, transferring or "
+                                "decoding).", value=s.num_running)
+        yield GaugeMetricFamily(PREFIX + "num_requests_waiting",
+                                "Number of requests waiting to be admitted.", value=len(s.waiting))
+        yield CounterMetricFamily(PREFIX + "num_preemptions",
+                                  "Cumulative number of preemptions.", value=s.num_preemptions)
+        labels = ["worker_id", "role"]
+        usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
+                                  "KV-cache usage of a worker: 1 means 100 percent.",
+                                  labels=labels)
+        queries = CounterMetricFamily(PREFIX + "prefix_cache_queries",
+                                      "Prefix cache queries, in queried tokens.", labels=labels)
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_hits",
+                                   "Prefix cache hits, in cached tokens.", labels=labels)
+        running = GaugeMetricFamily(PREFIX + "worker_num_requests",
+                                    "Requests holding KV blocks on a worker.", labels=labels)
+        for w in list(s.workers.values()):
+            key = [w.worker_id, w.role]
+            usage.add_metric(key, 1.0 - w.kv.num_free_blocks / w.kv.num_blocks)
+            queries.add_metric(key, w.kv.num_queried_tokens)
+            hits.add_metric(key, w.kv.num_hit_tokens)
+            running.add_metric(key, len(w.kv.request_ids()))
+        yield from (usage, queries, hits, running)
