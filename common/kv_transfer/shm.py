@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from common.kv_transfer.base import KVListener, KVSender, KVTransferError
-from common.worker.kv_cache import SHM_DIR, KVLayout, PagedKVCache, map_shared
+from common.worker.kv_cache import SHM_DIR, KVLayout, PagedKVCache, copy_blocks, map_shared
 
 SCHEME = "shm://"
 
@@ -45,11 +45,8 @@ class ShmSender(KVSender):
         num_blocks = peer.shape[2]
         if any(not 0 <= b < num_blocks for b in dst_block_ids):
             raise KVTransferError(f"transfer {transfer_id}: destination block out of range")
-        src = torch.tensor(src_block_ids, dtype=torch.long)
-        dst = torch.tensor(dst_block_ids, dtype=torch.long)
-        blocks = cache.tensor.index_select(2, src)
-        peer.index_copy_(2, dst, blocks)
-        return blocks.numel() * blocks.element_size()
+        copy_blocks(peer, dst_block_ids, cache.tensor, src_block_ids)
+        return len(src_block_ids) * self.layout.block_bytes
 
     def close(self):
         self._peers.clear()

@@ -24,7 +24,7 @@ import torch
 
 from common.kv_transfer.base import (KVListener, KVReceiver, KVSender, KVTransferError,
                                      TransferConfig)
-from common.worker.kv_cache import KVLayout, PagedKVCache
+from common.worker.kv_cache import KVLayout, PagedKVCache, copy_blocks
 from protos import kv_transfer_pb2
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class TcpSender(KVSender):
         self.layout = layout
         self.cfg = cfg
         self._conns: dict[str, socket.socket] = {}
+        self._buf: torch.Tensor | None = None
 
     def send(self, transfer_id, cache, src_block_ids, dst_endpoint, dst_block_ids):
         if len(src_block_ids) != len(dst_block_ids):
@@ -81,11 +82,12 @@ class TcpSender(KVSender):
         num_layers = self.layout.num_layers
         per_layer = self.layout.block_bytes // num_layers * len(src_block_ids)
         step = max(1, MAX_FRAME_BYTES // max(1, per_layer))
-        src = torch.tensor(src_block_ids, dtype=torch.long)
         moved = 0
         for l0 in range(0, num_layers, step):
             l1 = min(num_layers, l0 + step)
-            payload = cache.tensor[l0:l1].index_select(2, src).contiguous()
+            layers = cache.tensor[l0:l1]
+            payload = self._staging(layers.shape[:2] + (len(src_block_ids),) + layers.shape[3:])
+            copy_blocks(payload, range(len(src_block_ids)), layers, src_block_ids)
             data = payload.view(torch.uint8).numpy().data  # raw bytes, no copy
             header = kv_transfer_pb2.KVFrameHeader(
                 transfer_id=transfer_id, dst_block_ids=dst_block_ids, layer_start=l0,
@@ -100,6 +102,13 @@ class TcpSender(KVSender):
             sock.sendall(data)
             moved += data.nbytes
         return moved
+
+    def _staging(self, shape) -> torch.Tensor:
+        """A reused buffer for a frame's payload (fresh memory per frame costs page faults)."""
+        numel = torch.Size(shape).numel()
+        if self._buf is None or self._buf.numel() < numel:
+            self._buf = torch.empty(numel, dtype=self.layout.torch_dtype)
+        return self._buf[:numel].view(shape)
 
     def _connect(self, endpoint: str, deadline: float) -> socket.socket:
         sock = self._conns.get(endpoint)
@@ -153,71 +162,125 @@ class FrameRejected(Exception):
     pass
 
 
+class _Conn:
+    """One sender's connection, read with recv_into straight into reusable memory."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float):
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.timeout_s = timeout_s
+        self.buf = bytearray()
+
+    async def read_into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = await asyncio.wait_for(self.loop.sock_recv_into(self.sock, view[got:]),
+                                       self.timeout_s)
+            if n == 0:
+                raise ConnectionError("the sender closed the connection mid-frame")
+            got += n
+
+    async def read(self, n: int) -> memoryview:
+        """n bytes in the connection's buffer (valid until the next read)."""
+        if len(self.buf) < n:
+            self.buf = bytearray(n)
+        view = memoryview(self.buf)[:n]
+        await self.read_into(view)
+        return view
+
+    async def write(self, data: bytes) -> None:
+        await asyncio.wait_for(self.loop.sock_sendall(self.sock, data), self.timeout_s)
+
+
 class TcpListener(KVListener):
     def __init__(self, cache: PagedKVCache, receiver: KVReceiver, cfg: TransferConfig):
         self.cache = cache
         self.receiver = receiver
         self.cfg = cfg
         self.layout = cache.layout
-        self._server: asyncio.base_events.Server | None = None
-        self._port = cfg.tcp_port
+        self._sock: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()
         self._covered: dict[str, set[int]] = {}  # transfer -> blocks written so far
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.cfg.tcp_host, self.cfg.tcp_port)
-        self._port = self._server.sockets[0].getsockname()[1]
+        info = socket.getaddrinfo(self.cfg.tcp_host, self.cfg.tcp_port, type=socket.SOCK_STREAM)
+        family, _, _, _, addr = info[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(64)
+        sock.setblocking(False)
+        self._sock = sock
+        self._spawn(self._accept())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def endpoint(self) -> str:
-        assert self._server is not None, "start() the listener first"
+        assert self._sock is not None, "start() the listener first"
         host = self.cfg.advertise_host or self.cfg.tcp_host
-        return f"{SCHEME}{host}:{self._port}"
+        return f"{SCHEME}{host}:{self._sock.getsockname()[1]}"
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, peer = await loop.sock_accept(self._sock)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._spawn(self._serve(sock, peer))
+
+    async def _serve(self, sock: socket.socket, peer) -> None:
+        conn = _Conn(sock, self.cfg.timeout_s)
         try:
             while True:
                 try:
-                    raw_len = await reader.readexactly(LEN.size)
-                except asyncio.IncompleteReadError:
+                    raw_len = await asyncio.get_running_loop().sock_recv(sock, LEN.size)
+                except ConnectionError:
+                    return
+                if not raw_len:
                     return  # the sender closed between transfers
-                await self._frame(reader, writer, LEN.unpack(raw_len)[0])
+                if len(raw_len) < LEN.size:
+                    rest = await conn.read(LEN.size - len(raw_len))
+                    raw_len += bytes(rest)
+                await self._frame(conn, LEN.unpack(raw_len)[0])
         except FrameRejected as e:
             log.warning("KV frame from %s rejected: %s", peer, e)
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError) as e:
+        except (asyncio.TimeoutError, ConnectionError) as e:
             log.warning("KV connection from %s broken: %r", peer, e)
         finally:
-            writer.close()
+            sock.close()
 
-    async def _frame(self, reader, writer, header_len: int) -> None:
-        timeout = self.cfg.timeout_s
+    async def _frame(self, conn: _Conn, header_len: int) -> None:
         if header_len > MAX_HEADER_BYTES:
             raise FrameRejected(f"header of {header_len} bytes")
-        header = kv_transfer_pb2.KVFrameHeader.FromString(
-            await asyncio.wait_for(reader.readexactly(header_len), timeout))
+        header = kv_transfer_pb2.KVFrameHeader.FromString(bytes(await conn.read(header_len)))
         try:
             blocks, shape = await self._check(header)
         except FrameRejected as e:
-            await self._ack(writer, header.transfer_id, str(e))
+            await self._ack(conn, header.transfer_id, str(e))
             raise
-        payload = bytearray(await asyncio.wait_for(reader.readexactly(header.payload_bytes),
-                                                   timeout))
+        payload = await conn.read(header.payload_bytes)
         tensor = torch.frombuffer(payload, dtype=self.layout.torch_dtype).view(shape)
-        dst = torch.tensor(list(header.dst_block_ids), dtype=torch.long)
-        await asyncio.to_thread(self.cache.tensor[header.layer_start:header.layer_end]
-                                .index_copy_, 2, dst, tensor)
+        await asyncio.to_thread(copy_blocks, self.cache.tensor[header.layer_start:header.layer_end],
+                                list(header.dst_block_ids), tensor, range(len(header.dst_block_ids)))
         if header.last:
             covered = self._covered.pop(header.transfer_id, set()) | set(header.dst_block_ids)
             if covered != set(blocks):
-                await self._ack(writer, header.transfer_id, "not every reserved block was sent")
+                await self._ack(conn, header.transfer_id, "not every reserved block was sent")
                 raise FrameRejected(f"transfer {header.transfer_id} incomplete")
             self.receiver.mark_received(header.transfer_id)
-            await self._ack(writer, header.transfer_id, "")
+            await self._ack(conn, header.transfer_id, "")
         else:
             self._covered.setdefault(header.transfer_id, set()).update(header.dst_block_ids)
 
@@ -229,7 +292,8 @@ class TcpListener(KVListener):
         shape = (h.layer_end - h.layer_start, 2, len(h.dst_block_ids), lay.block_size,
                  lay.num_kv_heads, lay.head_dim)
         elem = torch.empty((), dtype=lay.torch_dtype).element_size()
-        if not set(h.dst_block_ids) <= set(blocks) or len(set(h.dst_block_ids)) != len(h.dst_block_ids):
+        if not set(h.dst_block_ids) <= set(blocks) or \
+                len(set(h.dst_block_ids)) != len(h.dst_block_ids):
             raise FrameRejected(f"transfer {h.transfer_id}: blocks outside its reservation")
         if not 0 <= h.layer_start < h.layer_end <= lay.num_layers:
             raise FrameRejected(f"layers [{h.layer_start}, {h.layer_end}) out of range")
@@ -241,7 +305,8 @@ class TcpListener(KVListener):
         return blocks, shape
 
     async def _wait_expected(self, transfer_id: str) -> tuple[int, ...]:
-        """The sender may be faster than our step thread registering the expectation."""
+        """The scheduler orders a send only after the receiver's step registered it; a frame for
+        an id never expected waits out the deadline and is refused."""
         deadline = time.monotonic() + self.cfg.timeout_s
         while (blocks := self.receiver.expected_blocks(transfer_id)) is None:
             if time.monotonic() > deadline:
@@ -249,7 +314,6 @@ class TcpListener(KVListener):
             await asyncio.sleep(EXPECT_POLL_S)
         return blocks
 
-    async def _ack(self, writer, transfer_id: str, error: str) -> None:
+    async def _ack(self, conn: _Conn, transfer_id: str, error: str) -> None:
         raw = kv_transfer_pb2.KVTransferAck(transfer_id=transfer_id, error=error).SerializeToString()
-        writer.write(LEN.pack(len(raw)) + raw)
-        await writer.drain()
+        await conn.write(LEN.pack(len(raw)) + raw)

@@ -74,3 +74,24 @@ class PagedKVCache:
         if self.shm_path is not None:
             self.shm_path.unlink(missing_ok=True)
             self.shm_path = None
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the runs where both id lists advance by one."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor,
+                src_ids: list[int]) -> None:
+    """dst[:, :, dst_ids] = src[:, :, src_ids] for caches `[layers, 2, blocks, ...]`, one slice
+    copy per run of consecutive ids: no gathered temporary (fresh memory costs more than the
+    copy itself)."""
+    assert len(dst_ids) == len(src_ids), "as many source as destination blocks"
+    for s, d, n in block_runs(src_ids, dst_ids):
+        dst[:, :, d:d + n].copy_(src[:, :, s:s + n])

@@ -1,0 +1,113 @@
+"""KV transfer bandwidth per transport beside a plain memcpy of the same bytes (the bound), and the
+transfer's share of TTFT for a 2k-token prompt on the tiny model, in one run.
+
+    .venv/bin/python benchmarks/kv_transfer.py
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.kv_transfer.base import KVReceiver, TransferConfig  # noqa: E402
+from common.kv_transfer.shm import ShmListener, ShmSender  # noqa: E402
+from common.kv_transfer.tcp import TcpListener, TcpSender  # noqa: E402
+from common.worker.kv_cache import KVLayout, PagedKVCache  # noqa: E402
+
+# tiny-model layout: 4 layers x 2 kv heads x 32 dims, fp32, 16-token blocks = 32 KiB a block
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
+
+
+def best_of(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    max_blocks = max(args.sizes_mib) * (1 << 20) // LAYOUT.block_bytes
+    src = PagedKVCache(LAYOUT, max_blocks)
+    src.tensor.normal_()
+    dst = PagedKVCache(LAYOUT, max_blocks, shm_name="pdserve-kv-bench-dst")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    receiver = KVReceiver()
+    tcp = TcpListener(dst, receiver, TransferConfig(timeout_s=120))
+    asyncio.run_coroutine_threadsafe(tcp.start(), loop).result()
+    senders = {"shm": (ShmSender(LAYOUT), ShmListener(dst).endpoint()),
+               "tcp (loopback)": (TcpSender(LAYOUT, TransferConfig(timeout_s=120)),
+                                  tcp.endpoint())}
+    print(f"{'MiB':>6} {'blocks':>7} {'memcpy GB/s':>12} " +
+          " ".join(f"{name + ' GB/s':>20}" for name in senders))
+    n = 0
+    try:
+        for mib in args.sizes_mib:
+            blocks = mib * (1 << 20) // LAYOUT.block_bytes
+            ids = list(range(blocks))
+            nbytes = blocks * LAYOUT.block_bytes
+            flat_src = src.tensor[:, :, :blocks].contiguous()
+            flat_dst = torch.empty_like(flat_src)
+            row = [nbytes / best_of(lambda: flat_dst.copy_(flat_src), args.repeat) / 1e9]
+            for name, (sender, endpoint) in senders.items():
+                def once():
+                    nonlocal n
+                    n += 1
+                    receiver.expect(f"t{n}", f"r{n}", ids, "tcp" if "tcp" in name else "shm")
+                    sender.send(f"t{n}", src, ids, endpoint, ids)
+                    receiver.complete(f"t{n}", ids)
+                row.append(nbytes / best_of(once, args.repeat) / 1e9)
+            assert torch.equal(dst.tensor[:, :, :blocks], flat_src)
+            print(f"{mib:>6} {blocks:>7} {row[0]:>12.2f} " + " ".join(f"{v:>20.2f}" for v in row[1:]))
+        ttft_share(senders, receiver)
+    finally:
+        for sender, _ in senders.values():
+            sender.close()
+        asyncio.run_coroutine_threadsafe(tcp.close(), loop).result()
+        dst.close()
+    return 0
+
+
+def ttft_share(senders, receiver) -> None:
+    """Prefill of a 2048-token prompt on the tiny model (the TTFT floor) versus moving its KV."""
+    from common.models.attention import AttentionMetadata, create_attention_backend
+    from common.models.llama import load_model
+    from common.models.tiny import make_tiny_model
+
+    model_dir = Path("models/tiny-llama")
+    if not (model_dir / "config.json").exists():
+        make_tiny_model(model_dir)
+    model = load_model(model_dir, create_attention_backend("torch"))
+    tokens = 2048
+    blocks = tokens // LAYOUT.block_size
+    cache = PagedKVCache(LAYOUT, blocks)
+    ids = torch.randint(0, model.config.vocab_size, (tokens,))
+    meta = AttentionMetadata.build([], [(0, tokens, list(range(blocks)))], LAYOUT.block_size)
+    prefill = best_of(lambda: model(ids, torch.arange(tokens), cache.layers, meta), 3)
+    print(f"\n2048-token prompt, tiny model, {torch.get_num_threads()} threads: prefill "
+          f"{prefill * 1e3:.1f} ms; KV {blocks * LAYOUT.block_bytes / (1 << 20):.0f} MiB")
+    for name, (sender, endpoint) in senders.items():
+        def once():
+            tid = f"ttft-{name}-{time.perf_counter_ns()}"
+            receiver.expect(tid, tid, list(range(blocks)), "tcp" if "tcp" in name else "shm")
+            sender.send(tid, cache, list(range(blocks)), endpoint, list(range(blocks)))
+            receiver.complete(tid, list(range(blocks)))
+        t = best_of(once, 3)
+        print(f"  {name:>16}: transfer {t * 1e3:6.2f} ms = {t / (prefill + t):6.1%} of "
+              f"prefill + transfer")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
