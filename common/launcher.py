@@ -7,6 +7,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,8 +39,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler-args", default="",
                    help="more `pdserve scheduler` flags, as one string "
                         "(e.g. \"--max-num-partial-prefills 4 --no-enable-prefix-caching\")")
+    p.add_argument("--prefill-worker-args", default="",
+                   help="more `pdserve prefill-worker` flags, as one string")
+    p.add_argument("--decode-worker-args", default="",
+                   help="more `pdserve decode-worker` flags, as one string")
+    p.add_argument("--max-worker-restarts", type=int, default=10,
+                   help="workers that die are restarted, this many times in all")
     p.add_argument("--ready-timeout", type=float, default=180.0,
                    help="seconds to wait for every service to come up")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="/metrics of the scheduler on this port and of the workers on the next "
+                        "ones (the gateway serves /metrics on --port); 0: free ports; -1: off")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="OTLP/gRPC trace collector every service exports to, e.g. "
+                        "http://127.0.0.1:4317 (default: the OTEL_EXPORTER_OTLP_* env vars)")
+    p.add_argument("--detailed-traces", action="store_true",
+                   help="workers add a span per decode step of every request")
 
 
 def _pdserve() -> list[str]:
@@ -61,18 +76,51 @@ def commands(args) -> list[list[str]]:
               "--cpu-threads", str(threads)]
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    tracing = ["--otlp-traces-endpoint", args.otlp_traces_endpoint] \
+        if args.otlp_traces_endpoint else []
+    worker += tracing + (["--detailed-traces"] if args.detailed_traces else [])
+    ports = args.metrics_ports = _metrics_ports(args.metrics_port, 1 + num_workers)
+    metrics = [["--metrics-host", args.host, "--metrics-port", str(p)] for p in ports] \
+        or [[]] * (1 + num_workers)
     cmds = [exe + ["scheduler", "--host", args.host, "--port", str(args.scheduler_port),
                    "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--max-model-len", str(args.max_model_len), "--mode", args.mode,
-                   *shlex.split(args.scheduler_args)]]
-    cmds += [exe + ["prefill-worker"] + worker for _ in range(args.prefill_workers)]
-    cmds += [exe + ["decode-worker"] + worker for _ in range(args.decode_workers)]
+                   *metrics[0], *tracing, *shlex.split(args.scheduler_args)]]
+    cmds += [exe + ["prefill-worker"] + worker + metrics[1 + i]
+             + shlex.split(args.prefill_worker_args) for i in range(args.prefill_workers)]
+    cmds += [exe + ["decode-worker"] + worker + metrics[1 + args.prefill_workers + i]
+             + shlex.split(args.decode_worker_args) for i in range(args.decode_workers)]
     gateway = exe + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler", sched,
-                     "--model", args.model]
+                     "--model", args.model, *tracing]
     if args.max_model_len:
         gateway += ["--max-model-len", str(args.max_model_len)]
     return cmds + [gateway]
+
+
+def _metrics_ports(first: int, n: int) -> list[int]:
+    """n ports from `first` on; 0: n free ones; -1: none."""
+    if first < 0:
+        return []
+    if first > 0:
+        return list(range(first, first + n))
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def metrics_urls(args) -> list[tuple[str, str]]:
+    """(service, /metrics URL) of every service of the stack."""
+    names = ["scheduler"] + [f"prefill-worker-{i}" for i in range(args.prefill_workers)] + \
+        [f"decode-worker-{i}" for i in range(args.decode_workers)]
+    urls = [("gateway", f"http://{args.host}:{args.port}/metrics")]
+    return urls + [(n, f"http://{args.host}:{p}/metrics")
+                   for n, p in zip(names, getattr(args, "metrics_ports", []))]
 
 
 def _wait_ready(args, procs, deadline: float, stopping) -> bool:
@@ -139,14 +187,29 @@ def run(args) -> int:
             return 1
         print(f"pdserve is up: http://{args.host}:{args.port}/v1  model={args.model}  "
               f"({args.prefill_workers} prefill, {args.decode_workers} decode workers)", flush=True)
+        print("pdserve metrics: " + "  ".join(f"{n}={u}" for n, u in metrics_urls(args)),
+              flush=True)
+        restarts = 0
         while not stopping:
-            dead = [(c, p) for c, p in zip(cmds, procs) if p.poll() is not None]
-            if dead:
-                c, p = dead[0]
-                print(f"pdserve up: `{' '.join(c[1:3])}` exited with {p.returncode}; stopping",
-                      file=sys.stderr)
-                return 1
+            for i, (c, p) in enumerate(zip(cmds, procs)):
+                if p.poll() is None:
+                    continue
+                role = c[len(_pdserve())]
+                if not role.endswith("-worker") or restarts >= args.max_worker_restarts:
+                    print(f"pdserve up: `{role}` exited with {p.returncode}; stopping",
+                          file=sys.stderr)
+                    return 1
+                # a worker that dies takes only its own requests down (they are recomputed
+                # elsewhere); it comes back and registers afresh
+                restarts += 1
+                print(f"pdserve up: `{role}` exited with {p.returncode}; restarting it "
+                      f"({restarts}/{args.max_worker_restarts})", file=sys.stderr, flush=True)
+                from common.worker.kv_cache import sweep_stale_segments
+                sweep_stale_segments()
+                procs[i] = subprocess.Popen(c)
             time.sleep(0.5)
         return 0
     finally:
         _stop(procs)
+        from common.worker.kv_cache import sweep_stale_segments
+        sweep_stale_segments()  # of a worker that crashed and could not clean up

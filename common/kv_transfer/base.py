@@ -31,6 +31,7 @@ class TransferConfig:
     tcp_host: str = "127.0.0.1"   # where the tcp listener binds
     tcp_port: int = 0             # 0: a free port
     advertise_host: str = ""      # the address peers dial; default tcp_host
+    advertise_port: int = 0       # the port peers dial; default the bound one
 
 
 class KVSender(ABC):

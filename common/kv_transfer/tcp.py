@@ -221,7 +221,8 @@ class TcpListener(KVListener):
     def endpoint(self) -> str:
         assert self._sock is not None, "start() the listener first"
         host = self.cfg.advertise_host or self.cfg.tcp_host
-        return f"{SCHEME}{host}:{self._sock.getsockname()[1]}"
+        port = self.cfg.advertise_port or self._sock.getsockname()[1]
+        return f"{SCHEME}{host}:{port}"
 
     async def close(self) -> None:
         for task in list(self._tasks):

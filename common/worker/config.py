@@ -7,6 +7,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
+from common import metrics, tracing
 from common.kv_transfer.base import KNOWN_TRANSPORTS
 
 
@@ -26,12 +27,17 @@ class WorkerConfig:
     kv_host: str = "127.0.0.1"       # where the tcp KV listener binds
     kv_port: int = 0
     kv_advertise_host: str = ""      # the address peers dial; default kv_host
+    kv_advertise_port: int = 0       # the port peers dial; default the bound one
     kv_secret: str = ""              # shared secret authenticating tcp KV frames
     kv_transfer_timeout_s: float = 30.0
     host_id: str = ""                # workers with equal host ids share memory (shm)
     attention_backend: str = "auto"
     seed: int = 0
     connect_timeout_s: float = 30.0
+    metrics_port: int = 0            # 0: no /metrics
+    metrics_host: str = "127.0.0.1"
+    otlp_traces_endpoint: str = ""   # "": the OTEL_EXPORTER_OTLP_* env vars, else no tracing
+    detailed_traces: bool = False    # a span per decode step too
     reconnect_s: float = 1.0
 
     def __post_init__(self):
@@ -79,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-advertise-host", default=env("PDSERVE_KV_ADVERTISE_HOST", ""),
                    help="address peers dial for KV; default --kv-host "
                         "(env PDSERVE_KV_ADVERTISE_HOST)")
+    p.add_argument("--kv-advertise-port", type=int,
+                   default=int(env("PDSERVE_KV_ADVERTISE_PORT", 0)),
+                   help="port peers dial for KV (behind NAT or a proxy); default the bound one")
     p.add_argument("--kv-secret", default=env("PDSERVE_KV_SECRET", ""),
                    help="shared secret authenticating tcp KV frames (env PDSERVE_KV_SECRET)")
     p.add_argument("--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout_s,
@@ -89,6 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=d.attention_backend,
                    help="auto | torch")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded sampling")
+    metrics.add_arguments(p)
+    tracing.add_arguments(p)
+    p.add_argument("--detailed-traces", action="store_true",
+                   help="with tracing on, a span per decode step of every request (costly)")
 
 
 def config_from_args(role: str, args) -> WorkerConfig:
@@ -99,6 +112,10 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         max_model_len=args.max_model_len, cpu_threads=args.cpu_threads,
                         kv_transports=tuple(args.kv_transports), kv_host=args.kv_host,
                         kv_port=args.kv_port, kv_advertise_host=args.kv_advertise_host,
+                        kv_advertise_port=args.kv_advertise_port,
                         kv_secret=args.kv_secret, kv_transfer_timeout_s=args.kv_transfer_timeout,
                         host_id=args.host_id,
-                        attention_backend=args.attention_backend, seed=args.seed)
+                        attention_backend=args.attention_backend, seed=args.seed,
+                        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                        otlp_traces_endpoint=args.otlp_traces_endpoint or "",
+                        detailed_traces=args.detailed_traces)

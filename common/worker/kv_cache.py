@@ -6,6 +6,7 @@ same host map it and write blocks straight into it (the shm transport).
 """
 from __future__ import annotations
 
+import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,19 +40,55 @@ class KVLayout:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
+SEGMENT_PREFIX = "pdserve-kv-"
+
+
+def create_segment(path: Path, nbytes: int) -> int:
+    """Creates a shared segment and returns an fd holding a shared flock on it for as long as
+    the owner lives: a segment nobody holds locked belongs to a dead worker (see
+    sweep_stale_segments). The file gets its final name only once locked."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, nbytes)
+        if path.exists():
+            raise FileExistsError(f"{path} exists: another worker uses this id")
+        os.rename(tmp, path)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return fd
+
+
+def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Removes the KV segments of workers that died without cleaning up (a crash, SIGKILL);
+    works across containers sharing /dev/shm, where process ids mean nothing."""
+    removed = []
+    for path in shm_dir.glob(f"{SEGMENT_PREFIX}*"):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its owner is alive
+        finally:
+            os.close(fd)  # also drops the lock if we took it
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
 def map_shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
-    """A tensor backed by a shared file; `create` makes (and sizes) the file."""
+    """A tensor backed by a shared file; `create` needs the file made by create_segment."""
     numel = 1
     for s in shape:
         numel *= s
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if create:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
-    elif path.stat().st_size != nbytes:
+    if not create and path.stat().st_size != nbytes:
         raise ValueError(f"{path} holds {path.stat().st_size} bytes, expected {nbytes}")
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
 
@@ -63,7 +100,10 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         shape = layout.cache_shape(num_blocks)
         self.shm_path = SHM_DIR / shm_name if shm_name else None
+        self._lock_fd: int | None = None
         if self.shm_path is not None:
+            nbytes = layout.block_bytes * num_blocks
+            self._lock_fd = create_segment(self.shm_path, nbytes)
             self.tensor = map_shared(self.shm_path, shape, layout.torch_dtype, create=True)
         else:
             self.tensor = torch.zeros(shape, dtype=layout.torch_dtype)
@@ -74,6 +114,9 @@ class PagedKVCache:
         if self.shm_path is not None:
             self.shm_path.unlink(missing_ok=True)
             self.shm_path = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:

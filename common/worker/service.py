@@ -13,13 +13,15 @@ import socket
 import grpc
 import torch
 
+from common import tracing
 from common.kv_transfer.base import KVReceiver, TransferConfig, create_listener, create_sender
 from common.models.attention import create_attention_backend
 from common.models.llama import load_model
 from common.worker.config import WorkerConfig
-from common.worker.kv_cache import KVLayout, PagedKVCache
+from common.worker.kv_cache import SEGMENT_PREFIX, KVLayout, PagedKVCache, sweep_stale_segments
 from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
+from common.worker.telemetry import WorkerTelemetry, start_telemetry
 from common.worker.worker import Worker
 from protos import worker_pb2, worker_pb2_grpc
 
@@ -31,6 +33,9 @@ class RegistrationRefused(Exception):
 
 
 def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
+    stale = sweep_stale_segments()
+    if stale:
+        log.info("removed KV segments of dead workers: %s", ", ".join(stale))
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
     dtype = getattr(torch, cfg.dtype)
@@ -39,10 +44,11 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
     layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                       head_dim=mc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype)
     num_blocks = cfg.num_kv_blocks or max(1, (cfg.kv_cache_memory_mib << 20) // layout.block_bytes)
-    cache = PagedKVCache(layout, num_blocks, shm_name=f"pdserve-kv-{cfg.worker_id}")
+    cache = PagedKVCache(layout, num_blocks, shm_name=f"{SEGMENT_PREFIX}{cfg.worker_id}")
     tcfg = TransferConfig(timeout_s=cfg.kv_transfer_timeout_s, secret=cfg.kv_secret.encode(),
                           tcp_host=cfg.kv_host, tcp_port=cfg.kv_port,
-                          advertise_host=cfg.kv_advertise_host)
+                          advertise_host=cfg.kv_advertise_host,
+                          advertise_port=cfg.kv_advertise_port)
     receiver = KVReceiver()
     worker = Worker(ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed)), cache,
                     {t: create_sender(t, layout, tcfg) for t in cfg.kv_transports}, receiver,
@@ -75,8 +81,10 @@ def default_host_id() -> str:
     return f"{socket.gethostname()}/{machine}"
 
 
-async def attach_once(cfg: WorkerConfig, worker: Worker, reg: worker_pb2.Register) -> None:
+async def attach_once(cfg: WorkerConfig, worker: Worker, reg: worker_pb2.Register,
+                      telemetry: WorkerTelemetry | None = None) -> None:
     """Registers and runs plans until the stream ends."""
+    traced = telemetry if telemetry is not None and tracing.enabled() else None
     async with grpc.aio.insecure_channel(
             cfg.scheduler, options=[("grpc.max_receive_message_length", 64 << 20),
                                     ("grpc.max_send_message_length", 64 << 20)]) as channel:
@@ -95,7 +103,11 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: worker_pb2.Registe
             msg = await call.read()
             if msg is grpc.aio.EOF:
                 return
+            if traced is not None:
+                traced.before_step(msg.plan)
             result = await asyncio.to_thread(worker.execute, msg.plan)
+            if traced is not None:
+                traced.after_step(msg.plan, result)
             await call.write(worker_pb2.WorkerMessage(result=result))
             if msg.plan.sends:
                 done = await asyncio.to_thread(worker.send_kv, msg.plan.sends)
@@ -103,15 +115,17 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: worker_pb2.Registe
 
 
 async def serve(cfg: WorkerConfig) -> int:
+    tracing.setup_tracing(f"pdserve-{cfg.role}-worker", cfg.otlp_traces_endpoint)
     worker, reg = build_worker(cfg)
     await start_listeners(worker, reg)
+    telemetry = await start_telemetry(cfg, worker)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         while not stop.is_set():
-            task = asyncio.create_task(attach_once(cfg, worker, reg))
+            task = asyncio.create_task(attach_once(cfg, worker, reg, telemetry))
             stopper = asyncio.create_task(stop.wait())
             await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
@@ -128,6 +142,8 @@ async def serve(cfg: WorkerConfig) -> int:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e)
                 log.warning("scheduler %s unreachable or stream broken: %s", cfg.scheduler, detail)
             worker.reset()
+            if telemetry is not None:
+                telemetry.reset()
             try:
                 await asyncio.wait_for(stop.wait(), cfg.reconnect_s)
             except asyncio.TimeoutError:

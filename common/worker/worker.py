@@ -6,6 +6,8 @@ No I/O here besides the KV transport calls the plan orders; the gRPC loop lives 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, KVTransferError
 from common.worker.kv_cache import PagedKVCache
@@ -16,6 +18,9 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
+    # called after each KV send with (send, start, end as time.time(), error or ""): metrics, spans
+    on_send: Callable[[worker_pb2.KVSend, float, float, str], None] | None = None
+
     def __init__(self, runner: ModelRunner, cache: PagedKVCache, senders: dict[str, KVSender],
                  receiver: KVReceiver, listeners: dict[str, KVListener]):
         self.runner = runner
@@ -62,7 +67,7 @@ class Worker:
 
     def send_kv(self, sends) -> worker_pb2.TransfersDone:
         """Runs a plan's KV sends; called after its StepResult went out."""
-        done = worker_pb2.TransfersDone(done=[self._send(s) for s in sends])
+        done = worker_pb2.TransfersDone(done=[self._timed_send(s) for s in sends])
         done.counters.CopyFrom(self.counters)
         return done
 
@@ -83,6 +88,14 @@ class Worker:
             sampling=new.sampling,
             eos_token_ids=list(new.eos_token_ids),
         )
+
+    def _timed_send(self, send: worker_pb2.KVSend) -> worker_pb2.TransferDone:
+        if self.on_send is None:
+            return self._send(send)
+        start = time.time()
+        done = self._send(send)
+        self.on_send(send, start, time.time(), done.error)
+        return done
 
     def _send(self, send: worker_pb2.KVSend) -> worker_pb2.TransferDone:
         sender = self.senders.get(send.transport)

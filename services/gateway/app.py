@@ -4,6 +4,7 @@
     /v1/models, /v1/models/{id}             served model names
     /tokenize, /detokenize                  like vLLM's
     /health                                 200 when the scheduler channel is ready, else 503
+    /metrics                                Prometheus text format (no auth, like vLLM's)
 
 With an api_key, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <key>`.
 """
@@ -15,9 +16,11 @@ from collections.abc import Awaitable
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common import tracing
 from services.gateway.chat import create_chat_completion
 from services.gateway.completions import create_completion
 from services.gateway.config import GatewayConfig
@@ -73,6 +76,11 @@ def create_app(
             code="scheduler_unavailable", retry_after=1,
         )
 
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    tracing.instrument_fastapi(app)
     return app
 
 

@@ -9,6 +9,7 @@ from contextlib import aclosing
 from fastapi import Request
 from starlette.responses import Response
 
+from common import tracing
 from protos import scheduler_pb2
 from services.gateway.errors import sse_error_event
 from services.gateway.generation import Choice, GenerationError, SeqDelta
@@ -42,13 +43,14 @@ async def create_chat_completion(
 ) -> Response:
     model = ctx.check_model(body.model)
     request_id = ctx.request_id(raw, "chatcmpl")
-    prompt_ids = await ctx.tokenizer.aencode_chat(
-        [message.for_template() for message in body.messages],
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        template_kwargs=body.chat_template_kwargs,
-        add_special_tokens=body.add_special_tokens,
-    )
+    with tracing.span("gateway.tokenize"):
+        prompt_ids = await ctx.tokenizer.aencode_chat(
+            [message.for_template() for message in body.messages],
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs,
+            add_special_tokens=body.add_special_tokens,
+        )
     ctx.check_prompt(prompt_ids, "messages")
     streams = ctx.sequences(request_id, [prompt_ids], body, body.num_logprobs())
     view = ChatView(ctx, body, request_id, model, prompt_ids)

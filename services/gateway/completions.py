@@ -9,6 +9,7 @@ from contextlib import aclosing
 from fastapi import Request
 from starlette.responses import Response
 
+from common import tracing
 from protos import scheduler_pb2
 from services.gateway.errors import bad_request, sse_error_event
 from services.gateway.generation import Choice, GenerationError, SeqDelta
@@ -42,7 +43,8 @@ async def create_completion(
 ) -> Response:
     model = ctx.check_model(body.model)
     request_id = ctx.request_id(raw, "cmpl")
-    prompts, texts = await _prompts(ctx, body)
+    with tracing.span("gateway.tokenize"):
+        prompts, texts = await _prompts(ctx, body)
     if len(prompts) * body.n > MAX_CHOICES:
         raise bad_request(f"At most {MAX_CHOICES} choices (prompts x n) per request.", "n")
     num_logprobs = -1 if body.logprobs is None else body.logprobs

@@ -8,6 +8,7 @@ cancels its gRPC stream and aborts the request, so the scheduler frees its block
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import GatewayError
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.stop import StopMatcher
+from services.gateway.telemetry import GatewayMetrics, SequenceTelemetry
 from services.gateway.tokenizer import Tokenizer
 
 
@@ -81,19 +83,24 @@ async def run_sequence(
     index: int,
     request: scheduler_pb2.GenerateRequest,
     options: OutputOptions,
+    metrics: GatewayMetrics | None = None,
 ) -> AsyncIterator[SeqDelta]:
     """Deltas of one choice; the last one carries finish_reason."""
+    telemetry = SequenceTelemetry(metrics, request)
+    final_reason, num_cached = None, 0
     detok = IncrementalDetokenizer(
         tokenizer, request.prompt_token_ids, options.skip_special_tokens
     )
     stops = StopMatcher(options.stop, options.include_stop_str_in_output)
     num_tokens, text_len = 0, 0
     scheduler_finished = False
-    stream = client.generate(request)
+    stream = client.generate(request, telemetry.span)
     try:
         async for response in stream:
             ids = list(response.token_ids)
             num_tokens += len(ids)
+            telemetry.on_tokens(len(ids))
+            detok_start = time.perf_counter() if telemetry.tracing else 0.0
             offsets, pieces = [], []
             for k, token_id in enumerate(ids):
                 offsets.append(text_len)
@@ -104,6 +111,8 @@ async def run_sequence(
                 pieces.append(piece)
             if response.finish_reason:
                 pieces.append(detok.flush())
+            if telemetry.tracing:
+                telemetry.detokenize_s += time.perf_counter() - detok_start
             text = stops.feed("".join(pieces), check=num_tokens > options.min_tokens)
             delta = SeqDelta(index, text, ids, offsets, response.logprobs)
             scheduler_finished = bool(response.finish_reason)
@@ -117,6 +126,7 @@ async def run_sequence(
                     delta.stop_reason = stop_token  # vLLM: None for EOS, the id for stop_token_ids
             if delta.finish_reason is not None:
                 delta.num_cached_tokens = response.num_cached_tokens
+                final_reason, num_cached = delta.finish_reason, response.num_cached_tokens
             yield delta
             if delta.finish_reason is not None:
                 return
@@ -127,6 +137,9 @@ async def run_sequence(
         await stream.aclose()
         if not scheduler_finished:
             client.abort_soon(request.request_id)
+        if final_reason is None and scheduler_finished:
+            final_reason = "error"
+        telemetry.finish(final_reason, num_cached)
 
 
 def _hides_stop_token(

@@ -11,6 +11,7 @@ import sys
 
 import uvicorn
 
+from common import tracing
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.scheduler_client import SchedulerClient
@@ -72,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="Log level of the HTTP server.",
     )
+    tracing.add_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -99,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"pdserve gateway: {err}", file=sys.stderr)
         return 2
+    tracing.setup_tracing("pdserve-gateway", args.otlp_traces_endpoint)
     try:
         return asyncio.run(serve(config, log_level=args.uvicorn_log_level))
     except KeyboardInterrupt:

@@ -8,11 +8,26 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common import tracing
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 10.0
+
+
+DRAIN_TIMEOUT_S = 1.0
+
+
+async def _drain(responses: AsyncIterator) -> None:
+    """Reads a finished stream's end (the scheduler closes it right after the finish), so that
+    its traced call and span complete now rather than when the garbage collector closes them."""
+    try:
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            async for _ in responses:
+                pass
+    except (TimeoutError, grpc.aio.AioRpcError):
+        pass
 
 
 class SchedulerClient:
@@ -34,15 +49,22 @@ class SchedulerClient:
     ) -> SchedulerClient:
         """Open a channel (lazily connected) in the running event loop."""
         options = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
-        channel = grpc.aio.insecure_channel(address, options=options)
+        channel = grpc.aio.insecure_channel(
+            address, options=options, interceptors=tracing.aio_client_interceptors() or None
+        )
         return cls(channel, request_timeout_s, connect_timeout_s)
 
     async def generate(
-        self, request: scheduler_pb2.GenerateRequest
+        self, request: scheduler_pb2.GenerateRequest, span=None
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        call = self._stub.Generate(request, timeout=self._request_timeout_s)
+        """`span`: made current while the call starts, so that it parents the call's span."""
+        with tracing.use_span(span):
+            call = self._stub.Generate(request, timeout=self._request_timeout_s)
+        responses = call.__aiter__()
         try:
-            async for response in call:
+            async for response in responses:
+                if span is not None and response.finish_reason:
+                    await _drain(responses)
                 yield response
         finally:
             call.cancel()  # a no-op once the call has finished

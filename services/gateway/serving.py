@@ -24,6 +24,7 @@ from services.gateway.generation import Choice, OutputOptions, SeqDelta, merge, 
 from services.gateway.protocol import SamplingRequest
 from services.gateway.responses import Usage, make_usage
 from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.telemetry import GatewayMetrics
 from services.gateway.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -45,6 +46,7 @@ class ServingContext:
         self.client = client
         self.tokenizer = tokenizer
         self.max_model_len: int = config.max_model_len
+        self.metrics = GatewayMetrics(config.served_model_name[0])
 
     def check_model(self, name: str | None) -> str:
         """The served name to report; an unknown name is a 404, like OpenAI."""
@@ -147,7 +149,7 @@ class ServingContext:
                     )
                 )
         return [
-            run_sequence(self.client, self.tokenizer, index, request, options)
+            run_sequence(self.client, self.tokenizer, index, request, options, self.metrics)
             for index, request in enumerate(requests)
         ]
 

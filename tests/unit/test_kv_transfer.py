@@ -1,5 +1,7 @@
 """KV transports moving real blocks between two caches: exact bytes, validation, deadlines."""
 import asyncio
+import os
+from pathlib import Path
 import socket
 import struct
 import threading
@@ -154,3 +156,20 @@ def test_shm_moves_exact_blocks():
             sender.send("t2", src, [0], ShmListener(dst).endpoint(), [8])
     finally:
         dst.close()
+
+
+def test_segments_of_dead_workers_are_swept(tmp_path):
+    """A segment's owner holds a lock on it for life; a crashed owner's segment is removed."""
+    import subprocess
+    import sys
+    from common.worker.kv_cache import create_segment, sweep_stale_segments
+    live_fd = create_segment(tmp_path / "pdserve-kv-live", 4096)
+    code = ("import os, sys; sys.path.insert(0, %r); from pathlib import Path;"
+            "from common.worker.kv_cache import create_segment;"
+            "create_segment(Path(%r), 4096); os._exit(9)")  # dies without cleaning up
+    subprocess.run([sys.executable, "-c", code % (str(Path(__file__).parents[2]),
+                                                  str(tmp_path / "pdserve-kv-dead"))], check=False)
+    assert (tmp_path / "pdserve-kv-dead").exists()
+    assert sweep_stale_segments(tmp_path) == ["pdserve-kv-dead"]
+    assert (tmp_path / "pdserve-kv-live").exists()
+    os.close(live_fd)

@@ -1,0 +1,184 @@
+"""A worker's metrics and spans, fed by service.py around each step and by Worker.on_send.
+
+Metrics (on --metrics-port): KV bytes and seconds per transport on the sending worker, and the
+worker's cumulative counters. Spans (tracing on), each under the request's span whose context
+came in NewRequest.trace_context:
+
+    worker.prefill       one per step that computes prompt tokens of the request
+    kv.send              prefill worker: the push of the request's blocks to its decode worker
+    kv.receive           decode worker: from "expect blocks" until the blocks are in place
+    worker.decode        decode worker: first to last decode step, with the tokens it produced
+    worker.decode_step   one per decode step, only with --detailed-traces
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from common import tracing
+from common.metrics import PREFIX, TRANSFER_BUCKETS, start_metrics_server
+from common.worker.worker import Worker
+from protos import worker_pb2
+
+
+@dataclass
+class _Traced:
+    context: object                  # the request span's context, parent of spans made here
+    decode_start: float = 0.0
+    last_step_end: float = 0.0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+
+
+class WorkerTelemetry:
+    def __init__(self, worker: Worker, worker_id: str, role: str,
+                 detailed_traces: bool = False) -> None:
+        self.worker = worker
+        self.worker_id = worker_id
+        self.role = role
+        self.detailed = detailed_traces
+        self.block_bytes = worker.cache.layout.block_bytes
+        self.registry = r = CollectorRegistry()
+        self.kv_bytes = Counter(PREFIX + "kv_transfer_bytes",
+                                "Bytes of KV cache sent to other workers.", ["transport"],
+                                registry=r)
+        self.kv_seconds = Histogram(PREFIX + "kv_transfer_seconds",
+                                    "Histogram of the time one KV transfer took to send.",
+                                    ["transport"], buckets=TRANSFER_BUCKETS, registry=r)
+        self.kv_failures = Counter(PREFIX + "kv_transfer_failures",
+                                   "KV transfers that failed (recomputed elsewhere).",
+                                   ["transport"], registry=r)
+        r.register(_CountersCollector(worker, worker_id, role))
+        self._traced: dict[str, _Traced] = {}
+        self._expected: dict[str, tuple[float, int, str]] = {}  # transfer -> since, blocks, tr
+        self._step: list[tuple[_Traced, str, int, bool, int]] = []
+        self._step_start = 0.0
+        worker.on_send = self.on_send
+
+    def reset(self) -> None:
+        self._traced.clear()
+        self._expected.clear()
+
+    # ---- KV sends (step thread) ------------------------------------------------------------
+
+    def on_send(self, send: worker_pb2.KVSend, start: float, end: float, error: str) -> None:
+        nbytes = len(send.src_block_ids) * self.block_bytes
+        if error:
+            self.kv_failures.labels(send.transport).inc()
+        else:
+            self.kv_bytes.labels(send.transport).inc(nbytes)
+            self.kv_seconds.labels(send.transport).observe(end - start)
+        t = self._traced.get(send.request_id)
+        if t is not None:
+            attrs = {"pdserve.request_id": send.request_id, "pdserve.transfer_id": send.transfer_id,
+                     "pdserve.transport": send.transport, "pdserve.blocks": len(send.src_block_ids),
+                     "pdserve.bytes": nbytes, "pdserve.dst_endpoint": send.dst_endpoint}
+            if error:
+                attrs["pdserve.error"] = error
+            tracing.record_span("kv.send", start, end, t.context, attrs)
+
+    # ---- steps (event loop; only with tracing on) --------------------------------------------
+
+    def before_step(self, plan: worker_pb2.StepPlan) -> None:
+        now = time.time()
+        for rid in plan.finished_request_ids:
+            self._close(rid)
+        for recv in plan.recvs:
+            self._expected[recv.transfer_id] = (now, len(recv.block_ids), recv.transport)
+        new_by_id = {}
+        for new in plan.new_requests:
+            context = tracing.extract(new.trace_context)
+            if context is None:
+                continue
+            t = self._traced[new.request_id] = _Traced(context)
+            new_by_id[new.request_id] = new
+            if new.kv_transfer_id:
+                self._received(new, t, now)
+        self._step = []
+        for s in plan.scheduled:
+            t = self._traced.get(s.request_id)
+            if t is None:
+                continue
+            state = self.worker.requests.get(s.request_id)
+            if state is not None:
+                computed, total = state.num_computed_tokens, len(state.token_ids)
+            elif s.request_id in new_by_id:
+                new = new_by_id[s.request_id]
+                computed, total = new.num_computed_tokens, len(new.all_token_ids)
+            else:
+                continue
+            is_decode = s.num_tokens == 1 and computed == total - 1
+            self._step.append((t, s.request_id, s.num_tokens, is_decode, computed))
+        self._step_start = now
+
+    def _received(self, new: worker_pb2.NewRequest, t: _Traced, now: float) -> None:
+        since, blocks, transport = self._expected.pop(new.kv_transfer_id, (now, 0, ""))
+        tracing.record_span("kv.receive", since, now, t.context, {
+            "pdserve.request_id": new.request_id, "pdserve.transfer_id": new.kv_transfer_id,
+            "pdserve.transport": transport, "pdserve.blocks": blocks,
+            "pdserve.bytes": blocks * self.block_bytes})
+
+    def after_step(self, plan: worker_pb2.StepPlan, result: worker_pb2.StepResult) -> None:
+        end = time.time()
+        sampled = {s.request_id for s in result.sampled}
+        for t, rid, n, is_decode, computed in self._step:
+            attrs = {"pdserve.request_id": rid, "pdserve.step_id": plan.step_id,
+                     "pdserve.worker_id": self.worker_id}
+            if not is_decode:
+                attrs.update({"pdserve.tokens": n, "pdserve.computed_tokens": computed,
+                              "pdserve.sampled": rid in sampled})
+                tracing.record_span("worker.prefill", self._step_start, end, t.context, attrs)
+                continue
+            if not t.decode_start:
+                t.decode_start = self._step_start
+            t.last_step_end = end
+            t.decode_steps += 1
+            t.decode_tokens += rid in sampled
+            if self.detailed:
+                attrs["pdserve.batch_size"] = len(plan.scheduled)
+                tracing.record_span("worker.decode_step", self._step_start, end, t.context, attrs)
+        self._step = []
+
+    def _close(self, rid: str) -> None:
+        t = self._traced.pop(rid, None)
+        if t is None or not t.decode_start:
+            return
+        tracing.record_span("worker.decode", t.decode_start, t.last_step_end, t.context, {
+            "pdserve.request_id": rid, "pdserve.worker_id": self.worker_id,
+            "pdserve.output_tokens": t.decode_tokens, "pdserve.decode_steps": t.decode_steps})
+
+
+async def start_telemetry(cfg, worker: Worker) -> WorkerTelemetry | None:
+    """The worker's telemetry, serving /metrics on cfg.metrics_port; None when neither metrics
+    nor tracing is on (then nothing is measured at all)."""
+    if not (cfg.metrics_port or tracing.enabled()):
+        return None
+    telemetry = WorkerTelemetry(worker, cfg.worker_id, cfg.role, cfg.detailed_traces)
+    if cfg.metrics_port:
+        await start_metrics_server(telemetry.registry, cfg.metrics_host, cfg.metrics_port)
+        print(f"pdserve {cfg.role}-worker metrics on "
+              f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics", flush=True)
+    return telemetry
+
+
+class _CountersCollector:
+    """The worker's cumulative counters (also reported to the scheduler with every result)."""
+
+    def __init__(self, worker: Worker, worker_id: str, role: str) -> None:
+        self.worker = worker
+        self.key = [worker_id, role]
+
+    def collect(self):
+        c = self.worker.counters
+        for name, value, doc in (
+                ("worker_prompt_tokens", c.prompt_tokens_computed, "Prompt tokens computed."),
+                ("worker_generation_tokens", c.tokens_decoded, "Tokens decoded."),
+                ("worker_kv_blocks_sent", c.kv_blocks_sent, "KV blocks sent."),
+                ("worker_kv_blocks_received", c.kv_blocks_received, "KV blocks received."),
+                ("worker_steps", c.steps, "Steps run.")):
+            m = CounterMetricFamily(PREFIX + name, doc, labels=["worker_id", "role"])
+            m.add_metric(self.key, value)
+            yield m

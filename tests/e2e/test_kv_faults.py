@@ -1,0 +1,144 @@
+"""KV transfer faults through the four real processes, over tcp: the transfer is dropped, stalls
+past its deadline, or its prefill worker is killed mid-transfer. Each request still completes
+with HuggingFace's greedy tokens, and every worker's blocks come back.
+
+The decode worker advertises a proxy in front of its real KV port; the proxy injects the fault.
+"""
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tests.e2e.conftest import Stack, free_port
+from tests.e2e.test_serve import _body, _greedy, _prompt
+
+
+class FaultProxy:
+    """Forwards 127.0.0.1:port -> 127.0.0.1:target, unless told to drop or stall."""
+
+    def __init__(self, target: int):
+        self.port, self.target = free_port(), target
+        self.mode = "pass"
+        self.connections = 0
+        self.faults = 0
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+
+    async def _start(self):
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def _handle(self, reader, writer):
+        self.connections += 1
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+
+        async def forward(r, w, faults: bool):
+            while data := await r.read(1 << 16):
+                if faults and self.mode == "drop":  # the line goes dead mid-frame
+                    self.faults += 1
+                    writer.close()
+                    up_writer.close()
+                    return
+                if faults and self.mode == "stall":  # swallow everything, answer nothing
+                    self.faults += 1
+                    continue
+                w.write(data)
+                await w.drain()
+            w.close()
+        await asyncio.gather(forward(reader, up_writer, True), forward(up_reader, writer, False),
+                             return_exceptions=True)
+
+    def close(self):
+        self.server.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny_llama, tmp_path_factory):
+    kv_port = free_port()
+    proxy = FaultProxy(kv_port)
+    tcp = "--kv-transports tcp --kv-transfer-timeout 3"
+    stack = Stack(tiny_llama, tmp_path_factory.mktemp("faults"), "--num-kv-blocks", "64",
+                  "--prefill-worker-args", tcp,
+                  "--decode-worker-args",
+                  f"{tcp} --kv-port {kv_port} --kv-advertise-port {proxy.port}")
+    yield stack, proxy
+    stack.stop()
+    proxy.close()
+
+
+def _generate(stack, prompt, max_tokens=8):
+    import httpx
+    with httpx.Client(base_url=stack.url, timeout=120) as c:
+        name = c.get("/v1/models").json()["data"][0]["id"]
+        r = c.post("/v1/completions", json=_body(prompt, model=name, max_tokens=max_tokens))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+
+def _assert_all_free(stack):
+    s = stack.wait_idle(timeout=60)
+    for w in s["workers"]:
+        assert w["num_free_blocks"] == w["num_blocks"], w
+    return s
+
+
+@pytest.mark.parametrize("mode", ["pass", "drop", "stall"])
+def test_transfer_fault_recovers_with_the_same_tokens(faulty, hf, mode):
+    stack, proxy = faulty
+    proxy.mode = mode
+    prompt = _prompt(33, {"pass": 1, "drop": 2, "stall": 3}[mode])
+    before = proxy.faults
+    assert _generate(stack, prompt) == _greedy(hf, prompt, 8)
+    if mode != "pass":
+        assert proxy.faults > before  # the fault was really on the path
+    proxy.mode = "pass"
+    _assert_all_free(stack)
+
+
+def test_prefill_worker_killed_mid_transfer(faulty, hf):
+    stack, proxy = faulty
+    proxy.mode = "stall"
+    prompt = _prompt(41, 9)
+    victim = next(int(pid) for pid in _children(stack.proc.pid)
+                  if "prefill-worker" in Path(f"/proc/{pid}/cmdline").read_text())
+    before = proxy.faults
+
+    def kill_when_sending():
+        deadline = time.monotonic() + 60
+        while proxy.faults == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(victim, signal.SIGKILL)  # the transfer is in flight: its sender dies
+        proxy.mode = "pass"
+    killer = threading.Thread(target=kill_when_sending)
+    killer.start()
+    assert _generate(stack, prompt) == _greedy(hf, prompt, 8)
+    killer.join()
+    _assert_all_free(stack)
+    # the launcher brought a fresh prefill worker up, and the dead one's segment is gone
+    deadline = time.monotonic() + 60
+    while len(stack.stats()["workers"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert {w["role"] for w in stack.stats()["workers"]} == {"prefill", "decode"}
+
+
+def _children(ppid):
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "stat").read_text().split()[3] == str(ppid):
+                out.append(d.name)
+        except OSError:
+            pass
+    return out

@@ -1,0 +1,165 @@
+"""Tracing end to end: the four real processes export to an OTLP receiver run by the test, and
+one request makes one trace whose spans are parented across every service."""
+import asyncio
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from tests.e2e.conftest import Stack
+
+SERVICES = {"pdserve-gateway", "pdserve-scheduler", "pdserve-prefill-worker",
+            "pdserve-decode-worker"}
+REQUEST_SPAN = "/pdserve.scheduler.Scheduler/Generate"
+MAX_TOKENS = 6
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace collector on 127.0.0.1 (port 0), on its own event loop thread."""
+
+    def __init__(self):
+        self.spans: list[tuple[str, Span]] = []  # (service.name, span)
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._started.wait(30), "the OTLP receiver did not start"
+
+    async def Export(self, request, context):
+        with self._lock:
+            for rs in request.resource_spans:
+                service = next((a.value.string_value for a in rs.resource.attributes
+                                if a.key == "service.name"), "")
+                for ss in rs.scope_spans:
+                    self.spans.extend((service, s) for s in ss.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def _run(self):
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._start())
+        self._started.set()
+        self._loop.run_forever()
+
+    async def _start(self):
+        self._server = grpc.aio.server()
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+
+    def snapshot(self) -> list[tuple[str, Span]]:
+        with self._lock:
+            return list(self.spans)
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_llama, tmp_path_factory):
+    receiver = Receiver()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # export within 0.2 s, not 5 s
+        stack = Stack(tiny_llama, tmp_path_factory.mktemp("traced"), "--num-kv-blocks", "64",
+                      "--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.port}")
+    yield stack, receiver
+    stack.stop()
+    receiver.close()
+
+
+def _attrs(span: Span) -> dict:
+    out = {}
+    for a in span.attributes:
+        v = a.value
+        out[a.key] = getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
+    return out
+
+
+def _wait_for(receiver: Receiver, names: set[str], timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = receiver.snapshot()
+        seen = {s.name for _, s in spans}
+        services = {svc for svc, _ in spans}
+        if (names <= seen and SERVICES <= services) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.2)
+
+
+def test_one_request_is_one_trace_across_the_four_services(traced):
+    stack, receiver = traced
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks + a partial one travel
+    with httpx.Client(base_url=stack.url, timeout=120) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        r = c.post("/v1/completions", json={"model": model, "prompt": prompt,
+                                            "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                                            "temperature": 0}, headers={"x-request-id": "t-1"})
+    assert r.status_code == 200, r.text
+    want = {"gateway.generate", "gateway.tokenize", "gateway.detokenize", REQUEST_SPAN,
+            "scheduler.queue", "scheduler.placement", "worker.prefill", "kv.send", "kv.receive",
+            "worker.decode"}
+    spans = _wait_for(receiver, want)
+    services = {svc for svc, _ in spans}
+    assert SERVICES <= services, services
+    assert want <= {s.name for _, s in spans}, sorted({s.name for _, s in spans})
+    (trace_id,) = {s.trace_id for _, s in spans if s.name == REQUEST_SPAN}
+    others = [(svc, s.name) for svc, s in spans if s.trace_id != trace_id]
+    # besides the completion's trace, only the gateway's GET /v1/models (its own trace)
+    assert all(svc == "pdserve-gateway" and "/v1/models" in name for svc, name in others), others
+    spans = [(svc, s) for svc, s in spans if s.trace_id == trace_id]
+    assert {svc for svc, _ in spans} == SERVICES, "one trace id across the four services"
+
+    named = {}
+    for svc, s in spans:
+        named.setdefault((svc, s.name), []).append(s)
+
+    # gateway: HTTP server span (the root) -> gateway.generate -> gRPC client span
+    (http,) = [s for svc, s in spans if svc == "pdserve-gateway" and not s.parent_span_id]
+    assert http.kind == Span.SPAN_KIND_SERVER
+    (generate,) = named["pdserve-gateway", "gateway.generate"]
+    assert generate.parent_span_id == http.span_id
+    (client,) = [s for s in named["pdserve-gateway", REQUEST_SPAN]
+                 if s.kind == Span.SPAN_KIND_CLIENT]
+    assert client.parent_span_id == generate.span_id
+    (tokenize,) = named["pdserve-gateway", "gateway.tokenize"]
+    assert tokenize.parent_span_id == http.span_id
+
+    # scheduler: the request's span, child of the gateway's client span
+    (request,) = named["pdserve-scheduler", REQUEST_SPAN]
+    assert request.kind == Span.SPAN_KIND_SERVER and request.parent_span_id == client.span_id
+    ra = _attrs(request)
+    assert ra["pdserve.request_id"] == "t-1" and ra["pdserve.prompt_tokens"] == len(prompt)
+    assert ra["pdserve.output_tokens"] == MAX_TOKENS and ra["pdserve.finish_reason"] == "length"
+    assert ra["pdserve.prefill_worker"] != ra["pdserve.decode_worker"]
+
+    # every phase of the request, in all three backend services, hangs off the request's span
+    for svc, name in [("pdserve-scheduler", "scheduler.queue"),
+                      ("pdserve-scheduler", "scheduler.placement"),
+                      ("pdserve-prefill-worker", "worker.prefill"),
+                      ("pdserve-prefill-worker", "kv.send"),
+                      ("pdserve-decode-worker", "kv.receive"),
+                      ("pdserve-decode-worker", "worker.decode")]:
+        found = named.get((svc, name))
+        assert found, f"no {name} span from {svc}"
+        for s in found:
+            assert s.parent_span_id == request.span_id, f"{svc} {name} is not under the request"
+
+    (send,) = named["pdserve-prefill-worker", "kv.send"]
+    (recv,) = named["pdserve-decode-worker", "kv.receive"]
+    sa, rca = _attrs(send), _attrs(recv)
+    assert sa["pdserve.transport"] == ra["pdserve.transport"] != ""
+    assert sa["pdserve.blocks"] == rca["pdserve.blocks"] == 3  # 40 tokens in blocks of 16
+    assert sa["pdserve.bytes"] == rca["pdserve.bytes"] > 0
+    assert recv.end_time_unix_nano >= send.end_time_unix_nano - 50_000_000  # clocks of 1 host
+    (decode,) = named["pdserve-decode-worker", "worker.decode"]
+    # the prefill worker samples the first token, the decode worker the rest
+    assert _attrs(decode)["pdserve.output_tokens"] == MAX_TOKENS - 1
+    assert sum(_attrs(s)["pdserve.tokens"] for s in named["pdserve-prefill-worker",
+                                                           "worker.prefill"]) == len(prompt)
+    assert "worker.decode_step" not in {s.name for _, s in spans}  # only with --detailed-traces

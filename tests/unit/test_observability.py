@@ -1,0 +1,98 @@
+"""Tracing off by default, the /metrics server, and the scheduler's metric sources, in process."""
+import asyncio
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.parser import text_string_to_metric_families
+
+from common import tracing
+from common.metrics import start_metrics_server
+from protos import worker_pb2
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.telemetry import SchedulerTelemetry
+
+
+@pytest.fixture
+def no_otel_env(monkeypatch):
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_endpoint_from_flag_then_env(no_otel_env, monkeypatch):
+    assert tracing.resolve_endpoint(None) is None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4317")
+    assert tracing.resolve_endpoint(None) == "http://collector:4317"  # bare: plaintext
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "https://traces:4317")
+    assert tracing.resolve_endpoint(None) == "https://traces:4317"
+    assert tracing.resolve_endpoint("http://flag:4317") == "http://flag:4317"
+
+
+def test_without_an_endpoint_nothing_is_installed(no_otel_env):
+    assert tracing.setup_tracing("pdserve-test", None) is False
+    assert not tracing.enabled()
+    assert tracing.aio_client_interceptors() == []
+    assert tracing.aio_server_interceptors(("Generate",)) == []
+    assert tracing.start_span("x") is None
+    with tracing.span("x"), tracing.use_span(None):
+        pass
+
+
+def test_metrics_server_answers_get_metrics_only():
+    registry = CollectorRegistry()
+    Counter("pdserve:things", "Things.", registry=registry).inc(3)
+
+    async def main():
+        server, port = await start_metrics_server(registry, "127.0.0.1", 0)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+                ok, missing = await c.get("/metrics"), await c.get("/nope")
+        finally:
+            server.close()
+            await server.wait_closed()
+        return ok, missing
+
+    ok, missing = asyncio.run(main())
+    assert ok.status_code == 200 and ok.headers["content-type"].startswith("text/plain")
+    samples = {s.name: s.value for f in text_string_to_metric_families(ok.text)
+               for s in f.samples}
+    assert samples["pdserve:things_total"] == 3
+    assert missing.status_code == 404
+
+
+def test_prefix_cache_counts_each_admission_once_in_tokens():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    hashes = [b"a", b"b", b"c"]
+    kv.allocate_slots("r1", 10)
+    kv.cache_blocks("r1", hashes, 10)
+    assert (kv.num_queried_tokens, kv.num_hit_tokens) == (10, 0)
+    prefix = kv.find_prefix(hashes, 10)
+    kv.find_prefix(hashes, 10)  # probes (placement, lookahead) count nothing
+    kv.allocate_slots("r2", 10, prefix)
+    assert (kv.num_queried_tokens, kv.num_hit_tokens) == (20, 8)
+    kv.allocate_slots("r2", 11)  # growth of a running request is no lookup
+    assert kv.num_queried_tokens == 20
+    off = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    off.allocate_slots("r", 10)
+    assert off.num_queried_tokens == 0
+
+
+def test_scheduler_metrics_read_its_state():
+    sched = Scheduler(SchedulerConfig())
+    layout = worker_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4,
+                                 dtype="float32")
+    w = sched.add_worker(worker_pb2.Register(worker_id="d0", role="decode", num_blocks=10,
+                                             layout=layout, model_fingerprint="m",
+                                             transports=["shm"], kv_endpoint="x"))
+    w.kv.allocate_slots("r", 12)  # 3 of 10 blocks
+    telemetry = SchedulerTelemetry(sched)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in telemetry.registry.collect() for s in f.samples}
+    key = (("role", "decode"), ("worker_id", "d0"))
+    assert samples["pdserve:kv_cache_usage_perc", key] == pytest.approx(0.3)
+    assert samples["pdserve:prefix_cache_queries_total", key] == 12
+    assert samples["pdserve:num_requests_waiting", ()] == 0
+    assert samples["pdserve:num_preemptions_total", ()] == 0
+    assert not telemetry.active  # no metrics server, no tracing: per-request hooks do nothing

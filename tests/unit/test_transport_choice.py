@@ -1,0 +1,17 @@
+from protos import worker_pb2
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.scheduler import _transport
+from services.scheduler.worker_state import WorkerState
+
+
+def _w(host, transports):
+    return WorkerState(worker_id=host, role="decode", endpoint="", fingerprint="f",
+                       layout=worker_pb2.KVLayout(), max_model_len=0,
+                       transports=tuple(transports), kv=KVCacheManager(4, 4), host_id=host)
+
+
+def test_shared_memory_only_between_workers_of_one_host():
+    assert _transport(_w("a", ["shm", "tcp"]), _w("a", ["shm", "tcp"])) == "shm"
+    assert _transport(_w("a", ["shm", "tcp"]), _w("b", ["shm", "tcp"])) == "tcp"
+    assert _transport(_w("a", ["tcp", "shm"]), _w("a", ["shm", "tcp"])) == "tcp"  # sender's pick
+    assert _transport(_w("a", ["shm"]), _w("b", ["shm", "tcp"])) == ""  # no way across hosts
