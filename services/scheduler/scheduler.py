@@ -256,6 +256,8 @@ class Scheduler:
             return 0  # a prefill worker takes it
         if w.role == "prefill" and short:
             return 0  # its decode worker prefills it: no KV hop for a short prompt
+        if w.role == "prefill" and self._better_prefill(w, req, hashes, len(prefix)):
+            return 0  # another prefill worker holds more of its prefix: leave it to that one
         if todo > min(budget, self._chunk_cap(req)) and not self._may_start_partial(w, req):
             return 0
         dst = dst_prefix = None
@@ -295,6 +297,18 @@ class Scheduler:
         if t == 0 and self.config.max_num_partial_prefills > 1:
             t = max(1, int(0.04 * self.max_model_len))
         return t
+
+    def _better_prefill(self, w: WorkerState, req: Request, hashes: list[bytes],
+                        hit: int) -> bool:
+        """Whether another prefill worker caches a longer prefix of req and can start it."""
+        for other in self.workers.values():
+            if other is w or other.role != "prefill" or \
+                    self._num_seqs(other) >= self.config.max_num_seqs:
+                continue
+            prefix = other.kv.find_prefix(hashes, req.num_tokens)
+            if len(prefix) > hit and other.kv.can_fit(req.request_id, req.num_tokens, prefix):
+                return True
+        return False
 
     def _chunk_cap(self, req: Request) -> int:
         """Most tokens of one prompt in one step: long prompts are capped when several partial

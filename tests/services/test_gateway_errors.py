@@ -218,8 +218,9 @@ async def test_scheduler_status_codes(
 
 
 async def test_deadline_exceeded_is_504(model_dir: str, tokenizer: Tokenizer) -> None:
-    scheduler = FakeScheduler(delay_s=0.15)
-    async with fake_gateway(model_dir, tokenizer, scheduler, request_timeout_s=0.4) as gw:
+    # a token a second against a 3 s deadline: the first arrives in time on a busy machine too
+    scheduler = FakeScheduler(delay_s=1.0)
+    async with fake_gateway(model_dir, tokenizer, scheduler, request_timeout_s=3.0) as gw:
         async with http_client(gw.url) as http:
             plain = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
             streamed = await http.post(
@@ -280,12 +281,17 @@ async def test_disconnect_while_waiting_aborts(
 ) -> None:
     """Before any byte of the response: the JSON case, and a stream still waiting for its first
     token (the gateway holds the status line until then)."""
-    scheduler = FakeScheduler(delay_s=0.5)
+    scheduler = FakeScheduler(delay_s=5.0)
     body = {"prompt": "x", "max_tokens": 1000, "n": 2, "stream": stream}
     async with fake_gateway(model_dir, tokenizer, scheduler, max_model_len=2048) as gw:
-        async with httpx.AsyncClient(base_url=gw.url, timeout=0.2) as http:
-            with pytest.raises(httpx.ReadTimeout):
-                await http.post("/v1/completions", json=body, headers={"x-request-id": "bye"})
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+            post = asyncio.create_task(
+                http.post("/v1/completions", json=body, headers={"x-request-id": "bye"}))
+            # both choices reached the scheduler, nothing came back yet: now the client leaves
+            await wait_for(lambda: len(gw.scheduler.requests) == 2)
+            post.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await post
             await wait_for(lambda: sorted(gw.scheduler.aborted) == ["bye-0", "bye-1"])
             await wait_for(lambda: len(gw.scheduler.cancelled) == 2)
     assert gw.scheduler.finished == []

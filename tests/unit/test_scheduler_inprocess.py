@@ -400,3 +400,19 @@ def test_broken_tcp_transfer_is_recomputed_on_the_decode_worker(cluster, hf):
     assert c.tokens("a") == _greedy(hf, prompt, 6)
     assert d.counters.prompt_tokens_computed == 21  # the whole prompt, recomputed there
     c.assert_all_free()
+
+
+def test_the_prefill_worker_holding_the_prefix_takes_the_request(cluster, hf):
+    c = cluster([("prefill", 64), ("prefill", 64), ("decode", 64)])
+    p1, p2 = [w for w in c.sched.workers.values() if w.role == "prefill"]
+    prompt = _prompt(30, 600)
+    c.submit("first", prompt, max_tokens=4)
+    plan = c.sched.schedule(p2.worker_id)  # p2 happens to take the first one
+    c.sched.update(p2.worker_id, c.workers[p2.worker_id].execute(plan))
+    c.run()
+    c.submit("again", prompt[:28] + [7, 7], max_tokens=4)
+    c.run()  # p1 plans first each round, yet leaves it to p2, which caches 7 of its blocks
+    assert p1.counters.prompt_tokens_computed == 0
+    assert p2.counters.prompt_tokens_computed == 30 + 30 - 28
+    assert c.tokens("again") == _greedy(hf, prompt[:28] + [7, 7], 4)
+    c.assert_all_free()
