@@ -16,6 +16,7 @@ class SchedulerConfig:
     mode: str = "disaggregated"        # or "colocated": decode workers only, each does both
     enable_prefix_caching: bool = True
     prefill_bypass_threshold: int = 0  # prompts with at most this many uncached tokens skip P
+    saturated_prefill_bypass: bool = False  # a decode worker with room prefills what P cannot start
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: 4% of the model length when partials > 1

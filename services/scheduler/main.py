@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-bypass-threshold", type=int, default=d.prefill_bypass_threshold,
                    help="prompts with at most this many uncached tokens are prefilled by their "
                         "decode worker; 0 never bypasses the prefill pool")
+    p.add_argument("--saturated-prefill-bypass", action=argparse.BooleanOptionalAction,
+                   default=d.saturated_prefill_bypass,
+                   help="when no prefill worker can start a prompt now, a decode worker with "
+                        "room prefills it itself (trades its decodes' TPOT for the prompt's TTFT)")
     p.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
                    help="prompts a worker may have started and not finished prefilling at once")
     p.add_argument("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
@@ -64,6 +68,7 @@ def config_from_args(args) -> SchedulerConfig:
                            step_timeout_s=args.step_timeout, mode=args.mode,
                            enable_prefix_caching=args.enable_prefix_caching,
                            prefill_bypass_threshold=args.prefill_bypass_threshold,
+                           saturated_prefill_bypass=args.saturated_prefill_bypass,
                            max_num_partial_prefills=args.max_num_partial_prefills,
                            max_long_partial_prefills=args.max_long_partial_prefills,
                            long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -162,6 +162,7 @@ class Scheduler:
         if w.role == "prefill":
             return any(d.role == "decode" for d in self.workers.values())
         return (not has_prefill or self.config.prefill_bypass_threshold > 0
+                or self.config.saturated_prefill_bypass
                 or any(r.prefill_locally for r in itertools.islice(self.waiting, self._lookahead)))
 
     @property
@@ -252,7 +253,8 @@ class Scheduler:
         todo = n - len(prefix) * w.kv.block_size
         short = todo <= self.config.prefill_bypass_threshold or req.prefill_locally
         if w.role == "decode" and not short and \
-                any(p.role == "prefill" for p in self.workers.values()):
+                any(p.role == "prefill" for p in self.workers.values()) and \
+                not self._decode_may_relieve(w, req, todo):
             return 0  # a prefill worker takes it
         if w.role == "prefill" and short:
             return 0  # its decode worker prefills it: no KV hop for a short prompt
@@ -297,6 +299,18 @@ class Scheduler:
         if t == 0 and self.config.max_num_partial_prefills > 1:
             t = max(1, int(0.04 * self.max_model_len))
         return t
+
+    def _decode_may_relieve(self, w: WorkerState, req: Request, todo: int) -> bool:
+        """--saturated-prefill-bypass: no prefill worker can start req now, and w has room to
+        prefill it itself (no prefill of its own running, a quarter of its blocks left)."""
+        if not self.config.saturated_prefill_bypass:
+            return False
+        prefillers = [p for p in self.workers.values() if p.role == "prefill"]
+        saturated = all(self._num_seqs(p) >= self.config.max_num_seqs
+                        or not self._may_start_partial(p, req) for p in prefillers)
+        own_prefill = any(r.status is Status.PREFILLING for r in w.prefilling)
+        room = w.kv.num_free_blocks - w.kv.blocks_for(todo + 1) >= w.kv.num_blocks // 4
+        return saturated and not own_prefill and room
 
     def _better_prefill(self, w: WorkerState, req: Request, hashes: list[bytes],
                         hit: int) -> bool:

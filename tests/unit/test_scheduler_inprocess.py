@@ -416,3 +416,21 @@ def test_the_prefill_worker_holding_the_prefix_takes_the_request(cluster, hf):
     assert p2.counters.prompt_tokens_computed == 30 + 30 - 28
     assert c.tokens("again") == _greedy(hf, prompt[:28] + [7, 7], 4)
     c.assert_all_free()
+
+
+@pytest.mark.parametrize("bypass", [False, True])
+def test_saturated_prefill_pool_sends_prompts_to_a_decode_worker_with_room(cluster, hf, bypass):
+    c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=8,
+                saturated_prefill_bypass=bypass)
+    long, other = _prompt(40, 700), _prompt(20, 701)
+    c.submit("long", long, max_tokens=3)
+    p = _by_role(c, "prefill")
+    plan = c.sched.schedule(p.worker_id)  # p starts chunking the long prompt: p is saturated
+    c.sched.update(p.worker_id, c.workers[p.worker_id].execute(plan))
+    c.submit("other", other, max_tokens=3)
+    c.run()
+    d = _by_role(c, "decode")
+    assert d.counters.prompt_tokens_computed == (20 if bypass else 0)
+    assert c.tokens("other") == _greedy(hf, other, 3)
+    assert c.tokens("long") == _greedy(hf, long, 3)
+    c.assert_all_free()
