@@ -42,13 +42,13 @@ class Stack:
         import json
         return json.loads(out.stdout)
 
-    def children(self) -> list[str]:
-        """Command lines of the launcher's child processes."""
-        out = []
+    def children(self) -> dict[int, str]:
+        """pid -> command line of the launcher's child processes."""
+        out = {}
         for d in Path("/proc").iterdir():
             try:
                 if d.name.isdigit() and (d / "stat").read_text().split()[3] == str(self.proc.pid):
-                    out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+                    out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 pass
         return out

@@ -48,7 +48,7 @@ def _model_name(client):
 
 
 def test_four_processes_named_for_their_roles(stack):
-    cmdlines = stack.children()
+    cmdlines = list(stack.children().values())
     roles = sorted(c.split("pdserve ", 1)[1].split()[0] for c in cmdlines if "pdserve " in c)
     assert roles == ["decode-worker", "gateway", "prefill-worker", "scheduler"], cmdlines
 
@@ -151,7 +151,7 @@ def test_counters_show_the_disaggregated_path_and_no_block_leaks(stack, client):
 def test_ctrl_c_stops_all_four(tiny_llama, tmp_path):
     others = _shm_segments()
     s = Stack(tiny_llama, tmp_path, "--num-kv-blocks", "32")
-    children = [int(line) for line in _child_pids(s.proc.pid)]
+    children = list(s.children())
     assert len(children) == 4
     ours = _shm_segments() - others
     assert len(ours) == 2  # one KV cache per worker
@@ -166,16 +166,6 @@ def test_ctrl_c_stops_all_four(tiny_llama, tmp_path):
 def _shm_segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("pdserve-kv-*")}
 
-
-def _child_pids(ppid: int) -> list[str]:
-    out = []
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and (d / "stat").read_text().split()[3] == str(ppid):
-                out.append(d.name)
-        except OSError:
-            pass
-    return out
 
 
 def test_logprobs_match_hf(stack, client, hf):
