@@ -35,10 +35,20 @@ class TransferConfig:
 
 
 class KVSender(ABC):
-    @abstractmethod
+    """Calls for one transfer cover its layers in order; the call with `last` completes it."""
+
     def send(self, transfer_id: str, cache: PagedKVCache, src_block_ids: list[int],
              dst_endpoint: str, dst_block_ids: list[int]) -> int:
-        """Pushes the blocks; returns the bytes moved once they are in the destination's cache."""
+        """Pushes every layer of the blocks; returns the bytes moved once they are in the
+        destination's cache."""
+        return self.send_layers(transfer_id, cache, src_block_ids, dst_endpoint, dst_block_ids,
+                                0, cache.layout.num_layers, last=True)
+
+    @abstractmethod
+    def send_layers(self, transfer_id: str, cache: PagedKVCache, src_block_ids: list[int],
+                    dst_endpoint: str, dst_block_ids: list[int], layer_start: int,
+                    layer_end: int, last: bool) -> int:
+        """Pushes layers [layer_start, layer_end) of the blocks; returns the bytes moved."""
 
     def close(self) -> None:
         pass

@@ -37,7 +37,8 @@ class ShmSender(KVSender):
         except (OSError, ValueError) as e:
             raise KVTransferError(f"cannot map {path}: {e}") from e
 
-    def send(self, transfer_id, cache, src_block_ids, dst_endpoint, dst_block_ids):
+    def send_layers(self, transfer_id, cache, src_block_ids, dst_endpoint, dst_block_ids,
+                    layer_start, layer_end, last):
         if len(src_block_ids) != len(dst_block_ids):
             raise KVTransferError(f"transfer {transfer_id}: {len(src_block_ids)} source blocks, "
                                   f"{len(dst_block_ids)} destination blocks")
@@ -45,8 +46,10 @@ class ShmSender(KVSender):
         num_blocks = peer.shape[2]
         if any(not 0 <= b < num_blocks for b in dst_block_ids):
             raise KVTransferError(f"transfer {transfer_id}: destination block out of range")
-        copy_blocks(peer, dst_block_ids, cache.tensor, src_block_ids)
-        return len(src_block_ids) * self.layout.block_bytes
+        copy_blocks(peer[layer_start:layer_end], dst_block_ids,
+                    cache.tensor[layer_start:layer_end], src_block_ids)
+        return (len(src_block_ids) * self.layout.block_bytes // self.layout.num_layers
+                * (layer_end - layer_start))
 
     def close(self):
         self._peers.clear()

@@ -58,18 +58,25 @@ class TcpSender(KVSender):
         self.cfg = cfg
         self._conns: dict[str, socket.socket] = {}
         self._buf: torch.Tensor | None = None
+        self._deadlines: dict[str, float] = {}
 
-    def send(self, transfer_id, cache, src_block_ids, dst_endpoint, dst_block_ids):
+    def send_layers(self, transfer_id, cache, src_block_ids, dst_endpoint, dst_block_ids,
+                    layer_start, layer_end, last):
         if len(src_block_ids) != len(dst_block_ids):
             raise KVTransferError(f"transfer {transfer_id}: {len(src_block_ids)} source blocks, "
                                   f"{len(dst_block_ids)} destination blocks")
-        deadline = time.monotonic() + self.cfg.timeout_s
+        # one deadline for the whole transfer, however many calls its layers take
+        deadline = self._deadlines.setdefault(transfer_id, time.monotonic() + self.cfg.timeout_s)
         try:
             sock = self._connect(dst_endpoint, deadline)
             moved = self._send_frames(sock, transfer_id, cache, src_block_ids, dst_block_ids,
-                                      deadline)
+                                      deadline, layer_start, layer_end, last)
+            if not last:
+                return moved
+            del self._deadlines[transfer_id]
             ack = kv_transfer_pb2.KVTransferAck.FromString(_recv_msg(sock, deadline))
         except (OSError, ValueError, KVTransferError) as e:
+            self._deadlines.pop(transfer_id, None)
             self._drop(dst_endpoint)
             raise KVTransferError(f"transfer {transfer_id} to {dst_endpoint}: {e}") from e
         if ack.transfer_id != transfer_id or ack.error:
@@ -77,14 +84,13 @@ class TcpSender(KVSender):
             raise KVTransferError(f"transfer {transfer_id} refused: {ack.error or 'wrong ack'}")
         return moved
 
-    def _send_frames(self, sock, transfer_id, cache, src_block_ids, dst_block_ids,
-                     deadline) -> int:
-        num_layers = self.layout.num_layers
-        per_layer = self.layout.block_bytes // num_layers * len(src_block_ids)
+    def _send_frames(self, sock, transfer_id, cache, src_block_ids, dst_block_ids, deadline,
+                     layer_start, layer_end, last) -> int:
+        per_layer = self.layout.block_bytes // self.layout.num_layers * len(src_block_ids)
         step = max(1, MAX_FRAME_BYTES // max(1, per_layer))
         moved = 0
-        for l0 in range(0, num_layers, step):
-            l1 = min(num_layers, l0 + step)
+        for l0 in range(layer_start, layer_end, step):
+            l1 = min(layer_end, l0 + step)
             layers = cache.tensor[l0:l1]
             payload = self._staging(layers.shape[:2] + (len(src_block_ids),) + layers.shape[3:])
             copy_blocks(payload, range(len(src_block_ids)), layers, src_block_ids)
@@ -92,7 +98,7 @@ class TcpSender(KVSender):
             header = kv_transfer_pb2.KVFrameHeader(
                 transfer_id=transfer_id, dst_block_ids=dst_block_ids, layer_start=l0,
                 layer_end=l1, dtype=self.layout.dtype, shape=list(payload.shape),
-                payload_bytes=data.nbytes, last=l1 == num_layers)
+                payload_bytes=data.nbytes, last=last and l1 == layer_end)
             if self.cfg.secret:
                 header.auth_tag = _tag(self.cfg.secret, header)
             raw = header.SerializeToString(deterministic=True)
@@ -200,7 +206,7 @@ class TcpListener(KVListener):
         self.layout = cache.layout
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._covered: dict[str, set[int]] = {}  # transfer -> blocks written so far
+        self._covered: dict[str, set[int]] = {}  # transfer -> layers written so far
 
     async def start(self) -> None:
         info = socket.getaddrinfo(self.cfg.tcp_host, self.cfg.tcp_port, type=socket.SOCK_STREAM)
@@ -275,15 +281,15 @@ class TcpListener(KVListener):
         tensor = torch.frombuffer(payload, dtype=self.layout.torch_dtype).view(shape)
         await asyncio.to_thread(copy_blocks, self.cache.tensor[header.layer_start:header.layer_end],
                                 list(header.dst_block_ids), tensor, range(len(header.dst_block_ids)))
+        layers = self._covered.setdefault(header.transfer_id, set())
+        layers.update(range(header.layer_start, header.layer_end))
         if header.last:
-            covered = self._covered.pop(header.transfer_id, set()) | set(header.dst_block_ids)
-            if covered != set(blocks):
-                await self._ack(conn, header.transfer_id, "not every reserved block was sent")
+            del self._covered[header.transfer_id]
+            if len(layers) != self.layout.num_layers:
+                await self._ack(conn, header.transfer_id, "not every layer was sent")
                 raise FrameRejected(f"transfer {header.transfer_id} incomplete")
             self.receiver.mark_received(header.transfer_id)
             await self._ack(conn, header.transfer_id, "")
-        else:
-            self._covered.setdefault(header.transfer_id, set()).update(header.dst_block_ids)
 
     async def _check(self, h: kv_transfer_pb2.KVFrameHeader) -> tuple[tuple[int, ...], tuple]:
         if self.cfg.secret and not hmac.compare_digest(h.auth_tag, _tag(self.cfg.secret, h)):
@@ -293,8 +299,7 @@ class TcpListener(KVListener):
         shape = (h.layer_end - h.layer_start, 2, len(h.dst_block_ids), lay.block_size,
                  lay.num_kv_heads, lay.head_dim)
         elem = torch.empty((), dtype=lay.torch_dtype).element_size()
-        if not set(h.dst_block_ids) <= set(blocks) or \
-                len(set(h.dst_block_ids)) != len(h.dst_block_ids):
+        if sorted(h.dst_block_ids) != sorted(blocks):  # every frame: all of its blocks
             raise FrameRejected(f"transfer {h.transfer_id}: blocks outside its reservation")
         if not 0 <= h.layer_start < h.layer_end <= lay.num_layers:
             raise FrameRejected(f"layers [{h.layer_start}, {h.layer_end}) out of range")

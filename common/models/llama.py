@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -106,12 +107,16 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden].
+        on_layer(i) runs once layer i's KV for this step is in the cache."""
         rope = self.ops.rope_step(positions, self.rope_cos, self.rope_sin)
         h, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             h, residual = layer(h, residual, rope, kv_cache, meta)
+            if on_layer is not None:
+                on_layer(i)
         return self.norm(h, residual)[0]
 
     @torch.inference_mode()

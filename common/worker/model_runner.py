@@ -52,7 +52,8 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = cache.layout.block_size
 
-    def execute(self, scheduled: list[tuple[RequestState, int]]) -> tuple[list[Sampled], StepStats]:
+    def execute(self, scheduled: list[tuple[RequestState, int]],
+                on_layer=None) -> tuple[list[Sampled], StepStats]:
         """Computes num_tokens of each request; samples for those that reach their last token."""
         for req, n in scheduled:
             assert 0 < n <= len(req.token_ids) - req.num_computed_tokens, (
@@ -74,7 +75,8 @@ class ModelRunner:
             [(r.num_computed_tokens, r.block_ids) for r, _ in decodes],
             [(r.num_computed_tokens, n, r.block_ids) for r, n in prefills], self.block_size)
         hidden = self.model(torch.tensor(ids, dtype=torch.long),
-                            torch.tensor(positions, dtype=torch.long), self.cache.layers, meta)
+                            torch.tensor(positions, dtype=torch.long), self.cache.layers, meta,
+                            on_layer)
 
         stats = StepStats(decode_tokens=sum(r.num_computed_tokens >= r.num_prompt_tokens
                                             for r, _ in decodes))

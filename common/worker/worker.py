@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, KVTransferError
 from common.worker.kv_cache import PagedKVCache
+from common.worker.layer_streamer import LayerStreamer
 from common.worker.model_runner import ModelRunner, RequestState
 from protos import worker_pb2
 
@@ -28,6 +29,7 @@ class Worker:
         self.senders = senders
         self.receiver = receiver
         self.listeners = listeners
+        self._streamer: LayerStreamer | None = None  # sends of the step that ran last
         self.requests: dict[str, RequestState] = {}
         self.counters = worker_pb2.WorkerCounters()
 
@@ -54,8 +56,15 @@ class Worker:
 
         scheduled = [(self.requests[s.request_id], s.num_tokens) for s in plan.scheduled
                      if s.request_id in self.requests]
+        self._streamer = self._layerwise(plan, scheduled)
         if scheduled:
-            sampled, stats = self.runner.execute(scheduled)
+            try:
+                sampled, stats = self.runner.execute(
+                    scheduled, self._streamer.on_layer if self._streamer else None)
+            except BaseException:
+                if self._streamer is not None:
+                    self._streamer.abort()
+                raise
             for s in sampled:
                 result.sampled.add(request_id=s.request.request_id, token_id=s.token_id,
                                    logprobs=s.logprobs)
@@ -66,10 +75,34 @@ class Worker:
         return result
 
     def send_kv(self, sends) -> worker_pb2.TransfersDone:
-        """Runs a plan's KV sends; called after its StepResult went out."""
-        done = worker_pb2.TransfersDone(done=[self._timed_send(s) for s in sends])
+        """Runs (or finishes, for those streamed layer by layer) a plan's KV sends; called after
+        its StepResult went out."""
+        streamed = self._streamer.finish() if self._streamer is not None else {}
+        self._streamer = None
+        done = worker_pb2.TransfersDone()
+        for send in sends:
+            stream = streamed.get(send.transfer_id)
+            done.done.append(self._timed_send(send) if stream is None else self._streamed(stream))
         done.counters.CopyFrom(self.counters)
         return done
+
+    def _layerwise(self, plan: worker_pb2.StepPlan, scheduled) -> LayerStreamer | None:
+        """Sends of prompts whose last chunk this step computes start during its forward."""
+        completing = {r.request_id for r, n in scheduled
+                      if r.num_computed_tokens + n == len(r.token_ids)}
+        sends = [(s, self.senders[s.transport]) for s in plan.sends
+                 if s.request_id in completing and s.transport in self.senders]
+        return LayerStreamer(self.cache, sends) if sends else None
+
+    def _streamed(self, stream) -> worker_pb2.TransferDone:
+        send = stream.send
+        if self.on_send is not None:
+            self.on_send(send, stream.start, stream.end, stream.error)
+        if stream.error:
+            log.warning("KV transfer %s failed: %s", send.transfer_id, stream.error)
+            return worker_pb2.TransferDone(transfer_id=send.transfer_id, error=stream.error)
+        self.counters.kv_blocks_sent += len(send.src_block_ids)
+        return worker_pb2.TransferDone(transfer_id=send.transfer_id)
 
     def _add(self, new: worker_pb2.NewRequest, result: worker_pb2.StepResult) -> None:
         if new.kv_transfer_id:

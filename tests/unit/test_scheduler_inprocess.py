@@ -434,3 +434,25 @@ def test_saturated_prefill_pool_sends_prompts_to_a_decode_worker_with_room(clust
     assert c.tokens("other") == _greedy(hf, other, 3)
     assert c.tokens("long") == _greedy(hf, long, 3)
     c.assert_all_free()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_last_chunk_streams_its_kv_layer_by_layer(cluster, hf, transport):
+    c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=8,
+                worker_kw={"kv_transports": (transport,)})
+    p = _by_role(c, "prefill")
+    sender = c.workers[p.worker_id].senders[transport]
+    calls = []
+    real = sender.send_layers
+
+    def recording(*args, **kw):
+        calls.append(args[5:7] + (kw["last"],))
+        return real(*args, **kw)
+    sender.send_layers = recording
+    prompt = _prompt(30, 900)  # 4 steps of 8 tokens: the decode worker expects it by the last
+    c.submit("a", prompt, max_tokens=5)
+    c.run()
+    assert c.tokens("a") == _greedy(hf, prompt, 5)
+    layers = c.workers[p.worker_id].cache.layout.num_layers
+    assert calls == [(i, i + 1, i == layers - 1) for i in range(layers)]  # layer by layer
+    c.assert_all_free()

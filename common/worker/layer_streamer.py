@@ -1,0 +1,78 @@
+"""Layer-wise KV sends: the blocks of a prompt whose last chunk this step computes leave layer by
+layer while the step computes the layers after them.
+
+The model calls `on_layer(i)` once layer i's KV is in the cache; a thread sends each layer as it
+becomes ready (one frame per layer and transfer), the last one closing each transfer.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from common.kv_transfer.base import KVSender, KVTransferError
+from common.worker.kv_cache import PagedKVCache
+from protos import worker_pb2
+
+STOP = -1
+JOIN_TIMEOUT_S = 600.0  # senders keep their own, shorter deadlines; this only bounds the join
+
+
+@dataclass
+class _Stream:
+    send: worker_pb2.KVSend
+    sender: KVSender
+    start: float = 0.0
+    end: float = 0.0
+    error: str = ""
+    bytes: int = field(default=0)
+
+
+class LayerStreamer:
+    def __init__(self, cache: PagedKVCache, sends: list[tuple[worker_pb2.KVSend, KVSender]]):
+        self.cache = cache
+        self.num_layers = cache.layout.num_layers
+        self.streams = {s.transfer_id: _Stream(s, sender) for s, sender in sends}
+        self._ready: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kv-layer-sends", daemon=True)
+        self._thread.start()
+
+    def on_layer(self, i: int) -> None:
+        self._ready.put(i)
+
+    def abort(self) -> None:
+        """The step failed: nothing more will be sent."""
+        self._ready.put(STOP)
+        for s in self.streams.values():
+            s.error = s.error or "the step computing these blocks failed"
+
+    def finish(self) -> dict[str, _Stream]:
+        """Waits for the last layer to be sent (or to fail) on every stream."""
+        self._thread.join(JOIN_TIMEOUT_S)
+        if self._thread.is_alive():
+            for s in self.streams.values():
+                s.error = s.error or "layer-wise send did not finish"
+        return self.streams
+
+    def _run(self) -> None:
+        for expected in range(self.num_layers):
+            layer = self._ready.get()
+            if layer == STOP:
+                return
+            assert layer == expected, f"layer {layer} ready before layer {expected}"
+            for s in self.streams.values():
+                self._send(s, layer, layer + 1)
+
+    def _send(self, s: _Stream, start: int, end: int) -> None:
+        if s.error:
+            return
+        if not s.start:
+            s.start = time.time()
+        try:
+            s.bytes += s.sender.send_layers(
+                s.send.transfer_id, self.cache, list(s.send.src_block_ids), s.send.dst_endpoint,
+                list(s.send.dst_block_ids), start, end, last=end == self.num_layers)
+        except KVTransferError as e:
+            s.error = str(e)
+        s.end = time.time()
