@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from common.worker.kv_cache import KVLayout, PagedKVCache
 
-KNOWN_TRANSPORTS = ("shm", "tcp")
+KNOWN_TRANSPORTS = ("shm", "tcp", "nccl")
 
 
 class KVTransferError(Exception):
@@ -127,6 +127,9 @@ def create_sender(transport: str, layout: KVLayout, cfg: TransferConfig) -> KVSe
     if transport == "tcp":
         from common.kv_transfer.tcp import TcpSender
         return TcpSender(layout, cfg)
+    if transport == "nccl":
+        from common.kv_transfer.nccl import NcclSender
+        return NcclSender(layout, cfg)
     raise ValueError(f"unknown KV transport {transport!r}; known: {', '.join(KNOWN_TRANSPORTS)}")
 
 
@@ -138,4 +141,7 @@ def create_listener(transport: str, cache: PagedKVCache, receiver: KVReceiver,
     if transport == "tcp":
         from common.kv_transfer.tcp import TcpListener
         return TcpListener(cache, receiver, cfg)
+    if transport == "nccl":
+        from common.kv_transfer.nccl import NcclListener
+        return NcclListener(cache, receiver, cfg)
     raise ValueError(f"unknown KV transport {transport!r}; known: {', '.join(KNOWN_TRANSPORTS)}")

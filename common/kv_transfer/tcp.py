@@ -313,7 +313,7 @@ class TcpListener(KVListener):
     async def _wait_expected(self, transfer_id: str) -> tuple[int, ...]:
         """The scheduler orders a send only after the receiver's step registered it; a frame for
         an id never expected waits out the deadline and is refused."""
-        deadline = time.monotonic() + self.cfg.timeout_s
+        deadline = time.monotonic() + self.cfg.timeout_s / 2  # answer before the sender gives up
         while (blocks := self.receiver.expected_blocks(transfer_id)) is None:
             if time.monotonic() > deadline:
                 raise FrameRejected(f"transfer {transfer_id} is not expected")

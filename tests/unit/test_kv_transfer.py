@@ -173,3 +173,50 @@ def test_segments_of_dead_workers_are_swept(tmp_path):
     assert sweep_stale_segments(tmp_path) == ["pdserve-kv-dead"]
     assert (tmp_path / "pdserve-kv-live").exists()
     os.close(live_fd)
+
+
+@pytest.fixture
+def nccl(loop):
+    from common.kv_transfer.nccl import NcclListener, NcclSender
+    made = []
+
+    def make(timeout=10.0):
+        src, dst = caches("nccl")
+        receiver = KVReceiver()
+        listener = NcclListener(dst, receiver, TransferConfig(timeout_s=timeout))
+        run(loop, listener.start())
+        sender = NcclSender(LAYOUT, TransferConfig(timeout_s=timeout))
+        made.append((listener, sender, dst))
+        return src, dst, receiver, listener, sender
+    yield make
+    for listener, sender, dst in made:
+        sender.close()
+        run(loop, listener.close())
+        dst.close()
+
+
+def test_nccl_transport_on_gloo_moves_exact_blocks_layer_by_layer(nccl):
+    src, dst, receiver, listener, sender = nccl()
+    before = dst.tensor.clone()
+    receiver.expect("t1", "r1", [5, 2, 7], transport="nccl")
+    for layer in range(LAYOUT.num_layers):
+        sender.send_layers("t1", src, [1, 3, 9], listener.endpoint(), [5, 2, 7], layer, layer + 1,
+                           last=layer == LAYOUT.num_layers - 1)
+    assert torch.equal(dst.tensor[:, :, [5, 2, 7]], src.tensor[:, :, [1, 3, 9]])
+    untouched = [b for b in range(8) if b not in (5, 2, 7)]
+    assert torch.equal(dst.tensor[:, :, untouched], before[:, :, untouched])
+    assert receiver.complete("t1", [5, 2, 7]) == 3
+    receiver.expect("t2", "r2", [0], transport="nccl")  # the pair is reused
+    sender.send("t2", src, [4], listener.endpoint(), [0])
+    assert torch.equal(dst.tensor[:, :, 0], src.tensor[:, :, 4])
+
+
+def test_nccl_transport_refuses_what_was_not_reserved(nccl):
+    src, dst, receiver, listener, sender = nccl(timeout=1.0)
+    before = dst.tensor.clone()
+    with pytest.raises(KVTransferError, match="not expected"):
+        sender.send("nobody", src, [1], listener.endpoint(), [1])
+    receiver.expect("t1", "r1", [2, 3], transport="nccl")
+    with pytest.raises(KVTransferError, match="reservation"):
+        sender.send("t1", src, [1, 2], listener.endpoint(), [3, 4])
+    assert torch.equal(dst.tensor, before)

@@ -376,8 +376,9 @@ def test_preemption_takes_the_least_important_request(cluster):
     c.assert_all_free()
 
 
-def test_kv_over_tcp_matches_hf(cluster, hf):
-    c = cluster([("prefill", 64), ("decode", 64)], worker_kw={"kv_transports": ("tcp",)})
+@pytest.mark.parametrize("transport", ["tcp", "nccl"])
+def test_kv_over_the_network_transports_matches_hf(cluster, hf, transport):
+    c = cluster([("prefill", 64), ("decode", 64)], worker_kw={"kv_transports": (transport,)})
     prompts = {f"t{n}": _prompt(n, 300 + n) for n in (3, 17, 40)}
     for rid, p in prompts.items():
         c.submit(rid, p, max_tokens=6)
@@ -436,7 +437,7 @@ def test_saturated_prefill_pool_sends_prompts_to_a_decode_worker_with_room(clust
     c.assert_all_free()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "nccl"])
 def test_last_chunk_streams_its_kv_layer_by_layer(cluster, hf, transport):
     c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=8,
                 worker_kw={"kv_transports": (transport,)})

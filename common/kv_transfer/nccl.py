@@ -1,0 +1,248 @@
+"""Any-host transport over torch.distributed point-to-point: NCCL for caches on a GPU, gloo for
+caches in host memory (the same code; CI runs it on gloo).
+
+The receiver hosts a TCPStore at its endpoint. A sender joins once per receiver (`join/<n>`), and
+the two build a two-rank process group on the store's prefix `pair/<n>/`. Per frame the sender
+puts a KVFrameHeader in the store, the receiver checks it exactly as the tcp transport does and
+answers `go` (or a refusal), then the payload moves with send/recv; after the frame marked `last`
+the receiver answers `ack`. Only raw tensor bytes ever cross the process group.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from common.kv_transfer.base import (KVListener, KVReceiver, KVSender, KVTransferError,
+                                     TransferConfig)
+from common.kv_transfer.tcp import MAX_HEADER_BYTES, _tag
+from common.worker.kv_cache import KVLayout, PagedKVCache, copy_blocks
+from protos import kv_transfer_pb2
+
+log = logging.getLogger(__name__)
+
+SCHEME = "nccl://"
+POLL_S = 0.05
+
+
+def _group(store: dist.Store, prefix: str, rank: int, host: str, device: torch.device,
+           timeout_s: float):
+    """A two-rank group: NCCL for CUDA tensors, gloo bound to `host` otherwise."""
+    store = dist.PrefixStore(prefix, store)
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, 2, timeout=timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+def _poll(store: dist.Store, key: str, until) -> bool:
+    """Whether key appeared before until() said stop (check + sleep: the store's own timed
+    wait logs a warning on every timeout)."""
+    while not store.check([key]):
+        if until():
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def _wait_key(store: dist.Store, key: str, deadline: float) -> bytes:
+    if not _poll(store, key, lambda: time.monotonic() > deadline):
+        raise KVTransferError(f"no {key} before the deadline")
+    value = store.get(key)
+    store.delete_key(key)
+    return value
+
+
+@dataclass
+class _Pair:
+    store: dist.Store
+    group: object
+    prefix: str  # "pair/<n>/"
+    seq: int = 0  # frames sent on this pair
+
+
+class NcclSender(KVSender):
+    def __init__(self, layout: KVLayout, cfg: TransferConfig):
+        self.layout = layout
+        self.cfg = cfg
+        self._peers: dict[str, _Pair] = {}
+        self._deadlines: dict[str, float] = {}
+        self._buf: torch.Tensor | None = None
+
+    def _peer(self, endpoint: str, device: torch.device):
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            host, port = _parse(endpoint)
+            store = dist.TCPStore(host, port, None, False, timedelta(seconds=self.cfg.timeout_s))
+            n = store.add("joins", 1) - 1
+            pair = f"pair/{n}/"
+            store.set(f"join/{n}", b"")
+            pg = _group(store, pair, 0, self.cfg.tcp_host, device, self.cfg.timeout_s)
+            peer = self._peers[endpoint] = _Pair(store, pg, pair)
+        return peer
+
+    def send_layers(self, transfer_id, cache, src_block_ids, dst_endpoint, dst_block_ids,
+                    layer_start, layer_end, last):
+        deadline = self._deadlines.setdefault(transfer_id, time.monotonic() + self.cfg.timeout_s)
+        try:
+            peer = self._peer(dst_endpoint, cache.tensor.device)
+            store, pg, pair = peer.store, peer.group, peer.prefix
+            peer.seq += 1
+            seq = peer.seq
+            layers = cache.tensor[layer_start:layer_end]
+            payload = self._staging(layers, len(src_block_ids))
+            copy_blocks(payload, range(len(src_block_ids)), layers, src_block_ids)
+            header = kv_transfer_pb2.KVFrameHeader(
+                transfer_id=transfer_id, dst_block_ids=dst_block_ids, layer_start=layer_start,
+                layer_end=layer_end, dtype=self.layout.dtype, shape=list(payload.shape),
+                payload_bytes=payload.numel() * payload.element_size(), last=last)
+            if self.cfg.secret:
+                header.auth_tag = _tag(self.cfg.secret, header)
+            store.set(f"{pair}hdr/{seq}", header.SerializeToString(deterministic=True))
+            refusal = _wait_key(store, f"{pair}go/{seq}", deadline).decode()
+            if refusal:
+                raise KVTransferError(f"refused: {refusal}")
+            pg.send([payload], 1, seq).wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            if last:
+                del self._deadlines[transfer_id]
+                error = _wait_key(store, f"{pair}ack/{seq}", deadline).decode()
+                if error:
+                    raise KVTransferError(f"refused: {error}")
+            return header.payload_bytes
+        except (RuntimeError, ValueError, OSError, KVTransferError) as e:
+            self._deadlines.pop(transfer_id, None)
+            self._peers.pop(dst_endpoint, None)  # the pair is out of step: a fresh one next time
+            raise KVTransferError(f"transfer {transfer_id} to {dst_endpoint}: {e}") from e
+
+    def _staging(self, layers: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        shape = layers.shape[:2] + (num_blocks,) + layers.shape[3:]
+        numel = torch.Size(shape).numel()
+        if self._buf is None or self._buf.numel() < numel or self._buf.device != layers.device:
+            self._buf = torch.empty(numel, dtype=layers.dtype, device=layers.device)
+        return self._buf[:numel].view(shape)
+
+    def close(self):
+        self._peers.clear()
+
+
+def _parse(endpoint: str) -> tuple[str, int]:
+    if not endpoint.startswith(SCHEME):
+        raise KVTransferError(f"not an nccl endpoint: {endpoint}")
+    host, _, port = endpoint[len(SCHEME):].rpartition(":")
+    if not host or not port.isdigit():
+        raise KVTransferError(f"malformed nccl endpoint {endpoint}")
+    return host, int(port)
+
+
+class NcclListener(KVListener):
+    def __init__(self, cache: PagedKVCache, receiver: KVReceiver, cfg: TransferConfig):
+        self.cache = cache
+        self.receiver = receiver
+        self.cfg = cfg
+        self.layout = cache.layout
+        self._store: dist.TCPStore | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    async def start(self) -> None:
+        self._store = dist.TCPStore(self.cfg.tcp_host, 0, None, True,
+                                    timedelta(seconds=self.cfg.timeout_s), wait_for_workers=False)
+        self._spawn(self._accept)
+
+    def endpoint(self) -> str:
+        assert self._store is not None, "start() the listener first"
+        host = self.cfg.advertise_host or self.cfg.tcp_host
+        return f"{SCHEME}{host}:{self._store.port}"
+
+    async def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
+        self._store = None
+
+    def _spawn(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name="kv-nccl")
+        t.start()
+        self._threads.append(t)
+
+    def _accept(self) -> None:
+        n = 0
+        while _poll(self._store, f"join/{n}", self._stop.is_set):
+            self._store.delete_key(f"join/{n}")
+            self._spawn(self._serve, f"pair/{n}/")
+            n += 1
+
+    def _serve(self, pair: str) -> None:
+        store = self._store
+        try:
+            pg = _group(store, pair, 1, self.cfg.tcp_host, self.cache.tensor.device,
+                        self.cfg.timeout_s)
+        except RuntimeError as e:
+            log.warning("KV pair %s failed to form: %s", pair, e)
+            return
+        layers_seen: dict[str, set[int]] = {}
+        seq = 0
+        while not self._stop.is_set():
+            seq += 1
+            key = f"{pair}hdr/{seq}"
+            if not _poll(store, key, self._stop.is_set):
+                return
+            raw = store.get(key)
+            store.delete_key(key)
+            try:
+                self._frame(store, pg, pair, seq, raw, layers_seen)
+            except (RuntimeError, KVTransferError) as e:
+                log.warning("KV pair %s broken: %s", pair, e)
+                return  # the sender starts a fresh pair
+
+    def _frame(self, store, pg, pair: str, seq: int, raw: bytes, layers_seen) -> None:
+        if len(raw) > MAX_HEADER_BYTES:
+            store.set(f"{pair}go/{seq}", b"header too large")
+            return
+        h = kv_transfer_pb2.KVFrameHeader.FromString(raw)
+        refusal, shape = self._check(h)
+        store.set(f"{pair}go/{seq}", refusal.encode())
+        if refusal:
+            return
+        buf = torch.empty(shape, dtype=self.layout.torch_dtype, device=self.cache.tensor.device)
+        pg.recv([buf], 0, seq).wait(timedelta(seconds=self.cfg.timeout_s))
+        copy_blocks(self.cache.tensor[h.layer_start:h.layer_end], list(h.dst_block_ids), buf,
+                    range(len(h.dst_block_ids)))
+        seen = layers_seen.setdefault(h.transfer_id, set())
+        seen.update(range(h.layer_start, h.layer_end))
+        if h.last:
+            del layers_seen[h.transfer_id]
+            complete = len(seen) == self.layout.num_layers
+            if complete:
+                self.receiver.mark_received(h.transfer_id)
+            store.set(f"{pair}ack/{seq}", b"" if complete else b"not every layer was sent")
+
+    def _check(self, h) -> tuple[str, tuple]:
+        if self.cfg.secret and not hmac.compare_digest(h.auth_tag, _tag(self.cfg.secret, h)):
+            return "bad authentication tag", ()
+        deadline = time.monotonic() + self.cfg.timeout_s / 2  # answer before the sender gives up
+        while (blocks := self.receiver.expected_blocks(h.transfer_id)) is None:
+            if time.monotonic() > deadline or self._stop.is_set():
+                return f"transfer {h.transfer_id} is not expected", ()
+            time.sleep(POLL_S / 10)
+        lay = self.layout
+        shape = (h.layer_end - h.layer_start, 2, len(h.dst_block_ids), lay.block_size,
+                 lay.num_kv_heads, lay.head_dim)
+        if sorted(h.dst_block_ids) != sorted(blocks):
+            return f"transfer {h.transfer_id}: blocks outside its reservation", ()
+        if not 0 <= h.layer_start < h.layer_end <= lay.num_layers:
+            return f"layers [{h.layer_start}, {h.layer_end}) out of range", ()
+        elem = torch.empty((), dtype=lay.torch_dtype).element_size()
+        if h.dtype != lay.dtype or tuple(h.shape) != shape or \
+                h.payload_bytes != elem * torch.Size(shape).numel():
+            return f"{h.dtype}{list(h.shape)} does not match the cache's {lay.dtype}{list(shape)}", ()
+        return "", shape
