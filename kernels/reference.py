@@ -93,18 +93,13 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     q: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks]; seq_lens: [batch]
     (the query's own key included). Returns [batch, num_heads, head_dim].
     """
-    batch, num_heads, head_dim = q.shape
-    k, v = gather_kv(kv_cache, block_tables)  # [batch, ctx, kv_heads, head_dim]
-    num_kv_heads = k.shape[2]
-    group = num_heads // num_kv_heads
-    qg = q.view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale  # [batch, kv_heads, group, ctx]
-    ctx = torch.arange(k.shape[1], device=q.device)
-    masked = ctx[None, :] >= seq_lens[:, None]                # [batch, ctx]
-    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.einsum("bhgt,bthd->bhgd", probs, v)
-    return out.reshape(batch, num_heads, head_dim)
+    k, v = gather_kv(kv_cache, block_tables)           # [batch, ctx, kv_heads, head_dim]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)          # [batch, kv_heads, ctx, head_dim]
+    ctx = torch.arange(k.shape[2], device=q.device)
+    visible = ctx[None, :] < seq_lens[:, None]           # [batch, ctx]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=visible[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)                                # [batch, heads, head_dim]
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -34,9 +34,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
+        # q, k and v in one matmul; the checkpoint's q_proj/k_proj/v_proj load into its rows
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend.ops)
@@ -47,9 +47,10 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.contiguous().view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.backend.ops.rope(q, k, rope)
@@ -61,12 +62,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: ModelOps):
         super().__init__()
         self.ops = ops
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.ops.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -132,20 +133,48 @@ class LlamaForCausalLM(nn.Module):
         own = dict(self.named_parameters())
         loaded = set()
         for name, tensor in state.items():
-            key = name.removeprefix("model.")
-            if key in own:
-                param = own[key]
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                                     f"model shape {tuple(param.shape)}")
-                with torch.no_grad():
-                    param.copy_(tensor.to(param.dtype))
-                loaded.add(key)
-        missing = set(own) - loaded
+            key, rows = self._fused_rows(name.removeprefix("model."))
+            if key not in own:
+                continue
+            param = own[key] if rows is None else own[key][rows[0]:rows[1]]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                 f"model shape {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            loaded.add(name.removeprefix("model.") if rows is not None else key)
+        expected = {shard for key in own for shard in self._shards(key)}
+        missing = expected - loaded
         if self.config.tie_word_embeddings:
             missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint {model_dir} lacks weights: {sorted(missing)[:8]}")
+
+
+    def _layout(self) -> dict[str, list[tuple[str, int]]]:
+        """Fused parameter -> its checkpoint shards and their sizes along dim 0, in order."""
+        c = self.config
+        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        return {"self_attn.qkv_proj": [("self_attn.q_proj", q), ("self_attn.k_proj", kv),
+                                       ("self_attn.v_proj", kv)],
+                "mlp.gate_up_proj": [("mlp.gate_proj", inter), ("mlp.up_proj", inter)]}
+
+    def _fused_rows(self, key: str) -> tuple[str, tuple[int, int] | None]:
+        """A checkpoint name -> (our parameter, its rows) for shards of fused parameters."""
+        for fused, shards in self._layout().items():
+            start = 0
+            for shard, size in shards:
+                if f".{shard}." in f".{key}":
+                    return key.replace(shard, fused), (start, start + size)
+                start += size
+        return key, None
+
+    def _shards(self, key: str) -> list[str]:
+        """The checkpoint names that fill our parameter `key`."""
+        for fused, shards in self._layout().items():
+            if f".{fused}." in f".{key}":
+                return [key.replace(fused, shard) for shard, _ in shards]
+        return [key]
 
 
 def load_model(model_dir: str | Path, backend: AttentionBackend,
