@@ -49,3 +49,13 @@ class Transfer:
     ordered: bool = False    # the send is in a plan: blocks on both sides are in use until done
     cancelled: bool = False  # its request moved on; only the blocks below still wait for done
     frees: list[tuple[WorkerState, list[int]]] = field(default_factory=list)
+
+
+SAME_HOST_TRANSPORTS = ("shm",)
+
+
+def transport_between(src: WorkerState, dst: WorkerState) -> str:
+    """The sender's first preference that the receiver offers; shared memory only on one host."""
+    same_host = src.host_id == dst.host_id
+    return next((t for t in src.transports if t in dst.transports
+                 and (same_host or t not in SAME_HOST_TRANSPORTS)), "")

@@ -2,7 +2,6 @@
 prefixes, streams cut off mid-way, n=2, seeded sampling, stop tokens, all at once. Nothing
 errors, every greedy answer equals HuggingFace's, and every block comes back."""
 import asyncio
-import json
 import random
 
 import httpx

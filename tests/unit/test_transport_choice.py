@@ -1,6 +1,6 @@
 from protos import worker_pb2
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.scheduler import _transport
+from services.scheduler.worker_state import transport_between as _transport
 from services.scheduler.worker_state import WorkerState
 
 
