@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler-args", default="",
                    help="more `pdserve scheduler` flags, as one string "
                         "(e.g. \"--max-num-partial-prefills 4 --no-enable-prefix-caching\")")
+    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
+                   help="give each worker its own cores (when there are enough), so prefill and "
+                        "decode do not fight over them")
     p.add_argument("--prefill-worker-args", default="",
                    help="more `pdserve prefill-worker` flags, as one string")
     p.add_argument("--decode-worker-args", default="",
@@ -65,6 +68,16 @@ def _pdserve() -> list[str]:
     return [found] if found else [sys.executable, "-m", "common.cli"]
 
 
+def _core_sets(num_workers: int) -> list[list[str]]:
+    """Disjoint `--cpu-cores` per worker when this host has a core for each, else none."""
+    cores = sorted(os.sched_getaffinity(0))
+    if num_workers == 0 or len(cores) < num_workers:
+        return [[]] * num_workers
+    per = len(cores) // num_workers
+    return [["--cpu-cores", ",".join(map(str, cores[i * per:(i + 1) * per]))]
+            for i in range(num_workers)]
+
+
 def commands(args) -> list[list[str]]:
     exe = _pdserve()
     sched = f"{args.host}:{args.scheduler_port}"
@@ -74,6 +87,7 @@ def commands(args) -> list[list[str]]:
     threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
     worker = ["--model", args.model, "--scheduler", sched, "--block-size", str(args.block_size),
               "--cpu-threads", str(threads)]
+    cores = _core_sets(num_workers) if args.pin_cpus else [[]] * num_workers
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     tracing = ["--otlp-traces-endpoint", args.otlp_traces_endpoint] \
@@ -87,10 +101,11 @@ def commands(args) -> list[list[str]]:
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--max-model-len", str(args.max_model_len), "--mode", args.mode,
                    *metrics[0], *tracing, *shlex.split(args.scheduler_args)]]
-    cmds += [exe + ["prefill-worker"] + worker + metrics[1 + i]
+    cmds += [exe + ["prefill-worker"] + worker + metrics[1 + i] + cores[i]
              + shlex.split(args.prefill_worker_args) for i in range(args.prefill_workers)]
     cmds += [exe + ["decode-worker"] + worker + metrics[1 + args.prefill_workers + i]
-             + shlex.split(args.decode_worker_args) for i in range(args.decode_workers)]
+             + cores[args.prefill_workers + i] + shlex.split(args.decode_worker_args)
+             for i in range(args.decode_workers)]
     gateway = exe + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler", sched,
                      "--model", args.model, *tracing]
     if args.max_model_len:

@@ -22,7 +22,8 @@ class WorkerConfig:
     num_kv_blocks: int = 0           # 0: from kv_cache_memory_mib
     kv_cache_memory_mib: int = 256
     max_model_len: int = 0           # 0: the model's max_position_embeddings
-    cpu_threads: int = 0             # 0: torch's default
+    cpu_threads: int = 0             # 0: torch's default (or one per core of cpu_cores)
+    cpu_cores: tuple[int, ...] = ()  # pin the worker to these cores; (): no pinning
     kv_transports: tuple[str, ...] = ("shm", "tcp")
     kv_host: str = "127.0.0.1"       # where the tcp KV listener binds
     kv_port: int = 0
@@ -57,6 +58,18 @@ class WorkerConfig:
                                f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
 
 
+def parse_cores(text: str) -> tuple[int, ...]:
+    """"0-3,8" -> (0, 1, 2, 3, 8)."""
+    cores: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        try:
+            cores.extend(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a core list: {text!r}") from None
+    return tuple(cores)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = WorkerConfig(role="decode", model="")
     env = os.environ.get
@@ -74,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory for the KV cache when --num-kv-blocks is 0")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="longest sequence; 0 takes the model's max_position_embeddings")
+    p.add_argument("--cpu-cores", type=parse_cores, default=(),
+                   help="pin this worker to these cores, e.g. 0-3,8 (workers sharing a host keep "
+                        "off each other's cores); default: no pinning")
     p.add_argument("--cpu-threads", type=int, default=int(env("PDSERVE_CPU_THREADS", 0)),
                    help="torch threads for this worker; 0 keeps torch's default")
     p.add_argument("--kv-transports", nargs="+", default=list(d.kv_transports),
@@ -110,6 +126,7 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory_mib=args.kv_cache_memory_mib,
                         max_model_len=args.max_model_len, cpu_threads=args.cpu_threads,
+                        cpu_cores=args.cpu_cores,
                         kv_transports=tuple(args.kv_transports), kv_host=args.kv_host,
                         kv_port=args.kv_port, kv_advertise_host=args.kv_advertise_host,
                         kv_advertise_port=args.kv_advertise_port,

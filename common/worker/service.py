@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 
@@ -36,8 +37,10 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
     stale = sweep_stale_segments()
     if stale:
         log.info("removed KV segments of dead workers: %s", ", ".join(stale))
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
+    if cfg.cpu_cores:
+        os.sched_setaffinity(0, cfg.cpu_cores)
+    if cfg.cpu_threads or cfg.cpu_cores:
+        torch.set_num_threads(cfg.cpu_threads or len(cfg.cpu_cores))
     dtype = getattr(torch, cfg.dtype)
     model = load_model(cfg.model, create_attention_backend(cfg.attention_backend), dtype)
     mc = model.config

@@ -1,0 +1,37 @@
+import argparse
+import os
+
+import pytest
+
+from common import launcher
+from common.worker.config import parse_cores
+
+
+def test_core_lists_parse():
+    assert parse_cores("0-3,8") == (0, 1, 2, 3, 8)
+    assert parse_cores("5") == (5,)
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_cores("a-b")
+
+
+def _commands(*argv):
+    p = argparse.ArgumentParser()
+    launcher.add_arguments(p)
+    role = len(launcher._pdserve())  # the subcommand follows the executable
+    return {f"{c[role]}{i}": c for i, c in enumerate(launcher.commands(p.parse_args(argv)))}
+
+
+def test_workers_get_disjoint_cores_when_there_are_enough():
+    cmds = _commands("--prefill-workers", "1", "--decode-workers", "1")
+    pinned = [c[c.index("--cpu-cores") + 1] for c in cmds.values() if "--cpu-cores" in c]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert len(pinned) == 2
+        sets = [set(parse_cores(p)) for p in pinned]
+        assert not sets[0] & sets[1]
+    assert not any("--cpu-cores" in c for c in _commands("--no-pin-cpus").values())
+
+
+def test_colocated_mode_starts_no_prefill_worker():
+    roles = [c[len(launcher._pdserve())]
+             for c in _commands("--mode", "colocated", "--decode-workers", "2").values()]
+    assert roles.count("decode-worker") == 2 and "prefill-worker" not in roles
