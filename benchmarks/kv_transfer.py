@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.kv_transfer.base import KVReceiver, TransferConfig  # noqa: E402
+from common.kv_transfer.nccl import NcclListener, NcclSender  # noqa: E402
 from common.kv_transfer.shm import ShmListener, ShmSender  # noqa: E402
 from common.kv_transfer.tcp import TcpListener, TcpSender  # noqa: E402
 from common.worker.kv_cache import KVLayout, PagedKVCache  # noqa: E402
@@ -47,9 +48,13 @@ def main() -> int:
     receiver = KVReceiver()
     tcp = TcpListener(dst, receiver, TransferConfig(timeout_s=120))
     asyncio.run_coroutine_threadsafe(tcp.start(), loop).result()
+    gloo = NcclListener(dst, receiver, TransferConfig(timeout_s=120))
+    asyncio.run_coroutine_threadsafe(gloo.start(), loop).result()
     senders = {"shm": (ShmSender(LAYOUT), ShmListener(dst).endpoint()),
                "tcp (loopback)": (TcpSender(LAYOUT, TransferConfig(timeout_s=120)),
-                                  tcp.endpoint())}
+                                  tcp.endpoint()),
+               "nccl (gloo, lo)": (NcclSender(LAYOUT, TransferConfig(timeout_s=120)),
+                                   gloo.endpoint())}
     print(f"{'MiB':>6} {'blocks':>7} {'memcpy GB/s':>12} " +
           " ".join(f"{name + ' GB/s':>20}" for name in senders))
     n = 0
@@ -65,7 +70,7 @@ def main() -> int:
                 def once():
                     nonlocal n
                     n += 1
-                    receiver.expect(f"t{n}", f"r{n}", ids, "tcp" if "tcp" in name else "shm")
+                    receiver.expect(f"t{n}", f"r{n}", ids, name.split()[0])
                     sender.send(f"t{n}", src, ids, endpoint, ids)
                     receiver.complete(f"t{n}", ids)
                 row.append(nbytes / best_of(once, args.repeat) / 1e9)
@@ -76,6 +81,7 @@ def main() -> int:
         for sender, _ in senders.values():
             sender.close()
         asyncio.run_coroutine_threadsafe(tcp.close(), loop).result()
+        asyncio.run_coroutine_threadsafe(gloo.close(), loop).result()
         dst.close()
     return 0
 
@@ -101,7 +107,7 @@ def ttft_share(senders, receiver) -> None:
     for name, (sender, endpoint) in senders.items():
         def once():
             tid = f"ttft-{name}-{time.perf_counter_ns()}"
-            receiver.expect(tid, tid, list(range(blocks)), "tcp" if "tcp" in name else "shm")
+            receiver.expect(tid, tid, list(range(blocks)), name.split()[0])
             sender.send(tid, cache, list(range(blocks)), endpoint, list(range(blocks)))
             receiver.complete(tid, list(range(blocks)))
         t = best_of(once, 3)

@@ -28,7 +28,7 @@ from protos import kv_transfer_pb2
 log = logging.getLogger(__name__)
 
 SCHEME = "nccl://"
-POLL_S = 0.05
+POLL_S = 0.002  # an idle receiver checks its store for the next header this often
 
 
 def _group(store: dist.Store, prefix: str, rank: int, host: str, device: torch.device,
@@ -45,8 +45,8 @@ def _group(store: dist.Store, prefix: str, rank: int, host: str, device: torch.d
 
 
 def _poll(store: dist.Store, key: str, until) -> bool:
-    """Whether key appeared before until() said stop (check + sleep: the store's own timed
-    wait logs a warning on every timeout)."""
+    """Whether key appeared before until() said stop (check + sleep, so that a stop is noticed:
+    the store's own timed wait logs a warning on every timeout)."""
     while not store.check([key]):
         if until():
             return False
@@ -55,8 +55,14 @@ def _poll(store: dist.Store, key: str, until) -> bool:
 
 
 def _wait_key(store: dist.Store, key: str, deadline: float) -> bytes:
-    if not _poll(store, key, lambda: time.monotonic() > deadline):
-        raise KVTransferError(f"no {key} before the deadline")
+    """Blocks until the receiver answers (no polling: the answer is due within a frame)."""
+    left = deadline - time.monotonic()
+    try:
+        if left <= 0:
+            raise KVTransferError("deadline exceeded")
+        store.wait([key], timedelta(seconds=left))
+    except (RuntimeError, dist.DistStoreError) as e:
+        raise KVTransferError(f"no {key} before the deadline") from e
     value = store.get(key)
     store.delete_key(key)
     return value
