@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -135,6 +136,7 @@ def main() -> int:
     p.add_argument("--long", type=int, nargs=2, default=[2000, 3000])
     p.add_argument("--long-frac", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--up-args", default="", help="more `pdserve up` flags for every shape")
     args = p.parse_args()
     prompts = workload(args.num_requests, tuple(args.short), tuple(args.long), args.long_frac,
                        args.seed)
@@ -152,7 +154,7 @@ def main() -> int:
             make_tiny_model(args.model)
         for name, shape in SHAPES.items():
             log = Path(f"/tmp/pdserve-bench-{name.split()[0]}.log")
-            proc, url, _ = launch(args.model, shape, log)
+            proc, url, _ = launch(args.model, shape + shlex.split(args.up_args), log)
             try:
                 results, wall = asyncio.run(run_load(url, prompts, args.rate, args.max_tokens,
                                                      args.seed))
