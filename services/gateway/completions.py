@@ -45,15 +45,41 @@ async def create_completion(
     request_id = ctx.request_id(raw, "cmpl")
     with tracing.span("gateway.tokenize"):
         prompts, texts = await _prompts(ctx, body)
-    if len(prompts) * body.n > MAX_CHOICES:
-        raise bad_request(f"At most {MAX_CHOICES} choices (prompts x n) per request.", "n")
+    best_of = body.best_of or body.n
+    if len(prompts) * best_of > MAX_CHOICES:
+        raise bad_request(f"At most {MAX_CHOICES} choices (prompts x best_of) per request.", "n")
     num_logprobs = -1 if body.logprobs is None else body.logprobs
-    streams = ctx.sequences(request_id, prompts, body, num_logprobs)
+    if best_of > body.n:  # ranking needs every sampled token's logprob
+        num_logprobs = max(num_logprobs, 0)
+    streams = ctx.sequences(request_id, prompts, body, num_logprobs, samples=best_of)
     view = CompletionView(ctx, body, request_id, model, prompts, texts)
     if body.stream:
         return sse(view.stream, await prime(raw, streams), request_id)
     choices = await until_disconnected(raw, collect(streams))
-    return json_response(view.response(choices), request_id)
+    generated = sum(len(c.token_ids) for c in choices)
+    if best_of > body.n:
+        choices = best_choices(choices, best_of, body.n, keep_logprobs=body.logprobs is not None)
+    response = view.response(choices)
+    response.usage.completion_tokens = generated  # the discarded samples were computed too
+    response.usage.total_tokens = response.usage.prompt_tokens + generated
+    return json_response(response, request_id)
+
+
+def best_choices(choices: list[Choice], best_of: int, n: int,
+                 keep_logprobs: bool) -> list[Choice]:
+    """Per prompt, the n of its best_of samples with the highest mean token logprob, best first,
+    re-indexed prompt * n + rank."""
+    out = []
+    for prompt in range(len(choices) // best_of):
+        group = choices[prompt * best_of:(prompt + 1) * best_of]
+        ranked = sorted(group, key=lambda c: -sum(lp.logprob for lp in c.logprobs)
+                        / max(1, len(c.logprobs)))
+        for rank, choice in enumerate(ranked[:n]):
+            choice.index = prompt * n + rank
+            if not keep_logprobs:
+                choice.logprobs = []
+            out.append(choice)
+    return out
 
 
 async def _prompts(

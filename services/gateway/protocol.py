@@ -119,8 +119,10 @@ class CompletionRequest(SamplingRequest):
     def _check_unsupported(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of must be greater than or equal to n")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
         return self

@@ -121,10 +121,11 @@ class ServingContext:
         prompts: list[list[int]],
         req: SamplingRequest,
         num_logprobs: int,
+        samples: int | None = None,
     ) -> list[AsyncIterator[SeqDelta]]:
-        """One Generate per (prompt i, sample j): choice index i*n + j, request id
-        "<base_id>-<index>" (just base_id for a single choice), seed + j. Validates every
-        prompt before any request starts."""
+        """One Generate per (prompt i, sample j < samples, default n): choice index
+        i*samples + j, request id "<base_id>-<index>" (just base_id for a single choice),
+        seed + j. Validates every prompt before any request starts."""
         options = OutputOptions(
             stop=tuple(req.stop_strings()),
             include_stop_str_in_output=req.include_stop_str_in_output,
@@ -132,11 +133,12 @@ class ServingContext:
             skip_special_tokens=req.skip_special_tokens,
         )
         requests = []
-        total = len(prompts) * req.n
+        samples = samples or req.n
+        total = len(prompts) * samples
         for i, prompt_ids in enumerate(prompts):
             max_tokens = self.max_tokens(req.requested_max_tokens(), len(prompt_ids))
-            for j in range(req.n):
-                index = i * req.n + j
+            for j in range(samples):
+                index = i * samples + j
                 seed = None if req.seed is None else (req.seed + j) % UINT64
                 requests.append(
                     scheduler_pb2.GenerateRequest(

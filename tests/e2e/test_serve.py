@@ -251,3 +251,18 @@ def test_forced_preemption_keeps_greedy_output(tiny_llama, tmp_path, hf):
         assert all(w["num_free_blocks"] == w["num_blocks"] for w in stats["workers"])
     finally:
         s.stop()
+
+
+def test_best_of_returns_the_likeliest_of_its_samples(stack, client):
+    prompt = _prompt(12, 91)
+    kw = dict(temperature=1.0, max_tokens=8, seed=40)
+    samples = _complete(client, stack, prompt, n=3, logprobs=0, **kw)["choices"]
+    means = [sum(c["logprobs"]["token_logprobs"]) / len(c["token_ids"]) for c in samples]
+    best = samples[max(range(3), key=means.__getitem__)]
+    out = _complete(client, stack, prompt, n=1, best_of=3, **kw)
+    assert [c["token_ids"] for c in out["choices"]] == [best["token_ids"]]
+    assert out["choices"][0]["logprobs"] is None  # not asked for
+    assert out["usage"]["completion_tokens"] == 3 * 8  # every sample was computed
+    r = client.post("/v1/completions", json=_body(prompt, model=_model_name(client), n=2,
+                                                  best_of=1))
+    assert r.status_code == 400
