@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler-args", default="",
                    help="more `pdserve scheduler` flags, as one string "
                         "(e.g. \"--max-num-partial-prefills 4 --no-enable-prefix-caching\")")
+    p.add_argument("--device", default="cpu",
+                   help="where the workers keep the model and KV cache: cpu | cuda | auto")
     p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
                    help="give each worker its own cores (when there are enough), so prefill and "
                         "decode do not fight over them")
@@ -86,7 +88,7 @@ def commands(args) -> list[list[str]]:
     num_workers = args.prefill_workers + args.decode_workers
     threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
     worker = ["--model", args.model, "--scheduler", sched, "--block-size", str(args.block_size),
-              "--cpu-threads", str(threads)]
+              "--cpu-threads", str(threads), "--device", args.device]
     cores = _core_sets(num_workers) if args.pin_cpus else [[]] * num_workers
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]

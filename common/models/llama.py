@@ -178,7 +178,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 def load_model(model_dir: str | Path, backend: AttentionBackend,
-               dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+               dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LlamaForCausalLM:
     cfg = ModelConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend)
@@ -189,4 +190,4 @@ def load_model(model_dir: str | Path, backend: AttentionBackend,
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(model_dir)
-    return model.to(dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()

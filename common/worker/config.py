@@ -33,6 +33,7 @@ class WorkerConfig:
     kv_transfer_timeout_s: float = 30.0
     host_id: str = ""                # workers with equal host ids share memory (shm)
     attention_backend: str = "auto"
+    device: str = "cpu"              # cpu | cuda | cuda:N | auto (cuda when there is one)
     seed: int = 0
     connect_timeout_s: float = 30.0
     metrics_port: int = 0            # 0: no /metrics
@@ -50,12 +51,29 @@ class WorkerConfig:
             raise ValueError("--block-size must be a power of two")
         if self.num_kv_blocks < 0 or self.kv_cache_memory_mib < 1:
             raise ValueError("--num-kv-blocks must be >= 0 and --kv-cache-memory-mib >= 1")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, not {self.device!r}")
+        if self.resolved_device() != "cpu" and self.kv_transports == ("shm", "tcp"):
+            object.__setattr__(self, "kv_transports", ("tcp",))  # the default, minus shm
+        if self.resolved_device() != "cpu" and "shm" in self.kv_transports:
+            raise ValueError("the shm KV transport needs the KV cache in host memory; on a GPU "
+                             "use --kv-transports tcp or nccl")
         unknown = set(self.kv_transports) - set(KNOWN_TRANSPORTS)
         if unknown or not self.kv_transports:
             raise ValueError(f"unknown KV transports {sorted(unknown)}; known: {KNOWN_TRANSPORTS}")
         if not self.worker_id:
             object.__setattr__(self, "worker_id",
                                f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if _cuda_available() else "cpu"
+        return self.device
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def parse_cores(text: str) -> tuple[int, ...]:
@@ -112,7 +130,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers with the same host id use shared memory between them; "
                         "default hostname + machine id (env PDSERVE_HOST_ID)")
     p.add_argument("--attention-backend", default=d.attention_backend,
-                   help="auto | torch")
+                   help="auto (triton on a GPU, torch on CPU) | torch | triton")
+    p.add_argument("--device", default=env("PDSERVE_DEVICE", d.device),
+                   help="cpu | cuda | cuda:N | auto: where the model and its KV cache live "
+                        "(env PDSERVE_DEVICE)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded sampling")
     metrics.add_arguments(p)
     tracing.add_arguments(p)
@@ -133,6 +154,7 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         kv_secret=args.kv_secret, kv_transfer_timeout_s=args.kv_transfer_timeout,
                         host_id=args.host_id,
                         attention_backend=args.attention_backend, seed=args.seed,
+                        device=args.device,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         otlp_traces_endpoint=args.otlp_traces_endpoint or "",
                         detailed_traces=args.detailed_traces)

@@ -94,11 +94,14 @@ def map_shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype, create: b
 
 
 class PagedKVCache:
-    def __init__(self, layout: KVLayout, num_blocks: int, shm_name: str | None = None):
+    def __init__(self, layout: KVLayout, num_blocks: int, shm_name: str | None = None,
+                 device: torch.device | str = "cpu"):
         assert num_blocks > 0, "a KV cache needs at least one block"
         self.layout = layout
         self.num_blocks = num_blocks
         shape = layout.cache_shape(num_blocks)
+        device = torch.device(device)
+        assert not (shm_name and device.type != "cpu"), "shared memory holds host tensors only"
         self.shm_path = SHM_DIR / shm_name if shm_name else None
         self._lock_fd: int | None = None
         if self.shm_path is not None:
@@ -106,7 +109,7 @@ class PagedKVCache:
             self._lock_fd = create_segment(self.shm_path, nbytes)
             self.tensor = map_shared(self.shm_path, shape, layout.torch_dtype, create=True)
         else:
-            self.tensor = torch.zeros(shape, dtype=layout.torch_dtype)
+            self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
         self.layers = list(self.tensor.unbind(0))
 
     def close(self) -> None:

@@ -11,6 +11,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from common.kv_transfer.base import KVSender, KVTransferError
 from common.worker.kv_cache import PagedKVCache
 from protos import worker_pb2
@@ -34,16 +36,22 @@ class LayerStreamer:
         self.cache = cache
         self.num_layers = cache.layout.num_layers
         self.streams = {s.transfer_id: _Stream(s, sender) for s, sender in sends}
-        self._ready: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # (layer, cuda event or None)
         self._thread = threading.Thread(target=self._run, name="kv-layer-sends", daemon=True)
         self._thread.start()
 
     def on_layer(self, i: int) -> None:
-        self._ready.put(i)
+        """Called right after layer i's kernels were queued; on a GPU they may still run, so
+        the sender first waits on an event recorded behind them."""
+        event = None
+        if self.cache.tensor.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._ready.put((i, event))
 
     def abort(self) -> None:
         """The step failed: nothing more will be sent."""
-        self._ready.put(STOP)
+        self._ready.put((STOP, None))
         for s in self.streams.values():
             s.error = s.error or "the step computing these blocks failed"
 
@@ -57,10 +65,12 @@ class LayerStreamer:
 
     def _run(self) -> None:
         for expected in range(self.num_layers):
-            layer = self._ready.get()
+            layer, event = self._ready.get()
             if layer == STOP:
                 return
             assert layer == expected, f"layer {layer} ready before layer {expected}"
+            if event is not None:
+                event.synchronize()
             for s in self.streams.values():
                 self._send(s, layer, layer + 1)
 

@@ -74,9 +74,12 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             [(r.num_computed_tokens, r.block_ids) for r, _ in decodes],
             [(r.num_computed_tokens, n, r.block_ids) for r, n in prefills], self.block_size)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long),
-                            torch.tensor(positions, dtype=torch.long), self.cache.layers, meta,
-                            on_layer)
+        device = self.cache.tensor.device
+        if device.type != "cpu":
+            meta = meta.to(device)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=device),
+                            torch.tensor(positions, dtype=torch.long, device=device),
+                            self.cache.layers, meta, on_layer)
 
         stats = StepStats(decode_tokens=sum(r.num_computed_tokens >= r.num_prompt_tokens
                                             for r, _ in decodes))
@@ -92,7 +95,7 @@ class ModelRunner:
                 last_token_idx.append(offset - 1)
         if not rows:
             return [], stats
-        logits = self.model.compute_logits(hidden[torch.tensor(last_token_idx)])
+        logits = self.model.compute_logits(hidden[torch.tensor(last_token_idx, device=device)])
         out = self.sampler(logits, [
             SamplingRequest(params=r.sampling, prompt_token_ids=r.token_ids[:r.num_prompt_tokens],
                             output_token_ids=r.token_ids[r.num_prompt_tokens:],

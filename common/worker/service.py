@@ -42,12 +42,16 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
     if cfg.cpu_threads or cfg.cpu_cores:
         torch.set_num_threads(cfg.cpu_threads or len(cfg.cpu_cores))
     dtype = getattr(torch, cfg.dtype)
-    model = load_model(cfg.model, create_attention_backend(cfg.attention_backend), dtype)
+    device = torch.device(cfg.resolved_device())
+    model = load_model(cfg.model, create_attention_backend(cfg.attention_backend, device), dtype,
+                       device)
     mc = model.config
     layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                       head_dim=mc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype)
     num_blocks = cfg.num_kv_blocks or max(1, (cfg.kv_cache_memory_mib << 20) // layout.block_bytes)
-    cache = PagedKVCache(layout, num_blocks, shm_name=f"{SEGMENT_PREFIX}{cfg.worker_id}")
+    # on a GPU the cache is device memory: peers reach it over tcp or nccl, not shm
+    shm_name = f"{SEGMENT_PREFIX}{cfg.worker_id}" if device.type == "cpu" else None
+    cache = PagedKVCache(layout, num_blocks, shm_name=shm_name, device=device)
     tcfg = TransferConfig(timeout_s=cfg.kv_transfer_timeout_s, secret=cfg.kv_secret.encode(),
                           tcp_host=cfg.kv_host, tcp_port=cfg.kv_port,
                           advertise_host=cfg.kv_advertise_host,
