@@ -9,7 +9,6 @@ the receiver answers `ack`. Only raw tensor bytes ever cross the process group.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -21,7 +20,8 @@ import torch.distributed as dist
 
 from common.kv_transfer.base import (KVListener, KVReceiver, KVSender, KVTransferError,
                                      TransferConfig)
-from common.kv_transfer.tcp import MAX_HEADER_BYTES, _tag
+from common.kv_transfer.frames import auth_tag, authentic, check_frame
+from common.kv_transfer.tcp import MAX_HEADER_BYTES
 from common.worker.kv_cache import KVLayout, PagedKVCache, copy_blocks
 from protos import kv_transfer_pb2
 
@@ -112,7 +112,7 @@ class NcclSender(KVSender):
                 layer_end=layer_end, dtype=self.layout.dtype, shape=list(payload.shape),
                 payload_bytes=payload.numel() * payload.element_size(), last=last)
             if self.cfg.secret:
-                header.auth_tag = _tag(self.cfg.secret, header)
+                header.auth_tag = auth_tag(self.cfg.secret, header)
             store.set(f"{pair}hdr/{seq}", header.SerializeToString(deterministic=True))
             refusal = _wait_key(store, f"{pair}go/{seq}", deadline).decode()
             if refusal:
@@ -233,22 +233,11 @@ class NcclListener(KVListener):
             store.set(f"{pair}ack/{seq}", b"" if complete else b"not every layer was sent")
 
     def _check(self, h) -> tuple[str, tuple]:
-        if self.cfg.secret and not hmac.compare_digest(h.auth_tag, _tag(self.cfg.secret, h)):
+        if not authentic(self.cfg.secret, h):
             return "bad authentication tag", ()
         deadline = time.monotonic() + self.cfg.timeout_s / 2  # answer before the sender gives up
         while (blocks := self.receiver.expected_blocks(h.transfer_id)) is None:
             if time.monotonic() > deadline or self._stop.is_set():
                 return f"transfer {h.transfer_id} is not expected", ()
-            time.sleep(POLL_S / 10)
-        lay = self.layout
-        shape = (h.layer_end - h.layer_start, 2, len(h.dst_block_ids), lay.block_size,
-                 lay.num_kv_heads, lay.head_dim)
-        if sorted(h.dst_block_ids) != sorted(blocks):
-            return f"transfer {h.transfer_id}: blocks outside its reservation", ()
-        if not 0 <= h.layer_start < h.layer_end <= lay.num_layers:
-            return f"layers [{h.layer_start}, {h.layer_end}) out of range", ()
-        elem = torch.empty((), dtype=lay.torch_dtype).element_size()
-        if h.dtype != lay.dtype or tuple(h.shape) != shape or \
-                h.payload_bytes != elem * torch.Size(shape).numel():
-            return f"{h.dtype}{list(h.shape)} does not match the cache's {lay.dtype}{list(shape)}", ()
-        return "", shape
+            time.sleep(POLL_S)
+        return check_frame(h, self.layout, blocks)

@@ -13,8 +13,6 @@ never read, let alone deserialized: the bytes go straight into tensor memory).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import socket
 import struct
@@ -24,6 +22,7 @@ import torch
 
 from common.kv_transfer.base import (KVListener, KVReceiver, KVSender, KVTransferError,
                                      TransferConfig)
+from common.kv_transfer.frames import auth_tag, authentic, check_frame
 from common.worker.kv_cache import KVLayout, PagedKVCache, copy_blocks
 from protos import kv_transfer_pb2
 
@@ -34,13 +33,6 @@ LEN = struct.Struct("!I")
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 64 << 20
 EXPECT_POLL_S = 0.005
-
-
-def _tag(secret: bytes, header: kv_transfer_pb2.KVFrameHeader) -> bytes:
-    unsigned = kv_transfer_pb2.KVFrameHeader()
-    unsigned.CopyFrom(header)
-    unsigned.ClearField("auth_tag")
-    return hmac.new(secret, unsigned.SerializeToString(deterministic=True), hashlib.sha256).digest()
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -100,7 +92,7 @@ class TcpSender(KVSender):
                 layer_end=l1, dtype=self.layout.dtype, shape=list(payload.shape),
                 payload_bytes=data.nbytes, last=last and l1 == layer_end)
             if self.cfg.secret:
-                header.auth_tag = _tag(self.cfg.secret, header)
+                header.auth_tag = auth_tag(self.cfg.secret, header)
             raw = header.SerializeToString(deterministic=True)
             _settimeout(sock, deadline)
             sock.sendall(LEN.pack(len(raw)) + raw)
@@ -292,22 +284,12 @@ class TcpListener(KVListener):
             await self._ack(conn, header.transfer_id, "")
 
     async def _check(self, h: kv_transfer_pb2.KVFrameHeader) -> tuple[tuple[int, ...], tuple]:
-        if self.cfg.secret and not hmac.compare_digest(h.auth_tag, _tag(self.cfg.secret, h)):
+        if not authentic(self.cfg.secret, h):
             raise FrameRejected("bad authentication tag")
         blocks = await self._wait_expected(h.transfer_id)
-        lay = self.layout
-        shape = (h.layer_end - h.layer_start, 2, len(h.dst_block_ids), lay.block_size,
-                 lay.num_kv_heads, lay.head_dim)
-        elem = torch.empty((), dtype=lay.torch_dtype).element_size()
-        if sorted(h.dst_block_ids) != sorted(blocks):  # every frame: all of its blocks
-            raise FrameRejected(f"transfer {h.transfer_id}: blocks outside its reservation")
-        if not 0 <= h.layer_start < h.layer_end <= lay.num_layers:
-            raise FrameRejected(f"layers [{h.layer_start}, {h.layer_end}) out of range")
-        if h.dtype != lay.dtype or tuple(h.shape) != shape:
-            raise FrameRejected(f"{h.dtype}{list(h.shape)} does not match the cache's "
-                                f"{lay.dtype}{list(shape)}")
-        if h.payload_bytes != elem * torch.Size(shape).numel():
-            raise FrameRejected(f"{h.payload_bytes} payload bytes for shape {list(shape)}")
+        refusal, shape = check_frame(h, self.layout, blocks)
+        if refusal:
+            raise FrameRejected(refusal)
         return blocks, shape
 
     async def _wait_expected(self, transfer_id: str) -> tuple[int, ...]:

@@ -9,9 +9,10 @@ import threading
 import pytest
 import torch
 
-from common.kv_transfer.base import KVReceiver, KVTransferError, TransferConfig
+from common.kv_transfer.base import (KVReceiver, KVTransferError, TransferConfig,
+                                     create_listener, create_sender)
 from common.kv_transfer.shm import ShmListener, ShmSender
-from common.kv_transfer.tcp import TcpListener, TcpSender
+from common.kv_transfer.tcp import TcpSender
 from common.worker.kv_cache import KVLayout, PagedKVCache
 from protos import kv_transfer_pb2
 
@@ -40,15 +41,17 @@ def caches(name):
 
 
 @pytest.fixture
-def tcp(loop):
+def network(loop):
+    """make(transport, ...) -> src cache, dst cache, receiver, listener, sender over it."""
     made = []
 
-    def make(secret=b"", sender_secret=None, timeout=5.0):
-        src, dst = caches("tcp")
+    def make(transport, secret=b"", sender_secret=None, timeout=5.0):
+        src, dst = caches(transport)
         receiver = KVReceiver()
-        listener = TcpListener(dst, receiver, TransferConfig(timeout_s=timeout, secret=secret))
+        listener = create_listener(transport, dst, receiver,
+                                   TransferConfig(timeout_s=timeout, secret=secret))
         run(loop, listener.start())
-        sender = TcpSender(LAYOUT, TransferConfig(
+        sender = create_sender(transport, LAYOUT, TransferConfig(
             timeout_s=timeout, secret=secret if sender_secret is None else sender_secret))
         made.append((listener, sender, dst))
         return src, dst, receiver, listener, sender
@@ -57,6 +60,16 @@ def tcp(loop):
         sender.close()
         run(loop, listener.close())
         dst.close()
+
+
+@pytest.fixture
+def tcp(network):
+    return lambda **kw: network("tcp", **kw)
+
+
+@pytest.fixture
+def nccl(network):
+    return lambda **kw: network("nccl", **kw)
 
 
 def test_tcp_moves_exact_blocks_and_nothing_else(tcp):
@@ -173,26 +186,6 @@ def test_segments_of_dead_workers_are_swept(tmp_path):
     assert sweep_stale_segments(tmp_path) == ["pdserve-kv-dead"]
     assert (tmp_path / "pdserve-kv-live").exists()
     os.close(live_fd)
-
-
-@pytest.fixture
-def nccl(loop):
-    from common.kv_transfer.nccl import NcclListener, NcclSender
-    made = []
-
-    def make(timeout=10.0):
-        src, dst = caches("nccl")
-        receiver = KVReceiver()
-        listener = NcclListener(dst, receiver, TransferConfig(timeout_s=timeout))
-        run(loop, listener.start())
-        sender = NcclSender(LAYOUT, TransferConfig(timeout_s=timeout))
-        made.append((listener, sender, dst))
-        return src, dst, receiver, listener, sender
-    yield make
-    for listener, sender, dst in made:
-        sender.close()
-        run(loop, listener.close())
-        dst.close()
 
 
 def test_nccl_transport_on_gloo_moves_exact_blocks_layer_by_layer(nccl):
