@@ -190,4 +190,4 @@ def load_model(model_dir: str | Path, backend: AttentionBackend,
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(model_dir)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).train(False)  # inference mode for every module
