@@ -120,13 +120,7 @@ def _add_tokenizer_routes(api: APIRouter, ctx: ServingContext) -> None:
     ) -> TokenizeResponse:
         ctx.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            tokens = await ctx.tokenizer.aencode_chat(
-                [message.for_template() for message in body.messages],
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                template_kwargs=body.chat_template_kwargs,
-                add_special_tokens=body.add_special_tokens,
-            )
+            tokens = await ctx.encode_chat(body)
         else:
             tokens = (await ctx.tokenizer.aencode_batch([body.prompt], body.add_special_tokens))[0]
         return TokenizeResponse(

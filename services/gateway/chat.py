@@ -44,13 +44,7 @@ async def create_chat_completion(
     model = ctx.check_model(body.model)
     request_id = ctx.request_id(raw, "chatcmpl")
     with tracing.span("gateway.tokenize"):
-        prompt_ids = await ctx.tokenizer.aencode_chat(
-            [message.for_template() for message in body.messages],
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            template_kwargs=body.chat_template_kwargs,
-            add_special_tokens=body.add_special_tokens,
-        )
+        prompt_ids = await ctx.encode_chat(body)
     ctx.check_prompt(prompt_ids, "messages")
     streams = ctx.sequences(request_id, [prompt_ids], body, body.num_logprobs())
     view = ChatView(ctx, body, request_id, model, prompt_ids)

@@ -48,6 +48,17 @@ class ServingContext:
         self.max_model_len: int = config.max_model_len
         self.metrics = GatewayMetrics(config.served_model_name[0])
 
+    async def encode_chat(self, body) -> list[int]:
+        """Token ids of a chat request's messages through the model's chat template (the
+        chat completions and /tokenize bodies carry the same template fields)."""
+        return await self.tokenizer.aencode_chat(
+            [message.for_template() for message in body.messages],
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs,
+            add_special_tokens=body.add_special_tokens,
+        )
+
     def check_model(self, name: str | None) -> str:
         """The served name to report; an unknown name is a 404, like OpenAI."""
         if name is None:
