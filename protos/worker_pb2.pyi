@@ -61,7 +61,7 @@ class RegisterAck(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids", "sampling", "kv_transfer_id", "eos_token_ids", "trace_context")
+    __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids", "sampling", "kv_transfer_id", "eos_token_ids", "trace_context", "forks")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class NewRequest(_message.Message):
     KV_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    FORKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     all_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -87,7 +88,16 @@ class NewRequest(_message.Message):
     kv_transfer_id: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., all_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_scheduler_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    forks: _containers.RepeatedCompositeFieldContainer[Fork]
+    def __init__(self, request_id: _Optional[str] = ..., all_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_scheduler_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ...) -> None: ...
+
+class Fork(_message.Message):
+    __slots__ = ("request_id", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sampling: _scheduler_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_scheduler_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "new_token_ids")
@@ -136,7 +146,7 @@ class KVRecv(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled", "sends", "recvs", "finished_request_ids")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled", "sends", "recvs", "finished_request_ids", "copies")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +154,7 @@ class StepPlan(_message.Message):
     SENDS_FIELD_NUMBER: _ClassVar[int]
     RECVS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -151,7 +162,20 @@ class StepPlan(_message.Message):
     sends: _containers.RepeatedCompositeFieldContainer[KVSend]
     recvs: _containers.RepeatedCompositeFieldContainer[KVRecv]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., recvs: _Optional[_Iterable[_Union[KVRecv, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., recvs: _Optional[_Iterable[_Union[KVRecv, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("src", "dst", "request_id", "leader_id")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    request_id: str
+    leader_id: str
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ..., request_id: _Optional[str] = ..., leader_id: _Optional[str] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "logprobs")

@@ -1,7 +1,7 @@
 """Runs one step's forward over the paged cache and samples: the worker's compute core."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -9,7 +9,7 @@ from common.models.attention import AttentionMetadata
 from common.models.llama import LlamaForCausalLM
 from common.worker.kv_cache import PagedKVCache
 from common.worker.sampler import Sampler, SamplingRequest
-from protos import scheduler_pb2
+from protos import scheduler_pb2, worker_pb2
 
 
 @dataclass
@@ -26,6 +26,7 @@ class RequestState:
     block_ids: list[int]
     sampling: scheduler_pb2.SamplingParams
     eos_token_ids: list[int]
+    forks: list[worker_pb2.Fork] = field(default_factory=list)  # sampled with the first token
 
     @property
     def is_decode(self) -> bool:
@@ -34,7 +35,7 @@ class RequestState:
 
 @dataclass
 class Sampled:
-    request: RequestState
+    request_id: str
     token_id: int
     logprobs: scheduler_pb2.TokenLogprobs | None
 
@@ -54,7 +55,8 @@ class ModelRunner:
 
     def execute(self, scheduled: list[tuple[RequestState, int]],
                 on_layer=None) -> tuple[list[Sampled], StepStats]:
-        """Computes num_tokens of each request; samples for those that reach their last token."""
+        """Computes num_tokens of each request; samples for those that reach their last token,
+        and for the forks of those that sample their first (same logits, their own params)."""
         for req, n in scheduled:
             assert 0 < n <= len(req.token_ids) - req.num_computed_tokens, (
                 f"{req.request_id}: {n} tokens scheduled, "
@@ -96,13 +98,28 @@ class ModelRunner:
         if not rows:
             return [], stats
         logits = self.model.compute_logits(hidden[torch.tensor(last_token_idx, device=device)])
-        out = self.sampler(logits, [
-            SamplingRequest(params=r.sampling, prompt_token_ids=r.token_ids[:r.num_prompt_tokens],
-                            output_token_ids=r.token_ids[r.num_prompt_tokens:],
-                            eos_token_ids=r.eos_token_ids, position=len(r.token_ids))
-            for r in rows])
+        batch = [self._sampling_row(r, r.sampling) for r in rows]
+        row_of = list(range(len(rows)))  # logits row of each sampled row
+        forks = []
+        for i, r in enumerate(rows):
+            if r.forks and len(r.token_ids) == r.num_prompt_tokens:  # its first token
+                forks.extend(r.forks)
+                batch.extend(self._sampling_row(r, f.sampling) for f in r.forks)
+                row_of.extend([i] * len(r.forks))
+            r.forks = []
+        if forks:
+            logits = logits[torch.tensor(row_of, device=device)]
+        out = self.sampler(logits, batch)
         sampled = []
         for r, token, logprobs in zip(rows, out.token_ids, out.logprobs):
             r.token_ids.append(token)
-            sampled.append(Sampled(r, token, logprobs))
+            sampled.append(Sampled(r.request_id, token, logprobs))
+        for f, token, logprobs in zip(forks, out.token_ids[len(rows):], out.logprobs[len(rows):]):
+            sampled.append(Sampled(f.request_id, token, logprobs))
         return sampled, stats
+
+    @staticmethod
+    def _sampling_row(r: RequestState, params: scheduler_pb2.SamplingParams) -> SamplingRequest:
+        return SamplingRequest(params=params, prompt_token_ids=r.token_ids[:r.num_prompt_tokens],
+                               output_token_ids=r.token_ids[r.num_prompt_tokens:],
+                               eos_token_ids=r.eos_token_ids, position=len(r.token_ids))

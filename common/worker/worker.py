@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, KVTransferError
-from common.worker.kv_cache import PagedKVCache
+from common.worker.kv_cache import PagedKVCache, copy_blocks
 from common.worker.layer_streamer import LayerStreamer
 from common.worker.model_runner import ModelRunner, RequestState
 from protos import worker_pb2
@@ -53,6 +53,8 @@ class Worker:
             assert req is not None, f"diff for unknown request {diff.request_id}"
             req.block_ids.extend(diff.new_block_ids)
             req.token_ids.extend(diff.new_token_ids)
+        if plan.copies:
+            self._copy(plan.copies, result)
 
         scheduled = [(self.requests[s.request_id], s.num_tokens) for s in plan.scheduled
                      if s.request_id in self.requests]
@@ -66,7 +68,7 @@ class Worker:
                     self._streamer.abort()
                 raise
             for s in sampled:
-                result.sampled.add(request_id=s.request.request_id, token_id=s.token_id,
+                result.sampled.add(request_id=s.request_id, token_id=s.token_id,
                                    logprobs=s.logprobs)
             self.counters.prompt_tokens_computed += stats.prompt_tokens
             self.counters.tokens_decoded += stats.decode_tokens
@@ -120,7 +122,23 @@ class Worker:
             block_ids=list(new.block_ids),
             sampling=new.sampling,
             eos_token_ids=list(new.eos_token_ids),
+            forks=list(new.forks),
         )
+
+    def _copy(self, copies, result: worker_pb2.StepResult) -> None:
+        """Forks' copies of their leaders' partial blocks; a fork whose leader could not join
+        (its KV never landed) fails with it."""
+        failed = {e.request_id for e in result.errors}
+        done = []
+        for c in copies:
+            if c.leader_id in failed:
+                self.requests.pop(c.request_id, None)
+                result.errors.add(request_id=c.request_id,
+                                  error=f"the KV it shares with {c.leader_id} never landed")
+            else:
+                done.append(c)
+        tensor = self.cache.tensor
+        copy_blocks(tensor, [c.dst for c in done], tensor, [c.src for c in done])
 
     def _timed_send(self, send: worker_pb2.KVSend) -> worker_pb2.TransferDone:
         if self.on_send is None:

@@ -1,4 +1,5 @@
-"""One Scheduler.Generate stream per choice, turned into text deltas; n choices merged.
+"""A choice's share of a Scheduler.Generate stream (one per prompt, carrying its n samples),
+turned into text deltas; the choices merged.
 
 Per choice:  GenerateResponse (token ids) -> IncrementalDetokenizer -> StopMatcher -> SeqDelta.
 A sequence that ends before the scheduler said it finished (stop string, client gone, error)
@@ -18,7 +19,7 @@ import grpc
 from protos import scheduler_pb2
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import GatewayError
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.scheduler_client import SampleStreams
 from services.gateway.stop import StopMatcher
 from services.gateway.telemetry import GatewayMetrics, SequenceTelemetry
 from services.gateway.tokenizer import Tokenizer
@@ -78,15 +79,17 @@ class Choice:
 
 
 async def run_sequence(
-    client: SchedulerClient,
+    source: SampleStreams,
+    sample: int,
     tokenizer: Tokenizer,
     index: int,
-    request: scheduler_pb2.GenerateRequest,
     options: OutputOptions,
     metrics: GatewayMetrics | None = None,
 ) -> AsyncIterator[SeqDelta]:
-    """Deltas of one choice; the last one carries finish_reason."""
-    telemetry = SequenceTelemetry(metrics, request)
+    """Deltas of one choice (sample `sample` of `source`); the last one carries finish_reason."""
+    request = source.request
+    request_id = source.request_ids[sample]
+    telemetry = SequenceTelemetry(metrics, request, request_id)
     final_reason, num_cached = None, 0
     detok = IncrementalDetokenizer(
         tokenizer, request.prompt_token_ids, options.skip_special_tokens
@@ -94,7 +97,7 @@ async def run_sequence(
     stops = StopMatcher(options.stop, options.include_stop_str_in_output)
     num_tokens, text_len = 0, 0
     scheduler_finished = False
-    stream = client.generate(request, telemetry.span)
+    stream = source.stream(sample, telemetry.span)
     try:
         async for response in stream:
             ids = list(response.token_ids)
@@ -136,7 +139,7 @@ async def run_sequence(
     finally:
         await stream.aclose()
         if not scheduler_finished:
-            client.abort_soon(request.request_id)
+            source.client.abort_soon(request_id)
         if final_reason is None and scheduler_finished:
             final_reason = "error"
         telemetry.finish(final_reason, num_cached)

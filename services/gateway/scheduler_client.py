@@ -61,9 +61,11 @@ class SchedulerClient:
         with tracing.use_span(span):
             call = self._stub.Generate(request, timeout=self._request_timeout_s)
         responses = call.__aiter__()
+        running = 1 + len(request.sample_ids)
         try:
             async for response in responses:
-                if span is not None and response.finish_reason:
+                running -= bool(response.finish_reason)
+                if span is not None and running == 0:
                     await _drain(responses)
                 yield response
         finally:
@@ -104,3 +106,51 @@ class SchedulerClient:
         if self._background:
             await asyncio.wait(set(self._background), timeout=ABORT_TIMEOUT_S)
         await self._channel.close()
+
+
+class SampleStreams:
+    """One Generate call for a prompt's samples (n > 1; n = 1 is one sample), split into one
+    response stream per sample. The call starts with the first stream iterated (whose span
+    parents it) and is cancelled once every stream was closed, which aborts what still runs."""
+
+    def __init__(self, client: SchedulerClient, request: scheduler_pb2.GenerateRequest) -> None:
+        self.client = client
+        self.request = request
+        self.request_ids = [request.request_id, *request.sample_ids]
+        self._queues: list[asyncio.Queue] = [asyncio.Queue() for _ in self.request_ids]
+        self._open = len(self.request_ids)
+        self._pump_task: asyncio.Task | None = None
+
+    async def stream(
+        self, sample: int, span=None
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        """Sample's responses; ends after its finish, or when the call ends without one."""
+        if self._pump_task is None:
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump(span))
+        queue = self._queues[sample]
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    return
+                yield item
+                if item.finish_reason:
+                    return
+        finally:
+            self._open -= 1
+            if self._open == 0:
+                self._pump_task.cancel()
+
+    async def _pump(self, span) -> None:
+        try:
+            async for response in self.client.generate(self.request, span):
+                if 0 <= response.sample < len(self._queues):
+                    self._queues[response.sample].put_nowait(response)
+        except Exception as err:  # every sample's stream raises it
+            for queue in self._queues:
+                queue.put_nowait(err)
+        finally:
+            for queue in self._queues:
+                queue.put_nowait(None)

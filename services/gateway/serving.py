@@ -23,12 +23,11 @@ from services.gateway.errors import bad_request, model_not_found
 from services.gateway.generation import Choice, OutputOptions, SeqDelta, merge, run_sequence
 from services.gateway.protocol import SamplingRequest
 from services.gateway.responses import Usage, make_usage
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.scheduler_client import SampleStreams, SchedulerClient
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.tokenizer import Tokenizer
 
 T = TypeVar("T")
-UINT64 = 2**64
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"; nobody reads it
 
 
@@ -134,37 +133,38 @@ class ServingContext:
         num_logprobs: int,
         samples: int | None = None,
     ) -> list[AsyncIterator[SeqDelta]]:
-        """One Generate per (prompt i, sample j < samples, default n): choice index
+        """One Generate per prompt i carrying its samples j < samples (default n): choice index
         i*samples + j, request id "<base_id>-<index>" (just base_id for a single choice),
-        seed + j. Validates every prompt before any request starts."""
+        seed + j (the scheduler derives it). Validates every prompt before any request
+        starts."""
         options = OutputOptions(
             stop=tuple(req.stop_strings()),
             include_stop_str_in_output=req.include_stop_str_in_output,
             min_tokens=req.min_tokens,
             skip_special_tokens=req.skip_special_tokens,
         )
-        requests = []
         samples = samples or req.n
         total = len(prompts) * samples
+        streams = []
         for i, prompt_ids in enumerate(prompts):
             max_tokens = self.max_tokens(req.requested_max_tokens(), len(prompt_ids))
-            for j in range(samples):
-                index = i * samples + j
-                seed = None if req.seed is None else (req.seed + j) % UINT64
-                requests.append(
-                    scheduler_pb2.GenerateRequest(
-                        request_id=base_id if total == 1 else f"{base_id}-{index}",
-                        prompt_token_ids=prompt_ids,
-                        sampling=self.sampling_params(req, max_tokens, num_logprobs, seed),
-                        eos_token_ids=self.tokenizer.eos_token_ids,
-                        priority=req.priority,
-                        cache_salt=req.cache_salt or "",
-                    )
-                )
-        return [
-            run_sequence(self.client, self.tokenizer, index, request, options, self.metrics)
-            for index, request in enumerate(requests)
-        ]
+            ids = [base_id if total == 1 else f"{base_id}-{i * samples + j}"
+                   for j in range(samples)]
+            request = scheduler_pb2.GenerateRequest(
+                request_id=ids[0],
+                sample_ids=ids[1:],
+                prompt_token_ids=prompt_ids,
+                sampling=self.sampling_params(req, max_tokens, num_logprobs, req.seed),
+                eos_token_ids=self.tokenizer.eos_token_ids,
+                priority=req.priority,
+                cache_salt=req.cache_salt or "",
+            )
+            source = SampleStreams(self.client, request)
+            streams.extend(
+                run_sequence(source, j, self.tokenizer, i * samples + j, options, self.metrics)
+                for j in range(samples)
+            )
+        return streams
 
 
 async def collect(streams: list[AsyncIterator[SeqDelta]]) -> list[Choice]:

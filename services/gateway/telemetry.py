@@ -55,7 +55,7 @@ class SequenceTelemetry:
     """
 
     def __init__(self, metrics: GatewayMetrics | None,
-                 request: scheduler_pb2.GenerateRequest) -> None:
+                 request: scheduler_pb2.GenerateRequest, request_id: str) -> None:
         self.metrics = metrics
         self.start = time.monotonic()
         self.last: float | None = None
@@ -65,7 +65,7 @@ class SequenceTelemetry:
         self._first_wall = 0.0
         self._done = False
         self.span = tracing.start_span("gateway.generate", attributes={
-            "pdserve.request_id": request.request_id,
+            "pdserve.request_id": request_id,
             "pdserve.prompt_tokens": self.num_prompt_tokens,
             "pdserve.max_tokens": request.sampling.max_tokens,
         })

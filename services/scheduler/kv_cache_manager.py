@@ -11,6 +11,10 @@ from __future__ import annotations
 from services.scheduler.block_pool import BlockPool
 
 
+class NoFreeBlocks(Exception):
+    pass
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
@@ -72,6 +76,27 @@ class KVCacheManager:
         new = self.pool.allocate(max(0, self.blocks_for(num_tokens) - len(held)))
         held.extend(new)
         return new
+
+    def fork(self, child_id: str, parent_id: str, num_tokens: int) -> tuple[int, int] | None:
+        """Gives child_id the parent's first num_tokens tokens: their full blocks shared (one
+        more reference each), a fresh block for the partial last one. Returns the copy the
+        worker must make (parent's partial block, child's block), or None if nothing is copied.
+        Raises NoFreeBlocks, changing nothing, when no block is free for the copy."""
+        assert child_id not in self._blocks, f"{child_id} holds blocks already"
+        parent = self._blocks[parent_id]
+        full, partial = divmod(num_tokens, self.block_size)
+        assert len(parent) >= full + (partial > 0), f"{parent_id} holds too few blocks"
+        if partial and self.pool.num_free_blocks == 0:
+            raise NoFreeBlocks(f"no block for {child_id}'s copy")
+        shared = parent[:full]
+        self.pool.touch(shared)
+        self._blocks[child_id] = list(shared)
+        self._num_registered[child_id] = min(full, self._num_registered[parent_id])
+        if not partial:
+            return None
+        own = self.pool.allocate(1)[0]
+        self._blocks[child_id].append(own)
+        return parent[full], own
 
     def cache_blocks(self, request_id: str, block_hashes: list[bytes], num_tokens: int) -> None:
         """Registers the request's full blocks among its first num_tokens (computed) tokens."""

@@ -11,8 +11,10 @@ from protos import scheduler_pb2
 class Status(enum.Enum):
     WAITING = "waiting"          # in the queue
     PREFILLING = "prefilling"    # chunks running on its prefill worker
-    TRANSFERRING = "transferring"  # prefill done; KV on its way to the decode worker
+    TRANSFERRING = "transferring"  # prefill done; KV on its way to (or copied on) the decode worker
     DECODING = "decoding"        # in its decode worker's running batch
+    FORKING = "forking"          # a sample of its leader's prompt: waits for its first token
+                                 # (sampled with the leader's), then for the leader's KV
     FINISHED = "finished"
 
 
@@ -49,6 +51,10 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained
     num_cached_tokens: int | None = None  # prefix hit at first admission
     prefill_locally: bool = False  # its KV transfer failed once: its decode worker prefills it
+    # n > 1: the leader prefills the prompt once; its forks (FORKING) sample their first token
+    # from the same logits, then share its full prompt blocks on the decode worker
+    leader: Request | None = None
+    forks: list[Request] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

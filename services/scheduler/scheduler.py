@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 
 from services.scheduler.block_hash import extend_block_hashes
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.kv_cache_manager import KVCacheManager, NoFreeBlocks
 from services.scheduler.placement import create_placement
 from services.scheduler.request import Output, Request, Status
 from services.scheduler.request_queue import create_request_queue
 from services.scheduler.prefill_planning import ADMISSION_LOOKAHEAD, PrefillPlanning
-from services.scheduler.worker_state import Transfer, WorkerState
+from services.scheduler.worker_state import BlockCopy, Transfer, WorkerState
 from protos import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -108,10 +109,16 @@ class Scheduler(PrefillPlanning):
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, req: Request) -> None:
-        """Raises ValueError for a request that can never run."""
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id} is already in use")
+    def add_request(self, req: Request, forks: Sequence[Request] = ()) -> None:
+        """Raises ValueError for a request that can never run. forks: more samples of req's
+        prompt (n > 1), prefilled once with it and sharing its prompt's blocks."""
+        ids = [req.request_id, *(f.request_id for f in forks)]
+        for rid in ids:
+            if rid in self.requests:
+                raise ValueError(f"request id {rid} is already in use")
+        if len(set(ids)) < len(ids):
+            raise ValueError("the samples of a request need distinct request ids")
+        assert all(f.prompt_token_ids == req.prompt_token_ids for f in forks)
         if not req.prompt_token_ids:
             raise ValueError("the prompt is empty")
         if req.max_tokens < 1:
@@ -129,6 +136,10 @@ class Scheduler(PrefillPlanning):
             raise QueueFull(f"{len(self.waiting)} requests are waiting already (the limit is "
                             f"{limit}); retry later")
         self.requests[req.request_id] = req
+        for f in forks:
+            f.status, f.leader = Status.FORKING, req
+            req.forks.append(f)
+            self.requests[f.request_id] = f
         self.waiting.push(req)
 
     def abort(self, request_id: str) -> Output | None:
@@ -147,7 +158,7 @@ class Scheduler(PrefillPlanning):
         w = self.workers.get(worker_id)
         if w is None or not w.is_idle:
             return False
-        return bool(w.to_drop or w.recvs or w.prefilling or w.decoding or w.arrivals
+        return bool(w.to_drop or w.recvs or w.prefilling or w.decoding or w.arrivals or w.copies
                     or (len(self.waiting) and self._admits(w)) or self._sendable(w))
 
     def _sendable(self, w: WorkerState) -> list[Transfer]:
@@ -181,6 +192,10 @@ class Scheduler(PrefillPlanning):
         # last: planning above may preempt; the worker drops before it adds
         plan.finished_request_ids.extend(w.to_drop)
         plan.recvs.extend(w.recvs)
+        for c in w.copies:
+            plan.copies.add(src=c.src, dst=c.dst, request_id=c.fork_id, leader_id=c.leader_id)
+        w.frees_after_step.extend([c.src] for c in w.copies)
+        w.copies.clear()
         w.recvs_in_step = [r.transfer_id for r in w.recvs]
         w.to_drop.clear()
         w.recvs.clear()
@@ -237,12 +252,14 @@ class Scheduler(PrefillPlanning):
 
     def _send_new(self, w: WorkerState, plan: worker_pb2.StepPlan, req: Request,
                   kv_transfer_id: str = "") -> None:
+        forks = [] if req.output_token_ids else [
+            worker_pb2.Fork(request_id=f.request_id, sampling=f.sampling) for f in req.forks]
         plan.new_requests.add(
             request_id=req.request_id, all_token_ids=req.all_token_ids,
             num_prompt_tokens=len(req.prompt_token_ids),
             num_computed_tokens=req.num_tokens - 1 if kv_transfer_id else req.num_computed_tokens,
             block_ids=w.kv.get_block_ids(req.request_id), sampling=req.sampling,
-            kv_transfer_id=kv_transfer_id, eos_token_ids=req.eos_token_ids)
+            kv_transfer_id=kv_transfer_id, eos_token_ids=req.eos_token_ids, forks=forks)
         w.known.add(req.request_id)
 
     def _num_seqs(self, w: WorkerState) -> int:
@@ -265,10 +282,18 @@ class Scheduler(PrefillPlanning):
             req = self._current(w, err.request_id, ran)
             if req is not None:
                 outputs.append(self._finish(req, "error", error=err.error))
-        for s in result.sampled:
-            req = self._current(w, s.request_id, ran)
-            if req is not None:
-                outputs.append(self._on_token(w, req, s))
+        # forks first: they fork from their leader's blocks, which its own token may release
+        forks = {rid for rid, req in ((s.request_id, self.requests.get(s.request_id))
+                                      for s in result.sampled)
+                 if req is not None and req.status is Status.FORKING}
+        for s in sorted(result.sampled, key=lambda s: s.request_id not in forks):
+            if s.request_id in forks:
+                out = self._on_fork_token(w, self.requests[s.request_id], s, ran)
+            else:
+                req = self._current(w, s.request_id, ran)
+                out = self._on_token(w, req, s) if req is not None else None
+            if out is not None:
+                outputs.append(out)
         for blocks in w.frees_after_step:
             w.kv.pool.free(blocks)
         w.frees_after_step.clear()
@@ -300,6 +325,55 @@ class Scheduler(PrefillPlanning):
                       num_prompt_tokens=len(req.prompt_token_ids) if first else 0,
                       num_cached_tokens=req.num_cached_tokens or 0)
 
+    def _on_fork_token(self, w: WorkerState, fork: Request, s: worker_pb2.SampledToken,
+                       ran: set[str]) -> Output | None:
+        """A fork's first token, sampled from its leader's last prefill logits on w."""
+        leader = fork.leader
+        if leader is None or fork.output_token_ids or \
+                self._current(w, leader.request_id, ran) is not leader or \
+                leader.status is not Status.PREFILLING:
+            return None  # sampled for a leader that moved on since
+        fork.output_token_ids.append(s.token_id)
+        fork.num_cached_tokens = leader.num_cached_tokens
+        logprobs = [s.logprobs] if s.HasField("logprobs") else []
+        reason, stop_id = fork.check_stop(s.token_id, self.max_model_len)
+        if reason:
+            return self._finish(fork, reason, token_ids=[s.token_id], logprobs=logprobs,
+                                stop_token_id=stop_id)
+        if not leader.transfer_id:  # prefilled on its decode worker: its KV is here
+            self._fork(w, leader, fork)
+        return Output(fork.request_id, [s.token_id], logprobs,
+                      num_prompt_tokens=len(fork.prompt_token_ids),
+                      num_cached_tokens=fork.num_cached_tokens or 0)
+
+    def _fork(self, d: WorkerState, leader: Request, fork: Request) -> None:
+        """The fork joins d's batch on its leader's prompt blocks: the full ones shared, the
+        partial one copied (its first token differs from the leader's)."""
+        leader.forks.remove(fork)
+        fork.leader = None
+        n = len(leader.prompt_token_ids)
+        try:
+            copy = d.kv.fork(fork.request_id, leader.request_id, n)
+        except NoFreeBlocks:
+            self._requeue(fork)  # on its own now: recomputed from prompt + its token
+            return
+        if copy is not None:
+            d.kv.pool.touch([copy[0]])  # the leader may free it before the copy runs
+            d.copies.append(BlockCopy(fork.request_id, leader.request_id, *copy))
+        fork.status = Status.TRANSFERRING
+        fork.prefill_worker = fork.decode_worker = d.worker_id
+        fork.num_computed_tokens = n
+        fork.block_hashes = leader.block_hashes[:n // self.block_size]
+        d.arrivals.append(fork)
+
+    def _detach_forks(self, leader: Request) -> None:
+        """The leader will not give its forks KV any more: each goes its own way."""
+        for fork in leader.forks:
+            fork.leader = None
+            fork.status = Status.WAITING
+            self.waiting.push_front(fork)
+        leader.forks = []
+
     def transfers_done(self, worker_id: str, msg: worker_pb2.TransfersDone) -> None:
         w = self.workers.get(worker_id)
         if w is None:
@@ -329,6 +403,8 @@ class Scheduler(PrefillPlanning):
         src.to_drop.append(req.request_id)
         req.prefill_worker = dst.worker_id
         dst.arrivals.append(req)
+        for fork in list(req.forks):
+            self._fork(dst, req, fork)
 
     # ---- finishing and recovery ----------------------------------------------------------------
 
@@ -336,6 +412,10 @@ class Scheduler(PrefillPlanning):
                 logprobs=None, stop_token_id: int = -1, error: str = "") -> Output:
         if req.status is Status.WAITING:
             self.waiting.remove(req)
+        if req.leader is not None:
+            req.leader.forks.remove(req)
+            req.leader = None
+        self._detach_forks(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         self._release(req)
@@ -352,6 +432,10 @@ class Scheduler(PrefillPlanning):
         self._requeue(req)
 
     def _requeue(self, req: Request) -> None:
+        """Back to the queue with prompt + tokens so far. Forks without a first token stay
+        with their leader (sampled when it prefills again); those with one go their own way."""
+        if req.output_token_ids:
+            self._detach_forks(req)
         self._release(req)
         req.status = Status.WAITING
         req.prefill_worker = req.decode_worker = None
@@ -370,6 +454,9 @@ class Scheduler(PrefillPlanning):
         elif transfer is not None:
             del self.transfers[req.transfer_id]
         for w in self.workers.values():
+            for c in [c for c in w.copies if c.fork_id == rid]:
+                w.copies.remove(c)
+                w.kv.pool.free([c.src])
             for lst in (w.prefilling, w.decoding, w.arrivals):
                 if req in lst:
                     lst.remove(req)

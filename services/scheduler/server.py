@@ -47,38 +47,46 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
     # ---- gateway side --------------------------------------------------------------------------
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest, context):
+        """One stream for the request and its samples (n > 1), until each has finished."""
         rid = request.request_id or uuid.uuid4().hex
-        if rid in self._streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid} is in use")
-        req = Request(request_id=rid, prompt_token_ids=list(request.prompt_token_ids),
-                      sampling=request.sampling, eos_token_ids=list(request.eos_token_ids),
-                      priority=request.priority, cache_salt=request.cache_salt)
+        ids = [rid, *request.sample_ids]
+        for i in ids:
+            if i in self._streams:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {i} is in use")
+        samples = [Request(request_id=i, prompt_token_ids=list(request.prompt_token_ids),
+                           sampling=_sample_params(request.sampling, j),
+                           eos_token_ids=list(request.eos_token_ids),
+                           priority=request.priority, cache_salt=request.cache_salt)
+                   for j, i in enumerate(ids)]
         try:
-            self.scheduler.add_request(req)
+            self.scheduler.add_request(samples[0], samples[1:])
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         queue: asyncio.Queue[Output] = asyncio.Queue()
-        self._streams[rid] = queue
-        self.telemetry.on_generate(req)
+        for req in samples:
+            self._streams[req.request_id] = queue
+            self.telemetry.on_generate(req)
         self._wake_all()
-        num_output_tokens = 0
+        index = {i: j for j, i in enumerate(ids)}
+        num_output_tokens = dict.fromkeys(ids, 0)
+        running = set(ids)
         try:
-            while True:
+            while running:
                 out = await queue.get()
-                num_output_tokens += len(out.token_ids)
+                num_output_tokens[out.request_id] += len(out.token_ids)
                 if out.finish_reason:
-                    self.telemetry.on_finish(out, num_output_tokens)
-                yield _to_response(out)
-                if out.finish_reason:
-                    return
+                    self.telemetry.on_finish(out, num_output_tokens[out.request_id])
+                    running.discard(out.request_id)
+                yield _to_response(out, index[out.request_id])
         finally:  # finished, or the caller went away (cancellation lands here too)
-            self._streams.pop(rid, None)
-            self.telemetry.on_end(rid)
-            if self.scheduler.abort(rid) is not None:
-                log.info("request %s aborted: its stream closed", rid)
-                self._wake_all()
+            for i in ids:
+                self._streams.pop(i, None)
+                self.telemetry.on_end(i)
+                if self.scheduler.abort(i) is not None:
+                    log.info("request %s aborted: its stream closed", i)
+                    self._wake_all()
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context):
         out = self.scheduler.abort(request.request_id)
@@ -122,42 +130,51 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
         wid = w.worker_id
         await context.write(worker_pb2.SchedulerMessage(ack=worker_pb2.RegisterAck(worker_id=wid)))
         wake = self._wake[wid] = asyncio.Event()
-        results: asyncio.Queue = asyncio.Queue()
-        gone = asyncio.Event()
-        reader = asyncio.create_task(self._read(wid, context, results, wake, gone))
+        link = _WorkerLink(wid, context)
+        reader = asyncio.create_task(self._read(link, wake))
         self._wake_all()
         try:
-            await self._drive(wid, context, results, wake, gone)
+            await self._drive(link, wake)
         finally:
             reader.cancel()
             del self._wake[wid]
             self.scheduler.remove_worker(wid)
             self._wake_all()
 
-    async def _read(self, wid: str, context, results: asyncio.Queue, wake: asyncio.Event,
-                    gone: asyncio.Event) -> None:
+    async def _read(self, link: _WorkerLink, wake: asyncio.Event) -> None:
+        """Applies the worker's messages in the order it sent them: a step's result always
+        before the TransfersDone of that step's sends."""
+        wid = link.worker_id
         try:
             while True:
-                msg = await context.read()
+                msg = await link.context.read()
                 if msg is grpc.aio.EOF:
                     break
                 if msg.HasField("transfers"):
                     self.scheduler.transfers_done(wid, msg.transfers)
-                    self._wake_all()
+                elif msg.HasField("result") and link.step is not None \
+                        and msg.result.step_id == link.step[0]:
+                    self._dispatch(self.scheduler.update(wid, msg.result))
+                    link.step[1].set_result(True)
+                    link.step = None
                 else:
-                    results.put_nowait(msg)
+                    log.error("worker %s answered out of protocol; dropping it", wid)
+                    break
+                self._wake_all()
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
         finally:
-            gone.set()
-            results.put_nowait(None)
+            link.gone = True
+            if link.step is not None and not link.step[1].done():
+                link.step[1].set_result(False)
             wake.set()
 
-    async def _drive(self, wid: str, context, results: asyncio.Queue, wake: asyncio.Event,
-                     gone: asyncio.Event):
+    async def _drive(self, link: _WorkerLink, wake: asyncio.Event):
+        wid = link.worker_id
+        loop = asyncio.get_running_loop()
         while True:
             wake.clear()
-            if gone.is_set():
+            if link.gone:
                 return
             planned_at = time.time()
             plan = self.scheduler.schedule(wid) if self.scheduler.has_work(wid) else None
@@ -168,27 +185,43 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                     pass
                 continue
             self.telemetry.on_plan(wid, plan, planned_at)
-            await context.write(worker_pb2.SchedulerMessage(plan=plan))
+            done = loop.create_future()
+            link.step = (plan.step_id, done)
+            await link.context.write(worker_pb2.SchedulerMessage(plan=plan))
             try:
-                msg = await asyncio.wait_for(results.get(), self.config.step_timeout_s)
+                if not await asyncio.wait_for(done, self.config.step_timeout_s):
+                    return  # the worker is gone
             except asyncio.TimeoutError:
                 log.error("worker %s did not answer step %d in %.0fs; dropping it", wid,
                           plan.step_id, self.config.step_timeout_s)
                 return
-            if msg is None:
-                return
-            if not msg.HasField("result") or msg.result.step_id != plan.step_id:
-                log.error("worker %s answered out of protocol; dropping it", wid)
-                return
-            self._dispatch(self.scheduler.update(wid, msg.result))
-            self._wake_all()
 
 
-def _to_response(out: Output) -> scheduler_pb2.GenerateResponse:
+class _WorkerLink:
+    """One attached worker's stream, and the step it is running (id, future of its result)."""
+
+    def __init__(self, worker_id: str, context) -> None:
+        self.worker_id = worker_id
+        self.context = context
+        self.step: tuple[int, asyncio.Future[bool]] | None = None
+        self.gone = False
+
+
+def _to_response(out: Output, sample: int) -> scheduler_pb2.GenerateResponse:
     return scheduler_pb2.GenerateResponse(
         token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
         num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-        stop_token_id=out.stop_token_id, error=out.error)
+        stop_token_id=out.stop_token_id, error=out.error, sample=sample)
+
+
+def _sample_params(params: scheduler_pb2.SamplingParams, j: int) -> scheduler_pb2.SamplingParams:
+    """Sample j's parameters: seed + j when a seed is set."""
+    if j == 0 or not params.HasField("seed"):
+        return params
+    out = scheduler_pb2.SamplingParams()
+    out.CopyFrom(params)
+    out.seed = (params.seed + j) % 2**64
+    return out
 
 
 async def create_server(config: SchedulerConfig) -> tuple[grpc.aio.Server, int, SchedulerService]:

@@ -80,9 +80,11 @@ class SchedulerTelemetry:
                 new.trace_context.update(t.carrier)
             if new.kv_transfer_id or t.admitted:
                 continue  # the decode worker taking over, or a request re-queued and resumed
-            t.admitted = True
-            if self.metrics_on:
-                self.queue_time.observe(time.monotonic() - t.arrival)
+            forks = [self._tracked.get(f.request_id) for f in new.forks]
+            for tracked in [t, *filter(None, forks)]:  # samples of one prompt start together
+                tracked.admitted = True
+                if self.metrics_on:
+                    self.queue_time.observe(time.monotonic() - tracked.arrival)
             if t.context is not None:
                 self._trace_admission(worker_id, new, t, planned_at)
 

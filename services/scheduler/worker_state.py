@@ -30,11 +30,22 @@ class WorkerState:
     recvs_in_step: list[str] = field(default_factory=list)  # transfer ids its running step expects
     inflight: set[str] | None = None                       # requests of the running step
     frees_after_step: list[list[int]] = field(default_factory=list)  # blocks its step uses
+    copies: list[BlockCopy] = field(default_factory=list)  # for its next plan
     counters: worker_pb2.WorkerCounters = field(default_factory=worker_pb2.WorkerCounters)
 
     @property
     def is_idle(self) -> bool:
         return self.inflight is None
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """A fork's copy of its leader's partial block, on one worker. The scheduler holds a
+    reference to src until the step that copies it has run."""
+    fork_id: str
+    leader_id: str
+    src: int
+    dst: int
 
 
 @dataclass(eq=False)

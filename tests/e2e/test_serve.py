@@ -222,13 +222,23 @@ def test_repeated_prompt_prefills_only_its_uncached_tail(stack, client, hf):
 
 
 def test_n3_shares_the_prompt_blocks(stack, client):
-    prompt = _prompt(40, 78)
+    """One prefill and one KV transfer for three samples, each equal to the same request with
+    n=1 and seed + j (the cache salts keep the four runs from sharing cached blocks)."""
+    prompt = _prompt(40, 78)  # two full blocks of 16 + 8 tokens
+    kw = dict(temperature=1.5, seed=5)
+    alone = [_complete(client, stack, prompt, **{**kw, "seed": 5 + j}, cache_salt=f"alone{j}")
+             for j in range(3)]
     before = {w["role"]: w for w in stack.wait_idle()["workers"]}
-    out = _complete(client, stack, prompt, n=3, temperature=1.0, seed=5)
+    out = _complete(client, stack, prompt, n=3, cache_salt="n3", **kw)
     after = {w["role"]: w for w in stack.wait_idle()["workers"]}
-    assert len(out["choices"]) == 3
+    assert [c["token_ids"] for c in out["choices"]] == \
+        [a["choices"][0]["token_ids"] for a in alone]
+    assert out["usage"]["completion_tokens"] == 3 * MAX_TOKENS
     computed = after["prefill"]["prompt_tokens_computed"] - before["prefill"]["prompt_tokens_computed"]
-    assert computed < 3 * 40  # the two full blocks were computed once
+    assert computed == 40  # the prompt was prefilled once
+    sent = after["prefill"]["kv_blocks_sent"] - before["prefill"]["kv_blocks_sent"]
+    assert sent == 3  # and its three blocks sent once
+    assert all(w["num_free_blocks"] == w["num_blocks"] for w in after.values())
 
 
 def test_forced_preemption_keeps_greedy_output(tiny_llama, tmp_path, hf):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -69,36 +69,54 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def Generate(
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        self.requests.append(request)
+        """The request's samples (n > 1) interleaved, one message each per round, as the real
+        scheduler's batches do; self.requests records each sample as its own request."""
+        samples = [_sample(request, j) for j in range(1 + len(request.sample_ids))]
+        self.requests.extend(samples)
         if self.fail_with is not None:
             await context.abort(*self.fail_with)
-        ids, finish, stop_token = self.outputs(request)
-        step = self.tokens_per_message
+        pending = {j: self._responses(s) for j, s in enumerate(samples)}
         try:
-            for start in range(0, len(ids), step):
+            while pending:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
-                if request.request_id in self._aborting:
-                    yield scheduler_pb2.GenerateResponse(finish_reason="abort", stop_token_id=-1)
-                    return
-                chunk = ids[start : start + step]
-                response = scheduler_pb2.GenerateResponse(token_ids=chunk, stop_token_id=-1)
-                if request.sampling.logprobs >= 0:
-                    response.logprobs.extend(
-                        _fake_logprobs(token, start + k, request.sampling.logprobs)
-                        for k, token in enumerate(chunk)
-                    )
-                if start + step >= len(ids):
-                    response.finish_reason = "error" if self.finish_with_error else finish
-                    response.error = self.finish_with_error or ""
-                    response.stop_token_id = stop_token
-                    response.num_prompt_tokens = len(request.prompt_token_ids)
-                    response.num_cached_tokens = self.num_cached_tokens
-                yield response
-            self.finished.append(request.request_id)
+                for j in list(pending):
+                    rid = samples[j].request_id
+                    if rid in self._aborting:
+                        del pending[j]
+                        yield scheduler_pb2.GenerateResponse(
+                            finish_reason="abort", stop_token_id=-1, sample=j)
+                        continue
+                    response = next(pending[j])
+                    response.sample = j
+                    if response.finish_reason:
+                        del pending[j]
+                        self.finished.append(rid)
+                    yield response
         except asyncio.CancelledError:
-            self.cancelled.append(request.request_id)
+            self.cancelled.extend(samples[j].request_id for j in pending)
             raise
+
+    def _responses(
+        self, request: scheduler_pb2.GenerateRequest
+    ) -> Iterator[scheduler_pb2.GenerateResponse]:
+        ids, finish, stop_token = self.outputs(request)
+        step = self.tokens_per_message
+        for start in range(0, len(ids), step):
+            chunk = ids[start : start + step]
+            response = scheduler_pb2.GenerateResponse(token_ids=chunk, stop_token_id=-1)
+            if request.sampling.logprobs >= 0:
+                response.logprobs.extend(
+                    _fake_logprobs(token, start + k, request.sampling.logprobs)
+                    for k, token in enumerate(chunk)
+                )
+            if start + step >= len(ids):
+                response.finish_reason = "error" if self.finish_with_error else finish
+                response.error = self.finish_with_error or ""
+                response.stop_token_id = stop_token
+                response.num_prompt_tokens = len(request.prompt_token_ids)
+                response.num_cached_tokens = self.num_cached_tokens
+            yield response
 
     async def Abort(
         self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -112,6 +130,18 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.StatsResponse:
         return scheduler_pb2.StatsResponse(num_finished=len(self.finished))
+
+
+def _sample(request: scheduler_pb2.GenerateRequest, j: int) -> scheduler_pb2.GenerateRequest:
+    """Sample j of a request, as its own request: its id, and seed + j."""
+    sample = scheduler_pb2.GenerateRequest()
+    sample.CopyFrom(request)
+    del sample.sample_ids[:]
+    if j:
+        sample.request_id = request.sample_ids[j - 1]
+        if request.sampling.HasField("seed"):
+            sample.sampling.seed = (request.sampling.seed + j) % 2**64
+    return sample
 
 
 def _fake_logprobs(token: int, position: int, k: int) -> scheduler_pb2.TokenLogprobs:

@@ -2,7 +2,9 @@
 from hypothesis import given, settings, strategies as st
 
 from services.scheduler.block_hash import extend_block_hashes
-from services.scheduler.kv_cache_manager import KVCacheManager
+import pytest
+
+from services.scheduler.kv_cache_manager import KVCacheManager, NoFreeBlocks
 
 BS = 4
 
@@ -75,9 +77,30 @@ def test_disabled_caching_never_hits():
     assert not kv.pool.cached
 
 
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    kv = KVCacheManager(num_blocks=5, block_size=BS)
+    admit(kv, "a", list(range(10)))                      # blocks 0 1 | 2 (2 tokens)
+    assert kv.fork("b", "a", 10) == (2, 3)               # copy a's partial block 2 into 3
+    assert kv.get_block_ids("b") == [0, 1, 3]
+    assert kv.fork("c", "a", 8) is None                  # a whole number of blocks: no copy
+    assert kv.get_block_ids("c") == [0, 1]
+    assert kv.pool.ref_cnt == [3, 3, 1, 1, 0]
+    assert kv.num_registered("b") == kv.num_registered("c") == 2
+    kv.allocate_slots("c", 9)                            # c's own next block
+    assert kv.get_block_ids("c") == [0, 1, 4]
+    with pytest.raises(NoFreeBlocks):                    # no block left for d's copy
+        kv.fork("d", "a", 10)
+    assert not kv.holds("d") and kv.pool.ref_cnt == [3, 3, 1, 1, 1]
+    kv.free("a")
+    assert kv.pool.ref_cnt == [2, 2, 0, 1, 1] and kv.pool.free_block_ids() == [2]
+    kv.free("b")
+    kv.free("c")
+    assert kv.num_free_blocks == 5
+
+
 # ---- property test -------------------------------------------------------------------------
 
-ops = st.lists(st.tuples(st.sampled_from(["admit", "append", "free", "preempt"]),
+ops = st.lists(st.tuples(st.sampled_from(["admit", "append", "free", "preempt", "fork"]),
                          st.integers(0, 5), st.integers(1, 14), st.integers(0, 2)),
                min_size=1, max_size=60)
 
@@ -106,6 +129,15 @@ def test_invariants_under_random_traffic(ops):
             if kv.allocate_slots(rid, len(tokens)) is not None:
                 live[rid] = tokens
                 _fill(kv, rid, tokens, content)
+        elif op == "fork" and rid not in live and f"r{variant}" in live:
+            parent = live[f"r{variant}"]  # a sample of r<variant>'s sequence so far
+            try:
+                copy = kv.fork(rid, f"r{variant}", len(parent))
+            except NoFreeBlocks:
+                copy = "refused"
+            if copy != "refused":
+                live[rid] = list(parent)
+                _fill(kv, rid, parent, content)
         elif op in ("free", "preempt") and rid in live:
             kv.free(rid)
             del live[rid]

@@ -53,10 +53,17 @@ class Cluster:
                 self._await(listener.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
 
-    def submit(self, rid, prompt, max_tokens=8, **kw):
-        self.outputs[rid] = []
-        self.sched.add_request(Request(rid, list(prompt), scheduler_pb2.SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, logprobs=-1, **kw), eos_token_ids=[]))
+    def submit(self, rid, prompt, max_tokens=8, n=1, **kw):
+        """n > 1: samples rid, rid/1, ..., each seed + j (as the scheduler's server does)."""
+        def sample(j):
+            sid = rid if j == 0 else f"{rid}/{j}"
+            self.outputs[sid] = []
+            seed = {"seed": kw["seed"] + j} if "seed" in kw else {}
+            return Request(sid, list(prompt), scheduler_pb2.SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, logprobs=-1, **{**kw, **seed}),
+                eos_token_ids=[])
+        samples = [sample(j) for j in range(n)]
+        self.sched.add_request(samples[0], samples[1:])
 
     def step(self):
         """One step on every worker that has work; returns whether any ran."""
@@ -456,4 +463,102 @@ def test_last_chunk_streams_its_kv_layer_by_layer(cluster, hf, transport):
     assert c.tokens("a") == _greedy(hf, prompt, 5)
     layers = c.workers[p.worker_id].cache.layout.num_layers
     assert calls == [(i, i + 1, i == layers - 1) for i in range(layers)]  # layer by layer
+    c.assert_all_free()
+
+
+# ---- parallel sampling (n > 1) ------------------------------------------------------------------
+
+def _independent(cluster, prompt, n, **kw):
+    """Each sample run on its own (n = 1, seed + j): what the samples of one request must give."""
+    c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=64)
+    for j in range(n):
+        c.submit(f"i{j}", prompt, **{**kw, "seed": kw["seed"] + j})
+    c.run()
+    return [c.tokens(f"i{j}") for j in range(n)]
+
+
+@pytest.mark.parametrize("prompt_len", [10, 12])  # a partial last block (copied), none
+@pytest.mark.parametrize("roles", [("prefill", "decode"), ("decode",)])
+def test_samples_share_the_prompt_and_equal_independent_requests(cluster, prompt_len, roles):
+    kw = dict(max_tokens=10, temperature=1.5, seed=30)
+    prompt = _prompt(prompt_len, 4)
+    expected = _independent(cluster, prompt, 3, **kw)
+    # distinct first tokens: a partial block shared instead of copied would change what follows
+    assert len({t[0] for t in expected}) == 3
+    c = cluster([(r, 64) for r in roles], max_num_batched_tokens=64)
+    c.submit("g", prompt, n=3, **kw)
+    for _ in range(50):
+        c.step()
+        d = next(w for w in c.sched.workers.values() if w.role == "decode")
+        if len(d.kv.request_ids()) == 3:
+            break
+    held = [d.kv.get_block_ids(r) for r in ("g", "g/1", "g/2")]
+    full = prompt_len // 4
+    assert held[0][:full] == held[1][:full] == held[2][:full]  # shared, ref counted
+    assert all(d.kv.pool.ref_cnt[b] == 3 for b in held[0][:full])
+    if prompt_len % 4:  # each sample has its own copy of the partial block
+        assert len({h[full] for h in held}) == 3
+    c.run()
+    assert [c.tokens(r) for r in ("g", "g/1", "g/2")] == expected
+    counters = {w.role: w.counters for w in c.sched.workers.values()}
+    first = counters["prefill" if "prefill" in counters else "decode"]
+    assert first.prompt_tokens_computed == prompt_len  # prefilled once
+    if "prefill" in counters:
+        assert counters["decode"].kv_blocks_received == -(-prompt_len // 4)  # sent once
+    c.assert_all_free()
+
+
+def test_greedy_samples_all_match_hf(cluster, hf):
+    prompt = _prompt(9, 3)
+    c = cluster([("prefill", 64), ("decode", 64)])
+    c.submit("g", prompt, n=3, max_tokens=6)
+    c.run()
+    assert c.tokens("g") == c.tokens("g/1") == c.tokens("g/2") == _greedy(hf, prompt, 6)
+    c.assert_all_free()
+
+
+def test_a_sample_aborted_before_its_first_token_leaves_the_others_alone(cluster):
+    kw = dict(max_tokens=6, temperature=1.5, seed=30)
+    prompt = _prompt(10, 4)
+    expected = _independent(cluster, prompt, 3, **kw)
+    c = cluster([("prefill", 64), ("decode", 64)])
+    c.submit("g", prompt, n=3, **kw)
+    assert c.sched.abort("g/1").finish_reason == "abort"
+    c.run()
+    assert [c.tokens("g"), c.tokens("g/2")] == [expected[0], expected[2]]
+    assert c.tokens("g/1") == []
+    c.assert_all_free()
+
+
+def test_samples_go_their_own_way_when_the_leader_ends_before_its_kv_lands(cluster):
+    """The leader is aborted while its KV is in flight: its samples, which have their first
+    token, are recomputed from prompt + that token and still give the same tokens."""
+    kw = dict(max_tokens=6, temperature=1.5, seed=50)
+    prompt = _prompt(10, 4)
+    expected = _independent(cluster, prompt, 3, **kw)
+    c = cluster([("prefill", 64), ("decode", 64)])
+    c.hold_sends = True
+    c.submit("g", prompt, n=3, **kw)
+    for _ in range(10):
+        c.step()
+        if c.held:
+            break
+    assert [len(c.tokens(r)) for r in ("g", "g/1", "g/2")] == [1, 1, 1]
+    c.sched.abort("g")
+    c.hold_sends = False
+    c.deliver()
+    c.run()
+    assert [c.tokens("g/1"), c.tokens("g/2")] == expected[1:]
+    c.assert_all_free()
+
+
+def test_preempted_samples_keep_their_tokens(cluster):
+    kw = dict(max_tokens=12, temperature=1.5, seed=30)
+    prompt = _prompt(6, 4)
+    expected = _independent(cluster, prompt, 3, **kw)
+    c = cluster([("prefill", 64), ("decode", 8)])  # 3 samples of 18 tokens need 12+ blocks
+    c.submit("g", prompt, n=3, **kw)
+    c.run()
+    assert c.sched.num_preemptions > 0
+    assert [c.tokens(r) for r in ("g", "g/1", "g/2")] == expected
     c.assert_all_free()
