@@ -16,8 +16,10 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from protos import scheduler_pb2
 from services.gateway.config import GatewayConfig
 from services.gateway.main import serve
+from services.gateway.scheduler_client import SampleStreams, SchedulerClient
 from tests.services.fake_scheduler import FakeScheduler, fake_gateway, start_fake_scheduler
 from services.gateway.tokenizer import Tokenizer
 
@@ -384,4 +386,41 @@ async def test_serve_runs_the_gateway(model_dir: str) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         sock.close()
+        await server.stop(None)
+
+
+async def test_sample_streams_close_one_sample_without_ending_the_others() -> None:
+    """One Generate call carries a prompt's samples: a sample that stops early (a stop string,
+    say) is aborted alone, and the call ends only when every sample's stream is done."""
+    fake = FakeScheduler(output_ids=[5, 6, 7], delay_s=0.01)
+    server, address = await start_fake_scheduler(fake)
+    client = SchedulerClient.connect(address)
+    request = scheduler_pb2.GenerateRequest(
+        request_id="g", sample_ids=["g-1", "g-2"], prompt_token_ids=[1, 2],
+        sampling=scheduler_pb2.SamplingParams(max_tokens=6, ignore_eos=True, logprobs=-1),
+    )
+    try:
+        source = SampleStreams(client, request)
+        streams = [source.stream(j) for j in range(3)]
+        first = await anext(streams[1])
+        assert first.sample == 1 and list(first.token_ids) == [5]
+        await streams[1].aclose()
+        await client.abort("g-1")
+        tokens = [[t async for r in streams[j] for t in r.token_ids] for j in (0, 2)]
+        assert tokens == [[5, 6, 7, 5, 6, 7]] * 2
+        assert fake.aborted == ["g-1"] and fake.finished == ["g", "g-2"]
+        assert fake.cancelled == []
+
+        request.request_id, request.sample_ids[:] = "h", ["h-1", "h-2"]
+        source = SampleStreams(client, request)  # every stream closed early: the call ends
+        streams = [source.stream(j) for j in range(3)]
+        for stream in streams:
+            await anext(stream)
+            await stream.aclose()
+        async with asyncio.timeout(10):
+            while len(fake.cancelled) < 3:
+                await asyncio.sleep(0.01)
+        assert sorted(fake.cancelled) == ["h", "h-1", "h-2"]
+    finally:
+        await client.close()
         await server.stop(None)
