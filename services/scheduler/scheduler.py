@@ -21,7 +21,8 @@ from services.scheduler.placement import create_placement
 from services.scheduler.request import Output, Request, Status
 from services.scheduler.request_queue import create_request_queue
 from services.scheduler.prefill_planning import ADMISSION_LOOKAHEAD, PrefillPlanning
-from services.scheduler.worker_state import BlockCopy, Transfer, WorkerState
+from services.scheduler.worker_state import (BlockCopy, Transfer, WorkerState,
+                                              transport_between)
 from protos import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,14 @@ class Scheduler(PrefillPlanning):
                                                              for t in reg.transports},
                         kv=KVCacheManager(reg.num_blocks, reg.layout.block_size,
                                           self.config.enable_prefix_caching))
+        for other in self.workers.values():
+            if other.role != w.role:
+                p, d = (w, other) if w.role == "prefill" else (other, w)
+                if not transport_between(p, d):
+                    raise RegistrationError(
+                        f"no KV transport from prefill worker {p.worker_id} ({_offer(p)}) to "
+                        f"decode worker {d.worker_id} ({_offer(d)}); shm works only within one "
+                        "host id: offer tcp (or nccl) on both")
         self.workers[w.worker_id] = w
         log.info("worker %s joined: role=%s blocks=%d", w.worker_id, w.role, reg.num_blocks)
         return w
@@ -476,6 +485,10 @@ class Scheduler(PrefillPlanning):
                 w.frees_after_step.append(blocks)
             else:
                 w.kv.pool.free(blocks)
+
+def _offer(w: WorkerState) -> str:
+    return f"transports {', '.join(w.transports) or 'none'}, host id {w.host_id or '?'}"
+
 
 def _layout_str(layout: worker_pb2.KVLayout) -> str:
     return (f"(layers={layout.num_layers}, kv_heads={layout.num_kv_heads}, "

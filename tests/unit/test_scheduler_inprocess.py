@@ -10,7 +10,7 @@ import transformers
 
 from common.worker.config import WorkerConfig
 from common.worker.service import build_worker, start_listeners
-from protos import scheduler_pb2
+from protos import scheduler_pb2, worker_pb2
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RegistrationError, Scheduler
@@ -220,6 +220,23 @@ def test_incompatible_worker_is_refused(cluster, tiny_models):
     reg.layout.block_size = 8
     with pytest.raises(RegistrationError, match="KV layout"):
         c.sched.add_worker(reg)
+
+
+def test_worker_without_a_transport_to_its_peers_is_refused(cluster):
+    """A prefill worker offering only shm on another host could never send KV to the decode
+    worker: refused at registration, not hung at the first request."""
+    c = cluster([("decode", 16)])
+    decode = next(iter(c.sched.workers.values()))
+    reg = worker_pb2.Register()
+    reg.CopyFrom(c.registrations[0])
+    reg.worker_id, reg.role, reg.host_id = "elsewhere", "prefill", "another-host"
+    del reg.transports[:]
+    reg.transports.append("shm")
+    with pytest.raises(RegistrationError, match="no KV transport .* shm works only within"):
+        c.sched.add_worker(reg)
+    assert "elsewhere" not in c.sched.workers
+    reg.host_id = decode.host_id  # the same host: shm works
+    c.sched.add_worker(reg)
 
 
 def test_requests_that_never_fit_are_refused(cluster):
