@@ -20,7 +20,9 @@ class WorkerConfig:
     dtype: str = "float32"
     block_size: int = 16
     num_kv_blocks: int = 0           # 0: from kv_cache_memory_mib
-    kv_cache_memory_mib: int = 256
+    kv_cache_memory_mib: int = 0     # 0: 256 on CPU, from gpu_memory_utilization on a GPU
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048  # the largest step, profiled to size a GPU's KV cache
     max_model_len: int = 0           # 0: the model's max_position_embeddings
     cpu_threads: int = 0             # 0: torch's default (or one per core of cpu_cores)
     cpu_cores: tuple[int, ...] = ()  # pin the worker to these cores; (): no pinning
@@ -49,8 +51,12 @@ class WorkerConfig:
             raise ValueError(f"--dtype must be float32, float16 or bfloat16, not {self.dtype}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("--block-size must be a power of two")
-        if self.num_kv_blocks < 0 or self.kv_cache_memory_mib < 1:
-            raise ValueError("--num-kv-blocks must be >= 0 and --kv-cache-memory-mib >= 1")
+        if self.num_kv_blocks < 0 or self.kv_cache_memory_mib < 0:
+            raise ValueError("--num-kv-blocks and --kv-cache-memory-mib must be >= 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be >= 1")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, not {self.device!r}")
         if self.resolved_device() != "cpu" and self.kv_transports == ("shm", "tcp"):
@@ -100,9 +106,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, help="weights and KV cache dtype")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
-                   help="KV cache blocks; 0 sizes the cache from --kv-cache-memory-mib")
+                   help="KV cache blocks; 0 sizes the cache from the memory flags")
     p.add_argument("--kv-cache-memory-mib", type=int, default=d.kv_cache_memory_mib,
-                   help="memory for the KV cache when --num-kv-blocks is 0")
+                   help="memory for the KV cache when --num-kv-blocks is 0; 0: 256 MiB on CPU, "
+                        "from --gpu-memory-utilization on a GPU")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=float(env("PDSERVE_GPU_MEMORY_UTILIZATION", d.gpu_memory_utilization)),
+                   help="share of the GPU's memory this worker may use for weights, activations "
+                        "and KV cache; workers sharing one GPU split it, e.g. 0.45 each "
+                        "(env PDSERVE_GPU_MEMORY_UTILIZATION)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="the scheduler's step budget: a step this large is profiled before "
+                        "the GPU's KV cache is sized")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="longest sequence; 0 takes the model's max_position_embeddings")
     p.add_argument("--cpu-cores", type=parse_cores, default=(),
@@ -146,6 +161,8 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         worker_id=args.worker_id, dtype=args.dtype, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory_mib=args.kv_cache_memory_mib,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, cpu_threads=args.cpu_threads,
                         cpu_cores=args.cpu_cores,
                         kv_transports=tuple(args.kv_transports), kv_host=args.kv_host,

@@ -20,6 +20,7 @@ from common.models.attention import create_attention_backend
 from common.models.llama import load_model
 from common.worker.config import WorkerConfig
 from common.worker.kv_cache import SEGMENT_PREFIX, KVLayout, PagedKVCache, sweep_stale_segments
+from common.worker.memory import num_kv_blocks
 from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
 from common.worker.telemetry import WorkerTelemetry, start_telemetry
@@ -48,7 +49,9 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
     mc = model.config
     layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                       head_dim=mc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype)
-    num_blocks = cfg.num_kv_blocks or max(1, (cfg.kv_cache_memory_mib << 20) // layout.block_bytes)
+    num_blocks = num_kv_blocks(cfg.num_kv_blocks, cfg.kv_cache_memory_mib,
+                               cfg.gpu_memory_utilization, cfg.max_num_batched_tokens, model,
+                               layout, device)
     # on a GPU the cache is device memory: peers reach it over tcp or nccl, not shm
     shm_name = f"{SEGMENT_PREFIX}{cfg.worker_id}" if device.type == "cpu" else None
     cache = PagedKVCache(layout, num_blocks, shm_name=shm_name, device=device)

@@ -23,15 +23,15 @@ def compose_bin() -> Path:
     return path
 
 
-def compose(compose_bin: Path, *args: str, file: Path = COMPOSE_FILE):
+def compose(compose_bin: Path, *args: str, file: Path = COMPOSE_FILE, env: dict | None = None):
     """The binary's result; COMPOSE_* from the caller's environment would change the profiles."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}, **(env or {})}
     return subprocess.run([str(compose_bin), "-f", str(file), *args], capture_output=True,
                           text=True, timeout=60, env=env, check=False)
 
 
-def config(compose_bin: Path, *profile: str) -> dict:
-    out = compose(compose_bin, *profile, "config", "--format", "json")
+def config(compose_bin: Path, *profile: str, env: dict | None = None) -> dict:
+    out = compose(compose_bin, *profile, "config", "--format", "json", env=env)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -67,6 +67,18 @@ def test_default_stack_reserves_gpus(compose_bin):
         assert s["environment"]["PDSERVE_SCHEDULER"] == "scheduler:50051"
         assert s["depends_on"]["scheduler"]["condition"] == "service_healthy"
     assert gpus == {"0", "1"}  # one GPU each by default (PREFILL_GPU / DECODE_GPU)
+
+
+def test_two_workers_can_share_one_gpu(compose_bin):
+    shared = {"PREFILL_GPU": "0", "DECODE_GPU": "0", "PREFILL_GPU_MEMORY_UTILIZATION": "0.45",
+              "DECODE_GPU_MEMORY_UTILIZATION": "0.45"}
+    services = config(compose_bin, env=shared)["services"]
+    for name in ("prefill-worker", "decode-worker"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == ["0"]
+        assert services[name]["environment"]["PDSERVE_GPU_MEMORY_UTILIZATION"] == "0.45"
+    default = config(compose_bin)["services"]["decode-worker"]["environment"]
+    assert default["PDSERVE_GPU_MEMORY_UTILIZATION"] == "0.9"
 
 
 def test_cpu_profile_runs_the_same_stack_without_gpus(compose_bin):

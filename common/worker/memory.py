@@ -1,0 +1,88 @@
+"""How many KV blocks a worker allocates.
+
+    --num-kv-blocks N          exactly N
+    --kv-cache-memory-mib M    M MiB of blocks
+    neither, on CPU            256 MiB of blocks (shared memory)
+    neither, on a GPU          --gpu-memory-utilization x the device's memory, less what the
+                               weights and the activations of the largest step take (measured by
+                               running one step of --max-num-batched-tokens tokens)
+
+Each worker's fraction is its own: two workers sharing one GPU take 0.45 each, say; a worker
+that would need memory another process holds refuses to start, saying so.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.models.attention import AttentionMetadata
+from common.models.llama import LlamaForCausalLM
+from common.worker.kv_cache import KVLayout, PagedKVCache
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+GIB = 1 << 30
+CPU_KV_CACHE_MIB = 256
+
+
+class MemoryBudgetError(Exception):
+    """The KV cache cannot have the memory the flags ask for."""
+
+
+def kv_cache_bytes(total: int, utilization: float, in_use: int, free: int) -> int:
+    """Bytes the KV cache may take on a device of `total` bytes, `free` of them free now, when
+    this worker may use `utilization` of it and already uses `in_use` at its peak."""
+    budget = int(total * utilization) - in_use
+    if budget <= 0:
+        raise MemoryBudgetError(
+            f"--gpu-memory-utilization {utilization} allows {total * utilization / GIB:.2f} GiB, "
+            f"but the weights and the largest step's activations take {in_use / GIB:.2f} GiB: "
+            "raise it, or lower --max-num-batched-tokens")
+    if budget > free:
+        raise MemoryBudgetError(
+            f"the KV cache would take {budget / GIB:.2f} GiB, but only {free / GIB:.2f} GiB of "
+            "the device are free (other processes hold the rest): lower "
+            "--gpu-memory-utilization so that the workers sharing it add up to less than 1")
+    return budget
+
+
+def profile_step(model: LlamaForCausalLM, layout: KVLayout, num_tokens: int,
+                 device: torch.device) -> None:
+    """One prefill of num_tokens through the model on a scratch cache: the largest step the
+    worker will be planned for, so that its activations reach their peak."""
+    num_blocks = -(-num_tokens // layout.block_size)
+    cache = PagedKVCache(layout, num_blocks, device=device)
+    meta = AttentionMetadata.build([], [(0, num_tokens, list(range(num_blocks)))],
+                                   layout.block_size)
+    if device.type != "cpu":
+        meta = meta.to(device)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, dtype=torch.long, device=device)
+    hidden = model(ids, positions, cache.layers, meta)
+    model.compute_logits(hidden[-1:])
+    cache.close()
+
+
+def num_kv_blocks(num_blocks: int, memory_mib: int, utilization: float, max_step_tokens: int,
+                  model: LlamaForCausalLM, layout: KVLayout, device: torch.device) -> int:
+    """The worker's KV block count, by the rules in this module's docstring."""
+    if num_blocks:
+        return num_blocks
+    if memory_mib or device.type == "cpu":
+        return max(1, (memory_mib or CPU_KV_CACHE_MIB) * MIB // layout.block_bytes)
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_step(model, layout, max_step_tokens, device)
+    torch.cuda.synchronize(device)
+    in_use = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = kv_cache_bytes(total, utilization, in_use, free)
+    blocks = budget // layout.block_bytes
+    if blocks < 1:
+        raise MemoryBudgetError(f"{budget} bytes hold no KV block of {layout.block_bytes} bytes")
+    log.info("KV cache: %d blocks, %.2f GiB (%.0f%% of %.1f GiB less %.2f GiB for weights and "
+             "activations)", blocks, blocks * layout.block_bytes / GIB, utilization * 100,
+             total / GIB, in_use / GIB)
+    return blocks
