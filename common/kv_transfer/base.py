@@ -7,7 +7,7 @@ reports the transfer done, and only then does the request join the receiver's ba
 
 Per transport a module provides a sender (runs in the worker's step thread, blocking, with a
 deadline) and a listener (runs in the worker's event loop; shm needs none: the sender writes
-straight into the receiver's shared-memory cache).
+straight into the receiver's shared-memory cache, cuda_ipc into its exported GPU cache).
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 from common.worker.kv_cache import KVLayout, PagedKVCache
 
-KNOWN_TRANSPORTS = ("shm", "tcp", "nccl")
+KNOWN_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
+# the sender writes straight into the receiver's cache: no listener sees the data arrive
+DIRECT_WRITE_TRANSPORTS = ("shm", "cuda_ipc")
 
 
 class KVTransferError(Exception):
@@ -90,7 +92,7 @@ class KVReceiver:
         if not set(expected) <= set(block_ids):
             raise KVTransferError(f"transfer {transfer_id} landed in {block_ids}, "
                                   f"expected {list(expected)}")
-        if transport != "shm" and not received:
+        if transport not in DIRECT_WRITE_TRANSPORTS and not received:
             raise KVTransferError(f"transfer {transfer_id} never arrived over {transport}")
         return len(expected)
 
@@ -130,6 +132,9 @@ def create_sender(transport: str, layout: KVLayout, cfg: TransferConfig) -> KVSe
     if transport == "nccl":
         from common.kv_transfer.nccl import NcclSender
         return NcclSender(layout, cfg)
+    if transport == "cuda_ipc":
+        from common.kv_transfer.cuda_ipc import CudaIpcSender
+        return CudaIpcSender(layout)
     raise ValueError(f"unknown KV transport {transport!r}; known: {', '.join(KNOWN_TRANSPORTS)}")
 
 
@@ -144,4 +149,7 @@ def create_listener(transport: str, cache: PagedKVCache, receiver: KVReceiver,
     if transport == "nccl":
         from common.kv_transfer.nccl import NcclListener
         return NcclListener(cache, receiver, cfg)
+    if transport == "cuda_ipc":
+        from common.kv_transfer.cuda_ipc import CudaIpcListener
+        return CudaIpcListener(cache)
     raise ValueError(f"unknown KV transport {transport!r}; known: {', '.join(KNOWN_TRANSPORTS)}")

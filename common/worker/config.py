@@ -63,7 +63,10 @@ class WorkerConfig:
             object.__setattr__(self, "kv_transports", ("tcp",))  # the default, minus shm
         if self.resolved_device() != "cpu" and "shm" in self.kv_transports:
             raise ValueError("the shm KV transport needs the KV cache in host memory; on a GPU "
-                             "use --kv-transports tcp or nccl")
+                             "use --kv-transports cuda_ipc, tcp or nccl")
+        if self.resolved_device() == "cpu" and "cuda_ipc" in self.kv_transports:
+            raise ValueError("the cuda_ipc KV transport needs the KV cache on a GPU "
+                             "(--device cuda); in host memory use shm")
         unknown = set(self.kv_transports) - set(KNOWN_TRANSPORTS)
         if unknown or not self.kv_transports:
             raise ValueError(f"unknown KV transports {sorted(unknown)}; known: {KNOWN_TRANSPORTS}")

@@ -62,11 +62,12 @@ class Transfer:
     frees: list[tuple[WorkerState, list[int]]] = field(default_factory=list)
 
 
-SAME_HOST_TRANSPORTS = ("shm",)
+SAME_HOST_TRANSPORTS = ("shm", "cuda_ipc")
 
 
 def transport_between(src: WorkerState, dst: WorkerState) -> str:
-    """The sender's first preference that the receiver offers; shared memory only on one host."""
+    """The sender's first preference that the receiver offers; shm and cuda_ipc only on one
+    host."""
     same_host = src.host_id == dst.host_id
     return next((t for t in src.transports if t in dst.transports
                  and (same_host or t not in SAME_HOST_TRANSPORTS)), "")
