@@ -579,3 +579,32 @@ def test_preempted_samples_keep_their_tokens(cluster):
     assert c.sched.num_preemptions > 0
     assert [c.tokens(r) for r in ("g", "g/1", "g/2")] == expected
     c.assert_all_free()
+
+
+@pytest.mark.parametrize("lost", ["prefill", "decode"])
+def test_samples_survive_a_lost_worker(cluster, lost):
+    """The prefill worker dies with the KV in flight, or a decode worker dies while the samples
+    decode there: every sample still gives its tokens, and every block comes back."""
+    kw = dict(max_tokens=8, temperature=1.5, seed=30)
+    prompt = _prompt(10, 4)
+    expected = _independent(cluster, prompt, 3, **kw)
+    c = cluster([("prefill", 64), ("prefill", 64), ("decode", 64), ("decode", 64)])
+    c.hold_sends = lost == "prefill"
+    c.submit("g", prompt, n=3, **kw)
+    if lost == "prefill":
+        while not c.held:
+            c.step()
+        victim = next(w for w in c.sched.workers.values() if w.role == "prefill" and w.prefilling)
+        c.held.clear()
+        c.hold_sends = False
+    else:
+        while not any(len(w.kv.request_ids()) == 3 for w in c.sched.workers.values()
+                      if w.role == "decode"):
+            c.step()
+        c.step()
+        victim = next(w for w in c.sched.workers.values() if w.role == "decode" and w.decoding)
+    c.sched.remove_worker(victim.worker_id)
+    c.workers.pop(victim.worker_id).cache.close()
+    c.run()
+    assert [c.tokens(r) for r in ("g", "g/1", "g/2")] == expected
+    c.assert_all_free()
