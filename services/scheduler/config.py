@@ -21,6 +21,7 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: 4% of the model length when partials > 1
     max_waiting_requests: int = 0      # 0: unbounded
+    async_scheduling: bool = True      # plan a decode step while the one before it runs
     step_timeout_s: float = 120.0    # a worker that does not answer a step in time is dropped
     register_timeout_s: float = 30.0
 

@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "partial prefills > 1; 0: 4%% of the model length")
     p.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                    help="beyond this many queued requests new ones get 429; 0: unbounded")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=d.async_scheduling,
+                   help="plan a worker's next decode step while its current one runs, so that "
+                        "it never waits for a round trip to the scheduler between steps")
     p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
                    help="seconds a worker may take for one step before it is dropped")
     metrics.add_arguments(p)
@@ -72,7 +76,8 @@ def config_from_args(args) -> SchedulerConfig:
                            max_num_partial_prefills=args.max_num_partial_prefills,
                            max_long_partial_prefills=args.max_long_partial_prefills,
                            long_prefill_token_threshold=args.long_prefill_token_threshold,
-                           max_waiting_requests=args.max_waiting_requests)
+                           max_waiting_requests=args.max_waiting_requests,
+                           async_scheduling=args.async_scheduling)
 
 
 async def serve(config: SchedulerConfig, metrics_host: str = "127.0.0.1",

@@ -21,7 +21,7 @@ from services.scheduler.placement import create_placement
 from services.scheduler.request import Output, Request, Status
 from services.scheduler.request_queue import create_request_queue
 from services.scheduler.prefill_planning import ADMISSION_LOOKAHEAD, PrefillPlanning
-from services.scheduler.worker_state import (BlockCopy, Transfer, WorkerState,
+from services.scheduler.worker_state import (BlockCopy, Step, Transfer, WorkerState,
                                               transport_between)
 from protos import worker_pb2
 
@@ -192,6 +192,7 @@ class Scheduler(PrefillPlanning):
         w = self.workers[worker_id]
         assert w.is_idle, f"worker {worker_id} already runs a step"
         plan = worker_pb2.StepPlan(step_id=next(self._ids))
+        step = Step(plan.step_id)
         budget = self.config.max_num_batched_tokens
         for t in self._sendable(w):
             self._order_send(plan, t)
@@ -203,16 +204,55 @@ class Scheduler(PrefillPlanning):
         plan.recvs.extend(w.recvs)
         for c in w.copies:
             plan.copies.add(src=c.src, dst=c.dst, request_id=c.fork_id, leader_id=c.leader_id)
-        w.frees_after_step.extend([c.src] for c in w.copies)
+        step.frees.extend([c.src] for c in w.copies)
         w.copies.clear()
-        w.recvs_in_step = [r.transfer_id for r in w.recvs]
+        step.recvs = [r.transfer_id for r in w.recvs]
         w.to_drop.clear()
         w.recvs.clear()
         if not (plan.scheduled or plan.finished_request_ids or plan.recvs or plan.new_requests
                 or plan.sends):
             return None
-        w.inflight = {s.request_id for s in plan.scheduled}
+        step.request_ids = {s.request_id for s in plan.scheduled}
+        step.decodes_only = (plan.scheduled and not (plan.new_requests or plan.sends or plan.recvs
+                             or plan.copies) and all(s.num_tokens == 1 for s in plan.scheduled)
+                             and all(self.requests[s.request_id].status is Status.DECODING
+                                     for s in plan.scheduled))
+        w.steps.append(step)
         return plan
+
+    def schedule_ahead(self, worker_id: str) -> worker_pb2.StepPlan | None:
+        """The next decode step of a worker whose running step only decodes, planned before
+        that step's result arrives, so that the worker goes on without waiting for a round
+        trip. It decodes the same requests once more (the worker appends the tokens it samples
+        itself), less those whose running step ends them by length; anything else the worker
+        has to do waits for a plan made once it is idle. None when that cannot be."""
+        w = self.workers.get(worker_id)
+        if not self.config.async_scheduling or w is None or len(w.steps) != 1 or \
+                not w.steps[0].decodes_only or self._has_other_work(w):
+            return None
+        running = w.steps[0].request_ids
+        batch = [r for r in w.decoding if r.request_id in running and r.status is Status.DECODING
+                 and len(r.output_token_ids) + 1 < r.max_tokens
+                 and r.num_tokens + 1 < self.max_model_len]
+        # the running step adds a token to each: this step computes its KV
+        need = sum(max(0, w.kv.blocks_for(r.num_tokens + 1)
+                       - len(w.kv.get_block_ids(r.request_id))) for r in batch)
+        if not batch or need > w.kv.num_free_blocks:
+            return None  # no preemption ahead of time: the next regular plan decides
+        plan = worker_pb2.StepPlan(step_id=next(self._ids))
+        for r in batch:
+            new_blocks = w.kv.allocate_slots(r.request_id, r.num_tokens + 1)
+            if new_blocks:
+                plan.cached_requests.add(request_id=r.request_id, new_block_ids=new_blocks)
+            plan.scheduled.add(request_id=r.request_id, num_tokens=1)
+        w.steps.append(Step(plan.step_id, {r.request_id for r in batch}, decodes_only=True))
+        return plan
+
+    def _has_other_work(self, w: WorkerState) -> bool:
+        """Whether w has something to do besides decoding its running batch."""
+        return bool(w.to_drop or w.recvs or w.arrivals or w.copies or self._sendable(w)
+                    or any(r.status is Status.PREFILLING for r in w.prefilling)
+                    or (len(self.waiting) and self._admits(w)))
 
     def _schedule_decodes(self, w: WorkerState, plan: worker_pb2.StepPlan) -> int:
         for req in w.arrivals:
@@ -280,12 +320,15 @@ class Scheduler(PrefillPlanning):
         w = self.workers.get(worker_id)
         if w is None:
             return []
-        ran, w.inflight = w.inflight or set(), None
+        if not w.steps or w.steps[0].step_id != result.step_id:
+            raise ValueError(f"worker {worker_id} answered step {result.step_id}, not the "
+                             "oldest it runs")
+        step = w.steps.popleft()
+        ran = step.request_ids
         w.counters.CopyFrom(result.counters)
-        for tid in w.recvs_in_step:
+        for tid in step.recvs:
             if tid in self.transfers:
                 self.transfers[tid].receiver_ready = True
-        w.recvs_in_step = []
         outputs: list[Output] = []
         for err in result.errors:
             req = self._current(w, err.request_id, ran)
@@ -303,9 +346,8 @@ class Scheduler(PrefillPlanning):
                 out = self._on_token(w, req, s) if req is not None else None
             if out is not None:
                 outputs.append(out)
-        for blocks in w.frees_after_step:
+        for blocks in step.frees:
             w.kv.pool.free(blocks)
-        w.frees_after_step.clear()
         return outputs
 
     def _current(self, w: WorkerState, rid: str, ran: set[str]) -> Request | None:
@@ -481,8 +523,8 @@ class Scheduler(PrefillPlanning):
                 continue
             if transfer is not None and transfer.ordered and w in (transfer.src, transfer.dst):
                 transfer.frees.append((w, blocks))
-            elif w.inflight and rid in w.inflight:
-                w.frees_after_step.append(blocks)
+            elif (step := w.last_step_with(rid)) is not None:
+                step.frees.append(blocks)
             else:
                 w.kv.pool.free(blocks)
 

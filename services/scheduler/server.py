@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 
 import grpc
 
@@ -152,11 +153,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                     break
                 if msg.HasField("transfers"):
                     self.scheduler.transfers_done(wid, msg.transfers)
-                elif msg.HasField("result") and link.step is not None \
-                        and msg.result.step_id == link.step[0]:
+                elif msg.HasField("result") and link.steps \
+                        and msg.result.step_id == link.steps[0][0]:
                     self._dispatch(self.scheduler.update(wid, msg.result))
-                    link.step[1].set_result(True)
-                    link.step = None
+                    link.steps.popleft()[1].set_result(True)
                 else:
                     log.error("worker %s answered out of protocol; dropping it", wid)
                     break
@@ -165,45 +165,57 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             pass
         finally:
             link.gone = True
-            if link.step is not None and not link.step[1].done():
-                link.step[1].set_result(False)
+            for _, done in link.steps:
+                if not done.done():
+                    done.set_result(False)
             wake.set()
 
     async def _drive(self, link: _WorkerLink, wake: asyncio.Event):
+        """Plans the worker's steps: a regular plan when it is idle and has work, and, while a
+        step runs, the next decode step ahead of its result (Scheduler.schedule_ahead)."""
         wid = link.worker_id
-        loop = asyncio.get_running_loop()
         while True:
             wake.clear()
             if link.gone:
                 return
+            if not link.steps:
+                planned_at = time.time()
+                plan = self.scheduler.schedule(wid) if self.scheduler.has_work(wid) else None
+                if plan is None:
+                    try:
+                        await asyncio.wait_for(wake.wait(), IDLE_POLL_S)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                await self._send(link, plan, planned_at)
             planned_at = time.time()
-            plan = self.scheduler.schedule(wid) if self.scheduler.has_work(wid) else None
-            if plan is None:
-                try:
-                    await asyncio.wait_for(wake.wait(), IDLE_POLL_S)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            self.telemetry.on_plan(wid, plan, planned_at)
-            done = loop.create_future()
-            link.step = (plan.step_id, done)
-            await link.context.write(worker_pb2.SchedulerMessage(plan=plan))
+            ahead = self.scheduler.schedule_ahead(wid)
+            if ahead is not None:
+                await self._send(link, ahead, planned_at)
+            step_id, done = link.steps[0]
             try:
                 if not await asyncio.wait_for(done, self.config.step_timeout_s):
                     return  # the worker is gone
             except asyncio.TimeoutError:
                 log.error("worker %s did not answer step %d in %.0fs; dropping it", wid,
-                          plan.step_id, self.config.step_timeout_s)
+                          step_id, self.config.step_timeout_s)
                 return
+
+    async def _send(self, link: _WorkerLink, plan: worker_pb2.StepPlan,
+                    planned_at: float) -> None:
+        self.telemetry.on_plan(link.worker_id, plan, planned_at)
+        link.steps.append((plan.step_id, asyncio.get_running_loop().create_future()))
+        await link.context.write(worker_pb2.SchedulerMessage(plan=plan))
 
 
 class _WorkerLink:
-    """One attached worker's stream, and the step it is running (id, future of its result)."""
+    """One attached worker's stream, and the steps it runs (id, future of the result), oldest
+    first."""
 
     def __init__(self, worker_id: str, context) -> None:
         self.worker_id = worker_id
         self.context = context
-        self.step: tuple[int, asyncio.Future[bool]] | None = None
+        self.steps: deque[tuple[int, asyncio.Future[bool]]] = deque()
         self.gone = False
 
 

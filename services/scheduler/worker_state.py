@@ -1,6 +1,7 @@
 """The scheduler's view of one worker, and of one KV transfer between two workers."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from protos import worker_pb2
@@ -27,15 +28,27 @@ class WorkerState:
     known: set[str] = field(default_factory=set)           # requests whose state the worker holds
     to_drop: list[str] = field(default_factory=list)
     recvs: list[worker_pb2.KVRecv] = field(default_factory=list)
-    recvs_in_step: list[str] = field(default_factory=list)  # transfer ids its running step expects
-    inflight: set[str] | None = None                       # requests of the running step
-    frees_after_step: list[list[int]] = field(default_factory=list)  # blocks its step uses
+    steps: deque[Step] = field(default_factory=deque)     # planned, result not in yet; oldest first
     copies: list[BlockCopy] = field(default_factory=list)  # for its next plan
     counters: worker_pb2.WorkerCounters = field(default_factory=worker_pb2.WorkerCounters)
 
     @property
     def is_idle(self) -> bool:
-        return self.inflight is None
+        return not self.steps
+
+    def last_step_with(self, request_id: str) -> Step | None:
+        return next((s for s in reversed(self.steps) if request_id in s.request_ids), None)
+
+
+@dataclass(eq=False)
+class Step:
+    """A plan sent to a worker whose result has not arrived yet."""
+    step_id: int
+    request_ids: set[str] = field(default_factory=set)   # scheduled in it
+    frees: list[list[int]] = field(default_factory=list)  # blocks it uses that nothing else holds
+    recvs: list[str] = field(default_factory=list)        # transfer ids it registers
+    decodes_only: bool = False  # one decode token per request and nothing else: the next step
+                                # may be planned while it runs
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 greedy ones, and every block comes back through finishes, aborts, preemptions and lost workers.
 KV moves over the real transports (shm by default, tcp on loopback where a test asks)."""
 import asyncio
+import collections
 import threading
 
 import pytest
@@ -33,6 +34,8 @@ class Cluster:
             self.workers[reg.worker_id] = worker
         self.outputs = {}
         self.hold_sends = False  # keep KV sends back, as a slow transport would
+        self.sent = {}  # worker id -> plans sent, not yet run
+        self.ahead_plans = 0
         self.held = []
 
     def deliver(self):
@@ -66,20 +69,30 @@ class Cluster:
         self.sched.add_request(samples[0], samples[1:])
 
     def step(self):
-        """One step on every worker that has work; returns whether any ran."""
+        """One step on every worker that has work, as server.py drives them: a regular plan
+        when the worker is idle, the next decode step planned ahead while one runs; returns
+        whether any ran."""
         ran = False
         for wid, worker in list(self.workers.items()):
-            if self.sched.has_work(wid):
+            sent = self.sent.setdefault(wid, collections.deque())
+            if not sent and self.sched.has_work(wid):
                 plan = self.sched.schedule(wid)
-                if plan is None:
-                    continue
-                ran = True
-                for out in self.sched.update(wid, worker.execute(plan)):
-                    self.outputs[out.request_id].append(out)
-                if plan.sends and self.hold_sends:
-                    self.held.append((wid, plan.sends))
-                elif plan.sends:
-                    self.sched.transfers_done(wid, worker.send_kv(plan.sends))
+                if plan is not None:
+                    sent.append(plan)
+            if not sent:
+                continue
+            ahead = self.sched.schedule_ahead(wid)
+            if ahead is not None:
+                sent.append(ahead)
+                self.ahead_plans += 1
+            plan = sent.popleft()
+            ran = True
+            for out in self.sched.update(wid, worker.execute(plan)):
+                self.outputs[out.request_id].append(out)
+            if plan.sends and self.hold_sends:
+                self.held.append((wid, plan.sends))
+            elif plan.sends:
+                self.sched.transfers_done(wid, worker.send_kv(plan.sends))
         return ran
 
     def run(self, max_steps=500):
@@ -608,3 +621,24 @@ def test_samples_survive_a_lost_worker(cluster, lost):
     c.run()
     assert [c.tokens(r) for r in ("g", "g/1", "g/2")] == expected
     c.assert_all_free()
+
+
+# ---- async scheduling ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_decode_steps_planned_ahead_keep_outputs_and_a_stop_discards_the_extra_token(
+        cluster, hf, async_scheduling):
+    """While a decode step runs its successor is planned already; a request that stops in the
+    running step (a stop token: unforeseeable) had one more token computed, which nobody sees."""
+    prompt = _prompt(11, 21)
+    greedy = _greedy(hf, prompt, 12)
+    c = cluster([("prefill", 64), ("decode", 64)], async_scheduling=async_scheduling)
+    c.submit("long", prompt, max_tokens=12)
+    c.submit("stops", prompt, max_tokens=12, stop_token_ids=[greedy[5]])
+    c.run()
+    assert c.tokens("long") == greedy
+    assert c.tokens("stops") == greedy[:greedy.index(greedy[5]) + 1]
+    assert c.finish_reason("stops") == "stop"
+    assert (c.ahead_plans > 0) == async_scheduling
+    c.assert_all_free()
+    assert all(w.requests == {} for w in c.workers.values())  # the workers dropped both
