@@ -25,9 +25,12 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {
-    "disaggregated 1P+1D": ["--prefill-workers", "1", "--decode-workers", "1"],
-    "colocated 0P+2D": ["--prefill-workers", "0", "--decode-workers", "2"],
+SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
+    "disagg": ("disaggregated 1P+1D", ["--prefill-workers", "1", "--decode-workers", "1"]),
+    "colocated": ("colocated 0P+2D", ["--prefill-workers", "0", "--decode-workers", "2"]),
+    "disagg-sync": ("disaggregated, no async sched.",
+                    ["--prefill-workers", "1", "--decode-workers", "1",
+                     "--scheduler-args=--no-async-scheduling"]),
 }
 
 
@@ -137,6 +140,8 @@ def main() -> int:
     p.add_argument("--long-frac", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--up-args", default="", help="more `pdserve up` flags for every shape")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["disagg", "colocated"],
+                   help="stack shapes to compare, in this order")
     args = p.parse_args()
     prompts = workload(args.num_requests, tuple(args.short), tuple(args.long), args.long_frac,
                        args.seed)
@@ -152,8 +157,9 @@ def main() -> int:
         if not Path(args.model, "config.json").exists():
             from common.models.tiny import make_tiny_model
             make_tiny_model(args.model)
-        for name, shape in SHAPES.items():
-            log = Path(f"/tmp/pdserve-bench-{name.split()[0]}.log")
+        for key in args.shapes:
+            name, shape = SHAPES[key]
+            log = Path(f"/tmp/pdserve-bench-{key}.log")
             proc, url, _ = launch(args.model, shape + shlex.split(args.up_args), log)
             try:
                 results, wall = asyncio.run(run_load(url, prompts, args.rate, args.max_tokens,

@@ -48,8 +48,11 @@ class Worker:
                                  recv.transport or "shm")
         for new in plan.new_requests:
             self._add(new, result)
+        failed = {e.request_id for e in result.errors}
         for diff in plan.cached_requests:
             req = self.requests.get(diff.request_id)
+            if req is None and diff.request_id in failed:
+                continue  # it could not join (its KV never landed): reported already
             assert req is not None, f"diff for unknown request {diff.request_id}"
             req.block_ids.extend(diff.new_block_ids)
             req.token_ids.extend(diff.new_token_ids)

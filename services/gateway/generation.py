@@ -89,7 +89,7 @@ async def run_sequence(
     """Deltas of one choice (sample `sample` of `source`); the last one carries finish_reason."""
     request = source.request
     request_id = source.request_ids[sample]
-    telemetry = SequenceTelemetry(metrics, request, request_id)
+    telemetry = SequenceTelemetry(metrics, request, request_id, counts_prompt=sample == 0)
     final_reason, num_cached = None, 0
     detok = IncrementalDetokenizer(
         tokenizer, request.prompt_token_ids, options.skip_special_tokens

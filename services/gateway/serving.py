@@ -122,7 +122,7 @@ class ServingContext:
             logprobs=num_logprobs,
         )
         if seed is not None:
-            params.seed = seed
+            params.seed = seed % 2**64  # the API takes signed 64-bit seeds
         return params
 
     def sequences(

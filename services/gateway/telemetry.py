@@ -55,12 +55,15 @@ class SequenceTelemetry:
     """
 
     def __init__(self, metrics: GatewayMetrics | None,
-                 request: scheduler_pb2.GenerateRequest, request_id: str) -> None:
+                 request: scheduler_pb2.GenerateRequest, request_id: str,
+                 counts_prompt: bool = True) -> None:
+        """counts_prompt: false for samples 1.. of a prompt, computed once for all of them."""
         self.metrics = metrics
         self.start = time.monotonic()
         self.last: float | None = None
         self.num_tokens = 0
         self.num_prompt_tokens = len(request.prompt_token_ids)
+        self._counts_prompt = counts_prompt
         self.detokenize_s = 0.0
         self._first_wall = 0.0
         self._done = False
@@ -95,7 +98,7 @@ class SequenceTelemetry:
         if self.metrics is not None and (finish_reason is not None or self.last is not None):
             self.metrics.e2e.observe(time.monotonic() - self.start)
             self.metrics.success(finish_reason or "abort")
-            self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+            self.metrics.prompt_tokens.inc(self.num_prompt_tokens if self._counts_prompt else 0)
             self.metrics.generation_tokens.inc(self.num_tokens)
         if self.span is None:
             return

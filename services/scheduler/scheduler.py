@@ -159,7 +159,10 @@ class Scheduler(PrefillPlanning):
 
     @property
     def num_running(self) -> int:
-        return len(self.requests) - len(self.waiting)
+        """Admitted requests (forks count once their first token is out)."""
+        pending_forks = sum(r.status is Status.FORKING and not r.output_token_ids
+                            for r in self.requests.values())
+        return len(self.requests) - len(self.waiting) - pending_forks
 
     # ---- planning ------------------------------------------------------------------------------
 
@@ -255,12 +258,25 @@ class Scheduler(PrefillPlanning):
                     or (len(self.waiting) and self._admits(w)))
 
     def _schedule_decodes(self, w: WorkerState, plan: worker_pb2.StepPlan) -> int:
+        arrivals = [(req, req.transfer_id) for req in w.arrivals]
         for req in w.arrivals:
             req.status = Status.DECODING
             w.decoding.append(req)
-            self._send_new(w, plan, req, kv_transfer_id=req.transfer_id)
-            req.transfer_id = ""
         w.arrivals.clear()
+        scheduled = self._decode_batch(w, plan)
+        # after the batch: an arrival preempted by it never reaches the worker (which would
+        # drop it before adding it), but its expected transfer is cancelled there
+        for req, transfer_id in arrivals:
+            if req.status is Status.DECODING:
+                self._send_new(w, plan, req, kv_transfer_id=transfer_id)
+                req.transfer_id = ""
+            elif transfer_id:
+                w.to_drop.append(req.request_id)
+        return scheduled
+
+    def _decode_batch(self, w: WorkerState, plan: worker_pb2.StepPlan) -> int:
+        """One token for each decoding request, preempting the least important ones while the
+        blocks do not suffice; returns how many were scheduled."""
         scheduled = 0
         # most important first; victims come from the back, so never one planned already
         order = sorted(w.decoding, key=lambda r: (r.priority, r.arrival_time))
@@ -276,7 +292,7 @@ class Scheduler(PrefillPlanning):
                 new_blocks = w.kv.allocate_slots(req.request_id, req.num_tokens)
             if new_blocks is None:
                 continue
-            if new_blocks:
+            if new_blocks and req.request_id in w.known:  # else its NewRequest has them all
                 plan.cached_requests.add(request_id=req.request_id, new_block_ids=new_blocks)
             plan.scheduled.add(request_id=req.request_id, num_tokens=1)
             self._cache(w, req, req.num_tokens)

@@ -66,9 +66,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         queue: asyncio.Queue[Output] = asyncio.Queue()
-        for req in samples:
+        for j, req in enumerate(samples):
             self._streams[req.request_id] = queue
-            self.telemetry.on_generate(req)
+            self.telemetry.on_generate(req, j)
         self._wake_all()
         index = {i: j for j, i in enumerate(ids)}
         num_output_tokens = dict.fromkeys(ids, 0)
@@ -163,6 +163,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 self._wake_all()
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
+        except Exception:
+            log.exception("applying worker %s's message failed; dropping it", wid)
         finally:
             link.gone = True
             for _, done in link.steps:
@@ -192,6 +194,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             ahead = self.scheduler.schedule_ahead(wid)
             if ahead is not None:
                 await self._send(link, ahead, planned_at)
+            if not link.steps:
+                continue  # answered while the plan was being written
             step_id, done = link.steps[0]
             try:
                 if not await asyncio.wait_for(done, self.config.step_timeout_s):

@@ -34,6 +34,7 @@ class _Tracked:
     span: object = None                     # the request's span (tracing on)
     context: object = None                  # ... as the parent of the spans made here
     admitted: bool = False
+    sample: int = 0                         # n > 1: its index; the samples share one span
 
 
 class SchedulerTelemetry:
@@ -52,12 +53,15 @@ class SchedulerTelemetry:
     def active(self) -> bool:
         return self.metrics_on or tracing.enabled()
 
-    def on_generate(self, req: Request) -> None:
-        """In the Generate handler, with the request's span current."""
+    def on_generate(self, req: Request, sample: int = 0) -> None:
+        """In the Generate handler, with the request's span current; the span's attributes
+        describe sample 0."""
         if not self.active:
             return
-        t = _Tracked(time.time(), time.monotonic())
-        if tracing.enabled():
+        t = _Tracked(time.time(), time.monotonic(), sample=sample)
+        if tracing.enabled() and sample:
+            t.span = tracing.current_span()
+        elif tracing.enabled():
             span = tracing.current_span()
             span.set_attributes({"pdserve.request_id": req.request_id,
                                  "pdserve.prompt_tokens": len(req.prompt_token_ids),
@@ -106,7 +110,7 @@ class SchedulerTelemetry:
 
     def on_finish(self, out: Output, num_output_tokens: int) -> None:
         t = self._tracked.get(out.request_id)
-        if t is None or t.span is None:
+        if t is None or t.span is None or t.sample:
             return
         t.span.set_attributes({
             "pdserve.output_tokens": num_output_tokens,

@@ -89,6 +89,10 @@ class Cluster:
             ran = True
             for out in self.sched.update(wid, worker.execute(plan)):
                 self.outputs[out.request_id].append(out)
+            # the worker holds no request state the scheduler does not know of (or drops next)
+            if wid in self.sched.workers:
+                w = self.sched.workers[wid]
+                assert set(worker.requests) <= w.known | set(w.to_drop), wid
             if plan.sends and self.hold_sends:
                 self.held.append((wid, plan.sends))
             elif plan.sends:
@@ -108,9 +112,13 @@ class Cluster:
         return self.outputs[rid][-1].finish_reason
 
     def assert_all_free(self):
+        """Every block free, and no request state left on any worker."""
         for w in self.sched.workers.values():
             assert w.kv.num_free_blocks == w.kv.num_blocks, w.worker_id
             assert not w.kv.request_ids()
+        for wid, worker in self.workers.items():
+            assert worker.requests == {}, wid
+            assert not worker.receiver._expected, wid
 
 
 @pytest.fixture(scope="module")
@@ -642,3 +650,18 @@ def test_decode_steps_planned_ahead_keep_outputs_and_a_stop_discards_the_extra_t
     assert (c.ahead_plans > 0) == async_scheduling
     c.assert_all_free()
     assert all(w.requests == {} for w in c.workers.values())  # the workers dropped both
+
+
+def test_a_sample_preempted_in_the_plan_that_brings_it_leaves_nothing_behind(cluster):
+    """Three samples of a 12-token prompt (three full blocks, shared) land on a decode worker
+    with two free blocks: the plan that brings them in must preempt the last one. It never
+    reaches the worker, resumes later, and still gives its tokens."""
+    kw = dict(max_tokens=6, temperature=1.5, seed=30)
+    prompt = _prompt(12, 4)
+    expected = _independent(cluster, prompt, 3, **kw)
+    c = cluster([("prefill", 64), ("decode", 5)])
+    c.submit("g", prompt, n=3, **kw)
+    c.run()
+    assert c.sched.num_preemptions > 0
+    assert [c.tokens(r) for r in ("g", "g/1", "g/2")] == expected
+    c.assert_all_free()
