@@ -102,13 +102,22 @@ class PriorityQueue(RequestQueue):
         return entry[3]
 
     def remove(self, req):
-        return self._live.pop(req.request_id, None) is not None
+        found = self._live.pop(req.request_id, None) is not None
+        if len(self._heap) > 2 * len(self._live) + 64:  # mostly dead entries: compact
+            self._heap = [e for e in self._heap if self._is_live(e)]
+            heapq.heapify(self._heap)
+        return found
 
     def __len__(self):
         return len(self._live)
 
     def __iter__(self):
-        return (e[3] for e in sorted(self._heap) if self._is_live(e))
+        """Lazily, in order: the scheduler looks at the first few only (O(n + k log n))."""
+        heap = list(self._heap)
+        while heap:
+            entry = heapq.heappop(heap)
+            if self._is_live(entry):
+                yield entry[3]
 
 
 _QUEUES = {"fcfs": FCFSQueue, "priority": PriorityQueue}

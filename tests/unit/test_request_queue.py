@@ -39,3 +39,16 @@ def test_priority_order_with_removal_and_requeue():
 def test_unknown_policy_lists_the_known_ones():
     with pytest.raises(ValueError, match="fcfs, priority"):
         create_request_queue("lifo")
+
+
+def test_priority_queue_compacts_removed_entries_and_keeps_order():
+    q = create_request_queue("priority")
+    reqs = [_req(f"r{i}", priority=i % 3, t=float(i)) for i in range(300)]
+    for r in reqs:
+        q.push(r)
+    for r in reqs[::2]:
+        assert q.remove(r)
+    assert len(q._heap) <= 2 * len(q) + 64  # dead entries did not pile up
+    kept = sorted(reqs[1::2], key=lambda r: (r.priority, r.arrival_time))
+    assert list(q) == kept
+    assert [q.pop() for _ in range(len(kept))] == kept
