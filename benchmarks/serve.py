@@ -28,9 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
     "disagg": ("disaggregated 1P+1D", ["--prefill-workers", "1", "--decode-workers", "1"]),
     "colocated": ("colocated 0P+2D", ["--prefill-workers", "0", "--decode-workers", "2"]),
-    "disagg-sync": ("disaggregated, no async sched.",
+    "disagg-sync": ("disagg., no async sched.",
                     ["--prefill-workers", "1", "--decode-workers", "1",
                      "--scheduler-args=--no-async-scheduling"]),
+    "disagg-1partial": ("disagg., 1 partial prefill",
+                        ["--prefill-workers", "1", "--decode-workers", "1",
+                         "--scheduler-args=--max-num-partial-prefills 1"]),
 }
 
 

@@ -17,9 +17,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     prefill_bypass_threshold: int = 0  # prompts with at most this many uncached tokens skip P
     saturated_prefill_bypass: bool = False  # a decode worker with room prefills what P cannot start
-    max_num_partial_prefills: int = 1
+    max_num_partial_prefills: int = 2  # a short prompt's fast lane beside one long prompt
     max_long_partial_prefills: int = 1
-    long_prefill_token_threshold: int = 0  # 0: 4% of the model length when partials > 1
+    long_prefill_token_threshold: int = 0  # 0: half the step budget when partials > 1
     max_waiting_requests: int = 0      # 0: unbounded
     async_scheduling: bool = True      # plan a decode step while the one before it runs
     step_timeout_s: float = 120.0    # a worker that does not answer a step in time is dropped

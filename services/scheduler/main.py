@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int,
                    default=d.long_prefill_token_threshold,
                    help="a prompt longer than this is long; also the chunk cap per prompt when "
-                        "partial prefills > 1; 0: 4%% of the model length")
+                        "partial prefills > 1; 0: half of --max-num-batched-tokens")
     p.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                    help="beyond this many queued requests new ones get 429; 0: unbounded")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,

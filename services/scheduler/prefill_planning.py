@@ -91,7 +91,8 @@ class PrefillPlanning:
     def long_prefill_token_threshold(self) -> int:
         t = self.config.long_prefill_token_threshold
         if t == 0 and self.config.max_num_partial_prefills > 1:
-            t = max(1, int(0.04 * self.max_model_len))
+            # half the step: a long prompt's chunk leaves the other half to short prompts
+            t = max(1, self.config.max_num_batched_tokens // 2)
         return t
 
     def _decode_may_relieve(self, w: WorkerState, req: Request, todo: int) -> bool:

@@ -362,8 +362,9 @@ def test_short_prompt_finishes_prefill_while_a_long_one_is_chunking(cluster, hf)
     c.assert_all_free()
 
 
-def test_one_partial_prefill_at_a_time_by_default(cluster):
-    c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=8)
+def test_one_partial_prefill_at_a_time_when_asked(cluster):
+    c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=8,
+                max_num_partial_prefills=1)
     c.submit("a", _prompt(20, 1), max_tokens=2)
     c.submit("b", _prompt(20, 2), max_tokens=2)
     c.step()
