@@ -88,7 +88,9 @@ def commands(args) -> list[list[str]]:
     num_workers = args.prefill_workers + args.decode_workers
     threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
     worker = ["--model", args.model, "--scheduler", sched, "--block-size", str(args.block_size),
-              "--cpu-threads", str(threads), "--device", args.device]
+              "--cpu-threads", str(threads), "--device", args.device,
+              # the largest step, profiled by a GPU worker before it sizes its KV cache
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     cores = _core_sets(num_workers) if args.pin_cpus else [[]] * num_workers
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]

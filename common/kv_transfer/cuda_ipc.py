@@ -98,8 +98,7 @@ class CudaIpcSender(KVSender):
             raise KVTransferError(f"the exported cache holds {h.size} bytes, the layout needs {need}")
         try:
             storage = torch.UntypedStorage._new_shared_cuda(
-                visible[0], h.handle, h.size, h.offset, h.ref, h.ref_offset, h.event or None,
-                h.sync)
+                visible[0], h.handle, h.size, h.offset, h.ref, h.ref_offset, h.event, h.sync)
         except RuntimeError as e:
             raise KVTransferError(f"cannot open the receiver's CUDA IPC handle: {e}") from e
         device = torch.device("cuda", visible[0])
@@ -116,10 +115,9 @@ class CudaIpcSender(KVSender):
             raise KVTransferError(f"transfer {transfer_id}: destination block out of range")
         if self._stream is None:
             self._stream = torch.cuda.Stream(cache.tensor.device)
-        # a side stream: the copy waits for nothing the sender's compute stream still queues
-        # (layer-wise callers synchronized on that layer's event already), and it is complete
-        # in the receiver's memory before this returns
-        self._stream.wait_stream(torch.cuda.current_stream(cache.tensor.device))
+        # its own stream: the copy waits for nothing the compute stream still queues (the
+        # caller synchronized on what it sends: the step's sampling or the layer's event), and
+        # it is complete in the receiver's memory before this returns
         with torch.cuda.stream(self._stream):
             copy_blocks(peer[layer_start:layer_end], dst_block_ids,
                         cache.tensor[layer_start:layer_end], src_block_ids)

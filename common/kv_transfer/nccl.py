@@ -126,7 +126,9 @@ class NcclSender(KVSender):
             return header.payload_bytes
         except (RuntimeError, ValueError, OSError, KVTransferError) as e:
             self._deadlines.pop(transfer_id, None)
-            self._peers.pop(dst_endpoint, None)  # the pair is out of step: a fresh one next time
+            broken = self._peers.pop(dst_endpoint, None)  # out of step: a fresh pair next time
+            if broken is not None and cache.tensor.is_cuda:
+                _abort(broken.group)  # else its pending NCCL work trips the watchdog later
             raise KVTransferError(f"transfer {transfer_id} to {dst_endpoint}: {e}") from e
 
     def _staging(self, layers: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -138,6 +140,13 @@ class NcclSender(KVSender):
 
     def close(self):
         self._peers.clear()
+
+
+def _abort(group) -> None:
+    try:
+        group.abort()
+    except RuntimeError as e:
+        log.warning("aborting a broken KV process group failed: %s", e)
 
 
 def _parse(endpoint: str) -> tuple[str, int]:

@@ -6,6 +6,7 @@ same host map it and write blocks straight into it (the shm transport).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from dataclasses import dataclass
@@ -120,6 +121,12 @@ class PagedKVCache:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def on_device(device: torch.device):
+    """Makes a GPU the current device of the calling thread (Triton launches and CUDA events go
+    to the current device, and worker threads start on GPU 0); a no-op on CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.kv_transfer.base import KVSender, KVTransferError
-from common.worker.kv_cache import PagedKVCache
+from common.worker.kv_cache import PagedKVCache, on_device
 from protos import worker_pb2
 
 STOP = -1
@@ -46,7 +46,7 @@ class LayerStreamer:
         event = None
         if self.cache.tensor.is_cuda:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.cache.tensor.device))
         self._ready.put((i, event))
 
     def abort(self) -> None:
@@ -64,6 +64,16 @@ class LayerStreamer:
         return self.streams
 
     def _run(self) -> None:
+        """On a GPU the sends' own copies run on a side stream of the cache's device: the
+        compute stream holds the later layers' kernels, which they must not wait for (the
+        layer's event was waited on by this thread already)."""
+        device = self.cache.tensor.device
+        if device.type != "cuda":
+            return self._send_layers()
+        with on_device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+            return self._send_layers()
+
+    def _send_layers(self) -> None:
         for expected in range(self.num_layers):
             layer, event = self._ready.get()
             if layer == STOP:

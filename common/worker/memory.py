@@ -18,13 +18,14 @@ import torch
 
 from common.models.attention import AttentionMetadata
 from common.models.llama import LlamaForCausalLM
-from common.worker.kv_cache import KVLayout, PagedKVCache
+from common.worker.kv_cache import KVLayout, PagedKVCache, on_device
 
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 GIB = 1 << 30
 CPU_KV_CACHE_MIB = 256
+SAMPLED_ROWS = 256  # the scheduler's default --max-num-seqs
 
 
 class MemoryBudgetError(Exception):
@@ -60,8 +61,12 @@ def profile_step(model: LlamaForCausalLM, layout: KVLayout, num_tokens: int,
         meta = meta.to(device)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, dtype=torch.long, device=device)
+    positions %= model.config.max_position_embeddings
     hidden = model(ids, positions, cache.layers, meta)
-    model.compute_logits(hidden[-1:])
+    # a decode step samples up to a row per token: logits and the sampler's sort and softmax
+    logits = model.compute_logits(hidden[:min(num_tokens, SAMPLED_ROWS)])
+    logits.sort(dim=-1)
+    logits.softmax(dim=-1)
     cache.close()
 
 
@@ -73,7 +78,8 @@ def num_kv_blocks(num_blocks: int, memory_mib: int, utilization: float, max_step
     if memory_mib or device.type == "cpu":
         return max(1, (memory_mib or CPU_KV_CACHE_MIB) * MIB // layout.block_bytes)
     torch.cuda.reset_peak_memory_stats(device)
-    profile_step(model, layout, max_step_tokens, device)
+    with on_device(device):
+        profile_step(model, layout, max_step_tokens, device)
     torch.cuda.synchronize(device)
     in_use = torch.cuda.max_memory_allocated(device)
     torch.cuda.empty_cache()

@@ -44,6 +44,8 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
         torch.set_num_threads(cfg.cpu_threads or len(cfg.cpu_cores))
     dtype = getattr(torch, cfg.dtype)
     device = torch.device(cfg.resolved_device())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this thread's; step threads enter the device themselves
     model = load_model(cfg.model, create_attention_backend(cfg.attention_backend, device), dtype,
                        device)
     mc = model.config

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, KVTransferError
-from common.worker.kv_cache import PagedKVCache, copy_blocks
+from common.worker.kv_cache import PagedKVCache, copy_blocks, on_device
 from common.worker.layer_streamer import LayerStreamer
 from common.worker.model_runner import ModelRunner, RequestState
 from protos import worker_pb2
@@ -39,6 +39,10 @@ class Worker:
         self.receiver.reset()
 
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        with on_device(self.cache.tensor.device):
+            return self._execute(plan)
+
+    def _execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         result = worker_pb2.StepResult(step_id=plan.step_id)
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
@@ -82,6 +86,10 @@ class Worker:
     def send_kv(self, sends) -> worker_pb2.TransfersDone:
         """Runs (or finishes, for those streamed layer by layer) a plan's KV sends; called after
         its StepResult went out."""
+        with on_device(self.cache.tensor.device):
+            return self._send_kv(sends)
+
+    def _send_kv(self, sends) -> worker_pb2.TransfersDone:
         streamed = self._streamer.finish() if self._streamer is not None else {}
         self._streamer = None
         done = worker_pb2.TransfersDone()

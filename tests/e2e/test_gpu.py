@@ -1,5 +1,6 @@
-"""The four processes with both workers on one GPU (needs a CUDA host; skipped otherwise):
-greedy tokens equal transformers' for every KV transport a GPU pair can use."""
+"""The four processes with GPU workers (needs a CUDA host; skipped otherwise): greedy tokens
+equal transformers' for every KV transport a GPU pair can use. cuda_ipc and tcp run with both
+workers on one GPU; nccl needs two (NCCL refuses two ranks on one device)."""
 import pytest
 import torch
 import transformers
@@ -13,10 +14,16 @@ PROMPTS = [[(7 * i + 3 * k) % 2000 for k in range(n)] for i, n in enumerate((1, 
 
 @pytest.mark.parametrize("transport", ["cuda_ipc", "tcp", "nccl"])
 def test_gpu_workers_match_hf(tiny_llama, tmp_path, transport):
+    devices = ("cuda:0", "cuda:0")
+    if transport == "nccl":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("nccl between two workers needs two GPUs")
+        devices = ("cuda:0", "cuda:1")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     args = f"--kv-transports {transport} --gpu-memory-utilization 0.2"
-    s = Stack(tiny_llama, tmp_path, "--device", "cuda", "--prefill-worker-args", args,
-              "--decode-worker-args", args)
+    s = Stack(tiny_llama, tmp_path, "--device", "cuda",
+              "--prefill-worker-args", f"{args} --device {devices[0]}",
+              "--decode-worker-args", f"{args} --device {devices[1]}")
     try:
         import httpx
         with httpx.Client(base_url=s.url, timeout=120) as c:
