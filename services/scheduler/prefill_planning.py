@@ -50,7 +50,7 @@ class PrefillPlanning:
                 any(p.role == "prefill" for p in self.workers.values()) and \
                 not self._decode_may_relieve(w, req, todo):
             return 0  # a prefill worker takes it
-        if w.role == "prefill" and short:
+        if w.role == "prefill" and (req.prefill_locally or self._short_for_a_decoder(req, hashes)):
             return 0  # its decode worker prefills it: no KV hop for a short prompt
         if w.role == "prefill" and self._better_prefill(w, req, hashes, len(prefix)):
             return 0  # another prefill worker holds more of its prefix: leave it to that one
@@ -86,6 +86,15 @@ class PrefillPlanning:
                                                        skip=skip)
         self._send_new(w, plan, req)
         return self._schedule_chunk(w, plan, req, budget)
+
+    def _short_for_a_decoder(self, req: Request, hashes: list[bytes]) -> bool:
+        """Whether a decode worker would prefill req itself: shortness is judged by what the
+        decode workers hold, so that the one a prefill worker leaves a prompt to takes it."""
+        t = self.config.prefill_bypass_threshold
+        n = req.num_tokens
+        return t > 0 and any(
+            d.role == "decode" and n - len(d.kv.find_prefix(hashes, n)) * d.kv.block_size <= t
+            for d in self.workers.values())
 
     @property
     def long_prefill_token_threshold(self) -> int:

@@ -248,14 +248,16 @@ class Scheduler(PrefillPlanning):
             if new_blocks:
                 plan.cached_requests.add(request_id=r.request_id, new_block_ids=new_blocks)
             plan.scheduled.add(request_id=r.request_id, num_tokens=1)
+            self._cache(w, r, r.num_tokens)  # the tokens known: computed by this step at last
         w.steps.append(Step(plan.step_id, {r.request_id for r in batch}, decodes_only=True))
         return plan
 
     def _has_other_work(self, w: WorkerState) -> bool:
         """Whether w has something to do besides decoding its running batch."""
+        room = w.kv.num_free_blocks > 0 and self._num_seqs(w) < self.config.max_num_seqs
         return bool(w.to_drop or w.recvs or w.arrivals or w.copies or self._sendable(w)
                     or any(r.status is Status.PREFILLING for r in w.prefilling)
-                    or (len(self.waiting) and self._admits(w)))
+                    or (room and len(self.waiting) and self._admits(w)))
 
     def _schedule_decodes(self, w: WorkerState, plan: worker_pb2.StepPlan) -> int:
         arrivals = [(req, req.transfer_id) for req in w.arrivals]
@@ -461,6 +463,7 @@ class Scheduler(PrefillPlanning):
         if done.error:
             log.warning("transfer %s failed (%s); %s is recomputed on a decode worker",
                         done.transfer_id, done.error, req.request_id)
+            dst.to_drop.append(req.request_id)  # it expects the transfer: cancel that
             self._requeue(req)
             req.prefill_locally = True  # no second hop for it
             return
@@ -524,6 +527,7 @@ class Scheduler(PrefillPlanning):
             for c in [c for c in w.copies if c.fork_id == rid]:
                 w.copies.remove(c)
                 w.kv.pool.free([c.src])
+            landed = req in w.arrivals and bool(req.transfer_id)
             for lst in (w.prefilling, w.decoding, w.arrivals):
                 if req in lst:
                     lst.remove(req)
@@ -532,8 +536,8 @@ class Scheduler(PrefillPlanning):
                 w.to_drop.append(rid)
             elif any(r.request_id == rid for r in w.recvs):
                 w.recvs = [r for r in w.recvs if r.request_id != rid]
-            elif transfer is not None and w is transfer.dst:
-                w.to_drop.append(rid)  # it expects the transfer: cancel that
+            elif (transfer is not None and w is transfer.dst) or landed:
+                w.to_drop.append(rid)  # it expects the transfer (or holds it): cancel that
             blocks = w.kv.detach(rid)
             if not blocks:
                 continue

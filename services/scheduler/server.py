@@ -190,10 +190,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                         pass
                     continue
                 await self._send(link, plan, planned_at)
-            planned_at = time.time()
-            ahead = self.scheduler.schedule_ahead(wid)
-            if ahead is not None:
-                await self._send(link, ahead, planned_at)
+            # again if the running step's result landed while a plan was being written
+            while len(link.steps) == 1 and \
+                    (ahead := self.scheduler.schedule_ahead(wid)) is not None:
+                await self._send(link, ahead, time.time())
             if not link.steps:
                 continue  # answered while the plan was being written
             step_id, done = link.steps[0]

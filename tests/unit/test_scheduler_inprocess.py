@@ -12,6 +12,7 @@ import transformers
 from common.worker.config import WorkerConfig
 from common.worker.service import build_worker, start_listeners
 from protos import scheduler_pb2, worker_pb2
+from services.scheduler.block_hash import extend_block_hashes
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RegistrationError, Scheduler
@@ -666,3 +667,55 @@ def test_a_sample_preempted_in_the_plan_that_brings_it_leaves_nothing_behind(clu
     assert c.sched.num_preemptions > 0
     assert [c.tokens(r) for r in ("g", "g/1", "g/2")] == expected
     c.assert_all_free()
+
+
+def test_a_prompt_the_prefill_pool_has_cached_is_still_bypassed_or_prefilled(cluster, hf):
+    """The prefill worker still caches most of a prompt the decode worker evicted: by its own
+    cache the prompt is short, by the decode worker's it is not. Shortness is the decode
+    workers' view, so one of the two takes it (it used to wait forever)."""
+    c = cluster([("prefill", 32), ("decode", 8)], prefill_bypass_threshold=3)
+    prompt = _prompt(9, 60)
+    c.submit("first", prompt, max_tokens=4)
+    c.run()
+    c.submit("evict", _prompt(12, 61), max_tokens=20)  # 32 tokens: every decode block
+    c.run()
+    hashes = []
+    extend_block_hashes(hashes, prompt, 4, "")
+    p, d = _by_role(c, "prefill"), _by_role(c, "decode")
+    assert len(p.kv.find_prefix(hashes, 9)) == 2 and d.kv.find_prefix(hashes, 9) == []
+    c.submit("again", prompt, max_tokens=4)
+    c.run()
+    assert c.tokens("again") == _greedy(hf, prompt, 4)
+    c.assert_all_free()
+
+
+def test_blocks_decoded_by_steps_planned_ahead_are_prefix_cache_hits(cluster):
+    """A second turn (prompt + answer + more) finds the answer's blocks cached, with async
+    scheduling as without."""
+    for async_scheduling in (True, False):
+        c = cluster([("decode", 64)], async_scheduling=async_scheduling)
+        prompt = _prompt(6, 62)
+        c.submit("turn1", prompt, max_tokens=20)
+        c.run()
+        assert c.ahead_plans > 0 or not async_scheduling
+        c.submit("turn2", prompt + c.tokens("turn1") + [5, 6, 7], max_tokens=2)
+        c.run()
+        assert c.outputs["turn2"][-1].num_cached_tokens == 24  # 6 + 20 tokens: 6 full blocks
+        c.assert_all_free()
+
+
+def test_receivers_forget_transfers_whose_request_went_away(cluster):
+    """A request aborted after its KV landed but before it joined the decode batch, and one
+    whose transfer failed: the decode worker stops expecting either transfer."""
+    c = cluster([("prefill", 64), ("decode", 64)], worker_kw={"kv_transports": ("tcp",)})
+    c.hold_sends = True
+    c.submit("a", _prompt(9, 63), max_tokens=4)
+    while not c.held:
+        c.step()
+    c.hold_sends = False
+    c.deliver()  # landed: "a" waits among the decode worker's arrivals
+    d = _by_role(c, "decode")
+    assert d.arrivals
+    c.sched.abort("a")
+    c.run()
+    c.assert_all_free()  # includes: no receiver expects a transfer any more
