@@ -15,7 +15,9 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from common.worker.kv_cache import KVLayout, PagedKVCache
+import torch
+
+from common.worker.kv_cache import KVLayout, PagedKVCache, copy_blocks
 
 KNOWN_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
 # the sender writes straight into the receiver's cache: no listener sees the data arrive
@@ -54,6 +56,41 @@ class KVSender(ABC):
 
     def close(self) -> None:
         pass
+
+
+class DirectWriteSender(KVSender):
+    """A sender that maps the receiver's cache (once per endpoint) and copies blocks straight
+    into it: shm, cuda_ipc."""
+
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+        self._peers: dict[str, torch.Tensor] = {}  # endpoint -> the receiver's cache, mapped
+
+    @abstractmethod
+    def _open(self, endpoint: str) -> torch.Tensor:
+        """The receiver's whole cache `[layers, 2, blocks, ...]`; KVTransferError if it cannot."""
+
+    def _copy(self, dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor,
+              src_ids: list[int]) -> None:
+        copy_blocks(dst, dst_ids, src, src_ids)
+
+    def send_layers(self, transfer_id, cache, src_block_ids, dst_endpoint, dst_block_ids,
+                    layer_start, layer_end, last):
+        if len(src_block_ids) != len(dst_block_ids):
+            raise KVTransferError(f"transfer {transfer_id}: {len(src_block_ids)} source blocks, "
+                                  f"{len(dst_block_ids)} destination blocks")
+        peer = self._peers.get(dst_endpoint)
+        if peer is None:
+            peer = self._peers[dst_endpoint] = self._open(dst_endpoint)
+        if any(not 0 <= b < peer.shape[2] for b in dst_block_ids):
+            raise KVTransferError(f"transfer {transfer_id}: destination block out of range")
+        self._copy(peer[layer_start:layer_end], dst_block_ids,
+                   cache.tensor[layer_start:layer_end], src_block_ids)
+        return (len(src_block_ids) * self.layout.block_bytes // self.layout.num_layers
+                * (layer_end - layer_start))
+
+    def close(self) -> None:
+        self._peers.clear()
 
 
 class KVReceiver:

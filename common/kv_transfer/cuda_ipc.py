@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlencode
 
 import torch
 
-from common.kv_transfer.base import KVListener, KVSender, KVTransferError
+from common.kv_transfer.base import DirectWriteSender, KVListener, KVTransferError
 from common.worker.kv_cache import KVLayout, PagedKVCache, copy_blocks
 
 SCHEME = "cuda_ipc://"
@@ -73,19 +73,13 @@ def export_cache(cache: PagedKVCache) -> IpcHandle:
                      ref_offset, event or b"", bool(sync))
 
 
-class CudaIpcSender(KVSender):
+class CudaIpcSender(DirectWriteSender):
     def __init__(self, layout: KVLayout):
-        self.layout = layout
-        self._peers: dict[str, torch.Tensor] = {}  # endpoint -> the receiver's cache, mapped
+        super().__init__(layout)
         self._stream: torch.cuda.Stream | None = None
 
-    def _peer(self, endpoint: str) -> torch.Tensor:
-        peer = self._peers.get(endpoint)
-        if peer is None:
-            peer = self._peers[endpoint] = self._open(IpcHandle.parse(endpoint))
-        return peer
-
-    def _open(self, h: IpcHandle) -> torch.Tensor:
+    def _open(self, endpoint: str) -> torch.Tensor:
+        h = IpcHandle.parse(endpoint)
         visible = [i for i in range(torch.cuda.device_count())
                    if gpu_uuid(torch.device("cuda", i)) == h.gpu_uuid]
         if not visible:
@@ -105,28 +99,15 @@ class CudaIpcSender(KVSender):
         return torch.empty(0, dtype=self.layout.torch_dtype, device=device).set_(
             storage, 0, shape)
 
-    def send_layers(self, transfer_id, cache, src_block_ids, dst_endpoint, dst_block_ids,
-                    layer_start, layer_end, last):
-        if len(src_block_ids) != len(dst_block_ids):
-            raise KVTransferError(f"transfer {transfer_id}: {len(src_block_ids)} source blocks, "
-                                  f"{len(dst_block_ids)} destination blocks")
-        peer = self._peer(dst_endpoint)
-        if any(not 0 <= b < peer.shape[2] for b in dst_block_ids):
-            raise KVTransferError(f"transfer {transfer_id}: destination block out of range")
+    def _copy(self, dst, dst_ids, src, src_ids):
+        """On its own stream: the copy waits for nothing the compute stream still queues (the
+        caller synchronized on what it sends: the step's sampling or the layer's event), and it
+        is complete in the receiver's memory before this returns."""
         if self._stream is None:
-            self._stream = torch.cuda.Stream(cache.tensor.device)
-        # its own stream: the copy waits for nothing the compute stream still queues (the
-        # caller synchronized on what it sends: the step's sampling or the layer's event), and
-        # it is complete in the receiver's memory before this returns
+            self._stream = torch.cuda.Stream(src.device)
         with torch.cuda.stream(self._stream):
-            copy_blocks(peer[layer_start:layer_end], dst_block_ids,
-                        cache.tensor[layer_start:layer_end], src_block_ids)
+            copy_blocks(dst, dst_ids, src, src_ids)
         self._stream.synchronize()
-        return (len(src_block_ids) * self.layout.block_bytes // self.layout.num_layers
-                * (layer_end - layer_start))
-
-    def close(self):
-        self._peers.clear()
 
 
 class CudaIpcListener(KVListener):
