@@ -141,6 +141,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             del self._wake[wid]
             self.scheduler.remove_worker(wid)
             self._wake_all()
+        if reader.done() and not reader.cancelled() and reader.exception() is not None:
+            raise reader.exception()  # a message it could not apply: the worker was dropped
 
     async def _read(self, link: _WorkerLink, wake: asyncio.Event) -> None:
         """Applies the worker's messages in the order it sent them: a step's result always
@@ -163,8 +165,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 self._wake_all()
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
-        except Exception:
-            log.exception("applying worker %s's message failed; dropping it", wid)
         finally:
             link.gone = True
             for _, done in link.steps:
