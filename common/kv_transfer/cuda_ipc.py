@@ -86,8 +86,7 @@ class CudaIpcSender(DirectWriteSender):
             raise KVTransferError(
                 f"the receiver's GPU {h.gpu_uuid} is not visible to this process: cuda_ipc "
                 "needs both workers to see it; use tcp or nccl between these two")
-        shape = self.layout.cache_shape(h.num_blocks)
-        need = torch.Size(shape).numel() * torch.empty((), dtype=self.layout.torch_dtype).element_size()
+        need = self.layout.block_bytes * h.num_blocks
         if h.size < need:
             raise KVTransferError(f"the exported cache holds {h.size} bytes, the layout needs {need}")
         try:
@@ -97,7 +96,7 @@ class CudaIpcSender(DirectWriteSender):
             raise KVTransferError(f"cannot open the receiver's CUDA IPC handle: {e}") from e
         device = torch.device("cuda", visible[0])
         return torch.empty(0, dtype=self.layout.torch_dtype, device=device).set_(
-            storage, 0, shape)
+            storage, 0, self.layout.cache_shape(h.num_blocks))
 
     def _copy(self, dst, dst_ids, src, src_ids):
         """On its own stream: the copy waits for nothing the compute stream still queues (the

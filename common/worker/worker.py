@@ -61,7 +61,7 @@ class Worker:
             req.block_ids.extend(diff.new_block_ids)
             req.token_ids.extend(diff.new_token_ids)
         if plan.copies:
-            self._copy(plan.copies, result)
+            self._copy(plan.copies, failed, result)
 
         scheduled = [(self.requests[s.request_id], s.num_tokens) for s in plan.scheduled
                      if s.request_id in self.requests]
@@ -136,10 +136,9 @@ class Worker:
             forks=list(new.forks),
         )
 
-    def _copy(self, copies, result: worker_pb2.StepResult) -> None:
+    def _copy(self, copies, failed: set[str], result: worker_pb2.StepResult) -> None:
         """Forks' copies of their leaders' partial blocks; a fork whose leader could not join
-        (its KV never landed) fails with it."""
-        failed = {e.request_id for e in result.errors}
+        (its KV never landed: in `failed`) fails with it."""
         done = []
         for c in copies:
             if c.leader_id in failed:

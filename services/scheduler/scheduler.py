@@ -353,9 +353,9 @@ class Scheduler(PrefillPlanning):
             if req is not None:
                 outputs.append(self._finish(req, "error", error=err.error))
         # forks first: they fork from their leader's blocks, which its own token may release
-        forks = {rid for rid, req in ((s.request_id, self.requests.get(s.request_id))
-                                      for s in result.sampled)
-                 if req is not None and req.status is Status.FORKING}
+        forks = {s.request_id for s in result.sampled
+                 if (r := self.requests.get(s.request_id)) is not None
+                 and r.status is Status.FORKING}
         for s in sorted(result.sampled, key=lambda s: s.request_id not in forks):
             if s.request_id in forks:
                 out = self._on_fork_token(w, self.requests[s.request_id], s, ran)
