@@ -65,14 +65,8 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
-class CompletionStreamChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
+class CompletionStreamChoice(CompletionChoice):
+    """The same fields, chunk by chunk (its own name in the OpenAPI schema, as OpenAI's)."""
 
 
 class CompletionStreamResponse(BaseModel):

@@ -20,6 +20,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_all(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
+    """SIGTERM to each, then wait; whatever outlives the timeout is killed."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 class Stack:
     def __init__(self, model_dir: Path, tmp: Path, *extra: str):
         self.port, self.sched_port = free_port(), free_port()

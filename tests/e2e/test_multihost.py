@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from tests.e2e.conftest import stop_all
 from tests.e2e.test_serve import _greedy, _prompt
 
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
@@ -143,12 +144,5 @@ def test_services_on_four_hosts_match_the_single_host_run(tiny_llama, tmp_path):
         assert by_role["prefill"]["prompt_tokens_computed"] == 1 + 17 + 70
         assert all(w["num_free_blocks"] == w["num_blocks"] for w in stats["workers"])
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(procs)
         hosts.close()

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from protos import scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.conftest import free_port
+from tests.e2e.conftest import free_port, stop_all
 from tests.e2e.test_serve import _greedy, _prompt
 
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
@@ -62,11 +62,4 @@ def test_workers_reattach_to_a_restarted_scheduler(tiny_llama, tmp_path):
         s = _stats(addr)
         assert all(w["num_free_blocks"] == w["num_blocks"] for w in s["workers"])
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(procs)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import httpx
+import openai
 import uvicorn
 from fastapi import FastAPI
 
@@ -28,6 +30,23 @@ from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.tokenizer import Tokenizer
 
 STARTUP_TIMEOUT_S = 30.0
+HTTP_TIMEOUT_S = 30.0  # generous: the CI box may be busy
+
+
+def openai_client(url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=HTTP_TIMEOUT_S
+    )
+
+
+def http_client(url: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S)
+
+
+async def wait_for(predicate: Callable[[], object], timeout_s: float = 15.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):

@@ -10,44 +10,26 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import Callable
 
 import httpx
 import pytest
-from openai import AsyncOpenAI
 
 from protos import scheduler_pb2
 from services.gateway.config import GatewayConfig
 from services.gateway.main import serve
 from services.gateway.scheduler_client import SampleStreams, SchedulerClient
-from tests.services.fake_scheduler import FakeScheduler, fake_gateway, start_fake_scheduler
+from tests.services.fake_scheduler import (FakeScheduler, fake_gateway, http_client, openai_client,
+                                           start_fake_scheduler, wait_for)
 from services.gateway.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.anyio
 
-HTTP_TIMEOUT_S = 30.0  # generous: the CI box may be busy
 
 CHAT_MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode_batch([text], add_special_tokens=False)[0]
-
-
-def openai_client(url: str, api_key: str = "unused") -> AsyncOpenAI:
-    return AsyncOpenAI(
-        base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=HTTP_TIMEOUT_S
-    )
-
-
-def http_client(url: str) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S)
-
-
-async def wait_for(predicate: Callable[[], object], timeout_s: float = 15.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 def sse_events(body: str) -> list[str]:

@@ -10,19 +10,18 @@ import asyncio
 import json
 import shutil
 import socket
-from collections.abc import Callable
 
 import grpc
 import httpx
 import openai
 import pytest
 
-from tests.services.fake_scheduler import FakeScheduler, fake_gateway
+from tests.services.fake_scheduler import (FakeScheduler, fake_gateway, http_client, openai_client,
+                                           wait_for)
 from services.gateway.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.anyio
 
-HTTP_TIMEOUT_S = 30.0  # generous: the CI box may be busy
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -35,22 +34,6 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     if param is not None:
         assert error["param"] == param
     return error
-
-
-def http_client(url: str) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S)
-
-
-async def wait_for(predicate: Callable[[], object], timeout_s: float = 15.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
-def openai_client(url: str, api_key: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=HTTP_TIMEOUT_S
-    )
 
 
 def dead_address() -> str:
