@@ -1,0 +1,109 @@
+"""Paged attention on the CPU (kernels/csrc/paged_attention.cpp): builder and launchers.
+
+The extension is compiled once per instruction set, the one torch itself dispatches to on this
+CPU (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2 or DEFAULT), so a build made on
+one machine is never run on a CPU that lacks its instructions. Builds are cached on disk
+(`PDSERVE_KERNEL_CACHE`, default ~/.cache/pdserve/kernels) and rebuilt only when the source,
+the flags or torch change: `make install` builds the one this machine needs, and a worker loads
+it before it reports ready.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+
+# at::vec's vector width follows CPU_CAPABILITY_*; the -m flags are the ones torch builds its
+# own kernels of that capability with
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
+               "-mf16c", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-DCPU_CAPABILITY_AVX2",
+             "-DCPU_CAPABILITY=AVX2"],
+    "DEFAULT": ["-DCPU_CAPABILITY=DEFAULT"],
+}
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+def cpu_isa() -> str:
+    """The widest instruction set this CPU runs that a build exists for."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap.startswith("AVX512"):
+        return "AVX512"
+    return cap if cap in ISA_FLAGS else "DEFAULT"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels"
+    return Path(root)
+
+
+def load(isa: str | None = None, verbose: bool = False):
+    """The ops of the build for `isa` (default: this CPU's), compiling it on first use.
+    Returns the `torch.ops` namespace holding paged_decode_attention and paged_prefill_attention."""
+    isa = isa or cpu_isa()
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown instruction set {isa!r}; known: {', '.join(ISA_FLAGS)}")
+    with _lock:
+        if isa not in _loaded:
+            from torch.utils import cpp_extension
+            name = f"pdserve_attention_{isa.lower()}"
+            build = cache_dir() / f"torch{torch.__version__}" / name
+            build.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
+                               extra_cflags=["-O3", "-fopenmp", f"-DPDSERVE_OPS={name}",
+                                             *ISA_FLAGS[isa]],
+                               # at::parallel_for is inline OpenMP: the same libgomp as torch's
+                               # (already loaded, same soname), so one thread pool
+                               extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=verbose)
+            _loaded[isa] = getattr(torch.ops, name)
+        return _loaded[isa]
+
+
+@functools.cache
+def has_fast_bf16_gemm() -> bool:
+    """Whether oneDNN computes bfloat16 GEMMs natively here (AVX512-BF16 or AMX); otherwise the
+    prefill kernel converts its tiles and multiplies in float32, which is faster there."""
+    cpu = getattr(torch, "cpu", None)
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, p, lambda: False)() for p in probes)
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                           ops=None) -> torch.Tensor:
+    """One query per sequence over its paged keys/values.
+
+    q: [batch, heads, head_dim]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim] of
+    q's dtype; block_tables: [batch, max_blocks] int64; seq_lens: [batch] int64 (the query's
+    own key included, already written). Returns out [batch, heads, head_dim].
+    """
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    (ops or load()).paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, out)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start_loc: torch.Tensor, num_cached: torch.Tensor, scale: float,
+                            out: torch.Tensor | None = None, ops=None) -> torch.Tensor:
+    """Causal attention of every prefill chunk of a step, each over its cached prefix and
+    itself, all keys read from the paged cache (the chunk's own keys written first).
+
+    q: [num_tokens, heads, head_dim], chunk i at rows [query_start_loc[i], query_start_loc[i+1])
+    at positions [num_cached[i], num_cached[i] + its length); block_tables: [seqs, max_blocks].
+    """
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    reduced = q.dtype == torch.bfloat16 and has_fast_bf16_gemm()
+    (ops or load()).paged_prefill_attention(q, kv_cache, block_tables, query_start_loc,
+                                            num_cached, scale, reduced, out)
+    return out

@@ -1,0 +1,629 @@
+// Paged attention on the CPU, reading keys and values where they lie in the paged cache.
+//
+// The cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim] (0 keys, 1
+// values); position p of a sequence lives in row block_table[p / block_size], slot
+// p % block_size. Both ops accumulate in float32 whatever the cache's dtype (float32, bfloat16)
+// and share each key and value row between the query heads of its group (GQA, no repeat).
+//
+// decode:  one query per sequence. Work items are (sequence, kv head, partition of at most
+//          kPartition positions), split between threads by cost (positions), so one long
+//          sequence among short ones keeps every thread busy; a sequence with several
+//          partitions is merged after (flash-decoding). Keys and values are read once each:
+//          scores for the whole partition, softmax, then the weighted sum of values.
+// prefill: a chunk of queries per sequence over its cached prefix and itself (the chunk's keys
+//          are already written to the cache), causal. Work items are (sequence, kv head, tile
+//          of query tokens); the tile's G heads are packed into one [tokens * G, head_dim]
+//          matrix and walk the keys in tiles packed from the blocks into a buffer that stays
+//          in cache, scores and values through BLAS GEMMs, online softmax between.
+//
+// Built once per instruction set (kernels/cpu_attention.py picks the one the CPU runs):
+// CPU_CAPABILITY_AVX512 / CPU_CAPABILITY_AVX2 select at::vec's vector width; the op namespace
+// comes from PDSERVE_OPS, so that two builds can be loaded side by side in tests.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifndef PDSERVE_OPS
+#define PDSERVE_OPS pdserve_cpu
+#endif
+
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+using at::BFloat16;
+constexpr int64_t kVec = fVec::size();
+constexpr int64_t kPartition = 512;      // decode positions per work item
+#ifndef PDSERVE_AHEAD
+#define PDSERVE_AHEAD 4
+#endif
+constexpr int64_t kAhead = PDSERVE_AHEAD;           // decode: rows prefetched ahead of use
+constexpr int64_t kQueryRows = 128;      // prefill: query rows (tokens x group heads) per tile
+constexpr int64_t kKeyTile = 256;        // prefill: keys per packed tile (rounded to blocks)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- vector helpers: a row of `n` values of the cache's dtype, as float ----
+
+inline fVec load(const float* p) { return fVec::loadu(p); }
+inline fVec load(const BFloat16* p) {
+  fVec v;
+  at::vec::load_to_float(p, v);
+  return v;
+}
+
+// `dst[0:n] = float(src[0:n])`; for float rows there is nothing to convert.
+inline const float* as_float(const float* src, float*, int64_t) { return src; }
+inline const float* as_float(const BFloat16* src, float* dst, int64_t n) {
+  int64_t d = 0;
+  for (; d + kVec <= n; d += kVec) load(src + d).store(dst + d);
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  return dst;
+}
+
+inline void store(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * 4); }
+inline void store(BFloat16* dst, const float* src, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<BFloat16>(src[d]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  fVec acc0(0.f), acc1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kVec <= n; d += 2 * kVec) {
+    acc0 = at::vec::fmadd(fVec::loadu(a + d), fVec::loadu(b + d), acc0);
+    acc1 = at::vec::fmadd(fVec::loadu(a + d + kVec), fVec::loadu(b + d + kVec), acc1);
+  }
+  for (; d + kVec <= n; d += kVec) acc0 = at::vec::fmadd(fVec::loadu(a + d), fVec::loadu(b + d), acc0);
+  float s = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, acc0 + acc1);
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// acc[0:n] += w * x[0:n]
+inline void axpy(float* acc, float w, const float* x, int64_t n) {
+  const fVec wv(w);
+  int64_t d = 0;
+  for (; d + kVec <= n; d += kVec)
+    at::vec::fmadd(wv, fVec::loadu(x + d), fVec::loadu(acc + d)).store(acc + d);
+  for (; d < n; ++d) acc[d] += w * x[d];
+}
+
+// out[g * stride] = q[g] . k for the G query heads of one kv head: each vector of k is loaded
+// once for up to four heads at a time. Whole vectors only (D % kVec == 0).
+template <int kG>
+inline void group_dots_n(const float* q, const float* k, int64_t D, float* out, int64_t stride) {
+  fVec acc[kG];
+  for (int g = 0; g < kG; ++g) acc[g] = fVec(0.f);
+  for (int64_t d = 0; d < D; d += kVec) {
+    const fVec kv = fVec::loadu(k + d);
+    for (int g = 0; g < kG; ++g) acc[g] = at::vec::fmadd(fVec::loadu(q + g * D + d), kv, acc[g]);
+  }
+  for (int g = 0; g < kG; ++g)
+    out[g * stride] = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, acc[g]);
+}
+
+inline void group_dots(const float* q, const float* k, int64_t G, int64_t D, float* out,
+                       int64_t stride) {
+  if (D % kVec != 0) {
+    for (int64_t g = 0; g < G; ++g) out[g * stride] = dot(q + g * D, k, D);
+    return;
+  }
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) group_dots_n<4>(q + g * D, k, D, out + g * stride, stride);
+  switch (G - g) {
+    case 3: group_dots_n<3>(q + g * D, k, D, out + g * stride, stride); break;
+    case 2: group_dots_n<2>(q + g * D, k, D, out + g * stride, stride); break;
+    case 1: group_dots_n<1>(q + g * D, k, D, out + g * stride, stride); break;
+    default: break;
+  }
+}
+
+// acc[g] += w[g * stride] * x for the G query heads of one kv head: x is loaded once per vector.
+inline void group_axpy(float* acc, const float* w, int64_t stride, const float* x, int64_t G,
+                       int64_t D) {
+  if (D % kVec != 0) {
+    for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, w[g * stride], x, D);
+    return;
+  }
+  for (int64_t d = 0; d < D; d += kVec) {
+    const fVec xv = fVec::loadu(x + d);
+    for (int64_t g = 0; g < G; ++g)
+      at::vec::fmadd(fVec(w[g * stride]), xv, fVec::loadu(acc + g * D + d)).store(acc + g * D + d);
+  }
+}
+
+inline void scale_row(float* x, float w, int64_t n) {
+  const fVec wv(w);
+  int64_t d = 0;
+  for (; d + kVec <= n; d += kVec) (fVec::loadu(x + d) * wv).store(x + d);
+  for (; d < n; ++d) x[d] *= w;
+}
+
+inline float row_max(const float* x, int64_t n) {
+  float m = kNegInf;
+  int64_t i = 0;
+  if (n >= kVec) {
+    fVec mv = fVec::loadu(x);
+    for (i = kVec; i + kVec <= n; i += kVec) mv = at::vec::maximum(mv, fVec::loadu(x + i));
+    m = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, mv);
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// x[i] = exp(x[i] - m) in place; returns the sum. exp(-inf) = 0 for masked scores.
+inline float exp_sum(float* x, float m, int64_t n) {
+  const fVec mv(m);
+  fVec sv(0.f);
+  int64_t i = 0;
+  for (; i + kVec <= n; i += kVec) {
+    fVec e = (fVec::loadu(x + i) - mv).exp_u20();
+    e.store(x + i);
+    sv = sv + e;
+  }
+  float s = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, sv);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    s += x[i];
+  }
+  return s;
+}
+
+// Asks for the cache lines of [p, p + bytes) ahead of their use.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* b = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(b + off, 0, 3);
+}
+
+struct Cache {
+  int64_t num_blocks, block_size, num_kv_heads, head_dim;
+  int64_t row_stride;    // elements between consecutive slots (num_kv_heads * head_dim)
+  int64_t value_offset;  // elements from a key to its value
+};
+
+inline Cache describe(const at::Tensor& kv_cache) {
+  return {kv_cache.size(1), kv_cache.size(2), kv_cache.size(3), kv_cache.size(4),
+          kv_cache.size(3) * kv_cache.size(4), kv_cache.stride(0)};
+}
+
+// Where each thread's share starts: contiguous runs of items of about equal total cost.
+std::vector<int64_t> split_by_cost(const std::vector<int64_t>& costs, int64_t threads) {
+  int64_t total = 0;
+  for (int64_t cost : costs) total += cost;
+  std::vector<int64_t> bounds(threads + 1, static_cast<int64_t>(costs.size()));
+  bounds[0] = 0;
+  int64_t acc = 0, t = 1;
+  for (int64_t i = 0; i < static_cast<int64_t>(costs.size()) && t < threads; ++i) {
+    acc += costs[i];
+    while (t < threads && acc * threads >= total * t) bounds[t++] = i + 1;
+  }
+  return bounds;
+}
+
+// Runs fn(begin, end) over the items, split between the threads by cost.
+template <typename Fn>
+void parallel_by_cost(const std::vector<int64_t>& costs, const Fn& fn) {
+  if (costs.empty()) return;
+  const int64_t threads = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(costs.size())));
+  const auto bounds = split_by_cost(costs, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
+    for (int64_t t = t_begin; t < t_end; ++t) fn(bounds[t], bounds[t + 1]);
+  });
+}
+
+// The block holding position p, checked against the cache: a bad plan fails, never reads
+// outside the cache.
+inline int64_t block_at(const int64_t* table, int64_t p, const Cache& c) {
+  const int64_t block = table[p / c.block_size];
+  TORCH_CHECK(block >= 0 && block < c.num_blocks, "block id ", block, " outside the cache of ",
+              c.num_blocks, " blocks");
+  return block;
+}
+
+// ---- decode ----
+
+struct DecodeItem {
+  int64_t seq, begin, end;  // positions [begin, end) of one sequence, every kv head
+  int64_t partial;          // its index among the partial results, -1 when it is the whole
+};
+
+// Items in order of sequence, then partition; first_partial[b]: the index of sequence b's first
+// partial result when it has several (the others follow in order).
+std::vector<DecodeItem> decode_items(const int64_t* seq_lens, int64_t batch, int64_t max_len,
+                                     int64_t partition, std::vector<int64_t>& first_partial) {
+  std::vector<DecodeItem> items;
+  int64_t partials = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = seq_lens[b];
+    TORCH_CHECK(len >= 1 && len <= max_len, "sequence ", b, " has ", len,
+                " positions; its block table holds ", max_len);
+    const int64_t parts = (len + partition - 1) / partition;
+    first_partial[b] = partials;
+    for (int64_t p = 0; p < parts; ++p)
+      items.push_back({b, p * partition, std::min(len, (p + 1) * partition),
+                       parts > 1 ? partials++ : -1});
+  }
+  first_partial[batch] = partials;
+  return items;
+}
+
+// Positions per work item: kPartition, smaller when the batch holds too few positions to give
+// every thread several items.
+int64_t decode_partition(const int64_t* seq_lens, int64_t batch) {
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += seq_lens[b];
+  const int64_t want = total / (4 * std::max(1, at::get_num_threads()));
+  return std::clamp<int64_t>((want + 63) / 64 * 64, 64, kPartition);
+}
+
+// Rows are read whole (every kv head of a position is one contiguous row of the cache), keys
+// first: the scores of the item's positions for every query head, a softmax, then the values.
+// kD: the head dim when known at compile time (loops unroll), 0 when it is read at run time.
+template <typename T, int kD>
+void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const Cache c = describe(kv_cache);
+  const int64_t batch = q.size(0), H = q.size(1), D = kD ? kD : c.head_dim;
+  const int64_t G = H / c.num_kv_heads;
+  const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
+  const int64_t table_stride = block_tables.stride(0);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* cache = kv_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+
+  const int64_t P = decode_partition(lens, batch);
+  const int64_t row_bytes = c.row_stride * sizeof(T);
+  std::vector<int64_t> first_partial(batch + 1);
+  const auto items = decode_items(lens, batch, block_tables.size(1) * c.block_size, P,
+                                  first_partial);
+  const int64_t num_partials = first_partial[batch];
+  // per partial result: H rows of [max, sum, acc[D]]
+  std::vector<float> partials(num_partials * H * (D + 2));
+  std::vector<int64_t> costs(items.size());
+  for (size_t i = 0; i < items.size(); ++i) costs[i] = items[i].end - items[i].begin + 16;
+
+  parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
+    std::vector<float> qf(H * D), row(c.row_stride), acc(H * D), scores(H * P), maxes(H), sums(H);
+    std::vector<const T*> rows(P);
+    for (int64_t i = i_begin; i < i_end; ++i) {
+      const DecodeItem& it = items[i];
+      const int64_t n = it.end - it.begin;
+      const int64_t* table = tables + it.seq * table_stride;
+      // load q: every head, scaled, as float
+      const T* q_row = q_ptr + it.seq * q_stride;
+      const float* qsrc = as_float(q_row, qf.data(), H * D);
+      if (qsrc != qf.data()) std::memcpy(qf.data(), qsrc, H * D * 4);
+      scale_row(qf.data(), static_cast<float>(scale), H * D);
+      // where each position's row lies: the blocks jump, so rows are prefetched ahead
+      for (int64_t p = it.begin; p < it.end;) {
+        const int64_t block = block_at(table, p, c);
+        const int64_t slot0 = p % c.block_size;
+        const int64_t stop = std::min(it.end, p - slot0 + c.block_size);
+        const T* k = cache + (block * c.block_size + slot0) * c.row_stride;
+        for (; p < stop; ++p, k += c.row_stride) rows[p - it.begin] = k;
+      }
+      // scores[h, j] for every query head h: key rows once each
+      for (int64_t j = 0; j < n; ++j) {
+        if (j + kAhead < n) prefetch(rows[j + kAhead], row_bytes);
+        const float* kf = as_float(rows[j], row.data(), c.row_stride);
+        for (int64_t kh = 0; kh < c.num_kv_heads; ++kh)
+          group_dots(qf.data() + kh * G * D, kf + kh * D, G, D, scores.data() + kh * G * P + j, P);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* s = scores.data() + h * P;
+        maxes[h] = row_max(s, n);
+        sums[h] = exp_sum(s, maxes[h], n);
+      }
+      // acc[h] = sum over p of weight[h, p] * value[p, h / G]: value rows once each
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        if (j + kAhead < n) prefetch(rows[j + kAhead] + c.value_offset, row_bytes);
+        const float* vf = as_float(rows[j] + c.value_offset, row.data(), c.row_stride);
+        for (int64_t kh = 0; kh < c.num_kv_heads; ++kh)
+          group_axpy(acc.data() + kh * G * D, scores.data() + kh * G * P + j, P, vf + kh * D, G, D);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* a = acc.data() + h * D;
+        if (it.partial < 0) {
+          scale_row(a, 1.f / sums[h], D);
+          store(out_ptr + it.seq * out_stride + h * D, a, D);
+        } else {
+          float* dst = partials.data() + (it.partial * H + h) * (D + 2);
+          dst[0] = maxes[h];
+          dst[1] = sums[h];
+          std::memcpy(dst + 2, a, D * 4);
+        }
+      }
+    }
+  });
+  if (num_partials == 0) return;
+  // merge the partitions of long sequences, each rescaled to their common max
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = first_partial[b], parts = first_partial[b + 1] - first;
+      if (parts == 0) continue;
+      for (int64_t h = 0; h < H; ++h) {
+        float m = kNegInf, l = 0.f;
+        for (int64_t p = 0; p < parts; ++p)
+          m = std::max(m, partials[((first + p) * H + h) * (D + 2)]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < parts; ++p) {
+          const float* part = partials.data() + ((first + p) * H + h) * (D + 2);
+          const float w = std::exp(part[0] - m);
+          l += w * part[1];
+          axpy(acc.data(), w, part + 2, D);
+        }
+        scale_row(acc.data(), 1.f / l, D);
+        store(out_ptr + b * out_stride + h * D, acc.data(), D);
+      }
+    }
+  });
+}
+
+// ---- prefill ----
+
+// Column-major BLAS GEMMs, C[m, n] = alpha * op(A) op(B) + beta * C, float accumulators: MKL's
+// sgemm_ and gemm_bf16bf16f32_ as libtorch_cpu exports them (ATen's own cpublas::gemm is not
+// exported); where they are missing, at::addmm over views for float, and bfloat16 tiles are
+// converted to float first.
+using SgemmFn = void (*)(const char*, const char*, const int*, const int*, const int*,
+                         const float*, const float*, const int*, const float*, const int*,
+                         const float*, float*, const int*);
+using BgemmFn = void (*)(const char*, const char*, const int*, const int*, const int*,
+                         const float*, const BFloat16*, const int*, const BFloat16*, const int*,
+                         const float*, float*, const int*);
+
+struct Blas {
+  SgemmFn sgemm = nullptr;
+  BgemmFn bgemm = nullptr;
+};
+
+const Blas& blas() {
+  static const Blas found = [] {
+    Blas b;
+    void* torch_cpu = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    void* scope = torch_cpu ? torch_cpu : RTLD_DEFAULT;
+    b.sgemm = reinterpret_cast<SgemmFn>(dlsym(scope, "sgemm_"));
+    b.bgemm = reinterpret_cast<BgemmFn>(dlsym(scope, "gemm_bf16bf16f32_"));
+    return b;
+  }();
+  return found;
+}
+
+inline void gemm(bool trans_a, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                 int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (blas().sgemm) {
+    const char ta = trans_a ? 'T' : 'N', tb = 'N';
+    const int mi = m, ni = n, ki = k, la = lda, lb = ldb, lc = ldc;
+    blas().sgemm(&ta, &tb, &mi, &ni, &ki, &alpha, a, &la, b, &lb, &beta, c, &lc);
+  } else {  // row-major views: C^T[n, m] = alpha * B^T[n, k] . op(A)^T[k, m] + beta * C^T
+    auto* af = const_cast<float*>(a);
+    at::Tensor x = trans_a ? at::from_blob(af, {m, k}, {lda, 1}).t()
+                           : at::from_blob(af, {k, m}, {lda, 1});
+    at::Tensor bt = at::from_blob(const_cast<float*>(b), {n, k}, {ldb, 1});
+    at::from_blob(c, {n, m}, {ldc, 1}).addmm_(bt, x, beta, alpha);
+  }
+}
+
+inline void gemm(bool trans_a, int64_t m, int64_t n, int64_t k, float alpha, const BFloat16* a,
+                 int64_t lda, const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const char ta = trans_a ? 'T' : 'N', tb = 'N';
+  const int mi = m, ni = n, ki = k, la = lda, lb = ldb, lc = ldc;
+  blas().bgemm(&ta, &tb, &mi, &ni, &ki, &alpha, a, &la, b, &lb, &beta, c, &lc);
+}
+
+// Packs keys (or values) of positions [begin, end) of one kv head into rows of `dst`
+// ([end - begin, head_dim], dtype of the GEMM): the tile a GEMM reads stays in cache.
+template <typename T, typename G>
+void pack_rows(G* dst, const T* base, const int64_t* table, const Cache& c, int64_t head,
+               int64_t begin, int64_t end) {
+  const int64_t D = c.head_dim;
+  for (int64_t p = begin; p < end;) {
+    const int64_t block = block_at(table, p, c);
+    const int64_t slot0 = p % c.block_size;
+    const int64_t stop = std::min(end, p - slot0 + c.block_size);
+    const T* src = base + (block * c.block_size + slot0) * c.row_stride + head * D;
+    for (; p < stop; ++p, src += c.row_stride, dst += D) {
+      if constexpr (std::is_same_v<T, G>) {
+        std::memcpy(dst, src, D * sizeof(T));
+      } else {
+        as_float(src, dst, D);
+      }
+    }
+  }
+}
+
+// T: the cache's dtype; GT: the GEMMs' input dtype (T, or float where the CPU has no fast
+// bfloat16 GEMM).
+template <typename T, typename GT>
+void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
+                    const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                    const at::Tensor& num_cached, double scale, at::Tensor& out) {
+  const Cache c = describe(kv_cache);
+  const int64_t heads = q.size(1), D = c.head_dim;
+  const int64_t G = heads / c.num_kv_heads;
+  const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t num_seqs = num_cached.size(0);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* cache = kv_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  const int64_t* cached = num_cached.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+
+  const int64_t tokens_per_tile = std::max<int64_t>(1, kQueryRows / G);
+  const int64_t key_tile = (kKeyTile + c.block_size - 1) / c.block_size * c.block_size;
+  struct Item { int64_t seq, head, begin, end; };  // query tokens [begin, end) of the chunk
+  std::vector<Item> items;
+  std::vector<int64_t> costs;  // a tile's keys: later tiles of a chunk see more of them
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n = starts[s + 1] - starts[s];
+    TORCH_CHECK(n >= 0 && cached[s] >= 0 && cached[s] + n <= block_tables.size(1) * c.block_size,
+                "prefill ", s, ": ", cached[s], " cached + ", n,
+                " new positions do not fit its block table");
+    for (int64_t h = 0; h < c.num_kv_heads; ++h)
+      for (int64_t t = 0; t < n; t += tokens_per_tile) {
+        items.push_back({s, h, t, std::min(n, t + tokens_per_tile)});
+        costs.push_back((cached[s] + items.back().end) * (items.back().end - t) + 64);
+      }
+  }
+  parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
+    const int64_t rows_max = tokens_per_tile * G;
+    std::vector<GT> qpack(rows_max * D), kpack(key_tile * D), vpack(key_tile * D),
+        ppack(std::is_same_v<GT, float> ? 0 : rows_max * key_tile);
+    std::vector<float> scores(rows_max * key_tile), acc(rows_max * D), maxes(rows_max),
+        sums(rows_max);
+    for (int64_t i = i_begin; i < i_end; ++i) {
+      const Item& it = items[i];
+      const int64_t tokens = it.end - it.begin, rows = tokens * G;
+      const int64_t offset = cached[it.seq];  // position of the chunk's first query
+      const int64_t* table = tables + it.seq * table_stride;
+      // load q: row (t, g) of the tile is query token t, head g of the group
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t g = 0; g < G; ++g) {
+          const T* src = q_ptr + (starts[it.seq] + it.begin + t) * q_stride + (it.head * G + g) * D;
+          GT* dst = qpack.data() + (t * G + g) * D;
+          if constexpr (std::is_same_v<T, GT>) std::memcpy(dst, src, D * sizeof(T));
+          else as_float(src, dst, D);
+        }
+      }
+      std::fill(maxes.begin(), maxes.begin() + rows, kNegInf);
+      std::fill(sums.begin(), sums.begin() + rows, 0.f);
+      std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
+      const int64_t last_key = offset + it.end;  // keys [0, last_key) are visible to some row
+      for (int64_t k0 = 0; k0 < last_key; k0 += key_tile) {
+        const int64_t keys = std::min(key_tile, last_key - k0);
+        pack_rows(kpack.data(), cache, table, c, it.head, k0, k0 + keys);
+        pack_rows(vpack.data(), cache + c.value_offset, table, c, it.head, k0, k0 + keys);
+        // scores[rows, keys] = q . k^T (column-major BLAS: scores^T = k . q^T)
+        gemm(true, keys, rows, D, static_cast<float>(scale), kpack.data(), D, qpack.data(), D,
+             0.f, scores.data(), keys);
+        const bool diagonal = k0 + keys > offset + it.begin + 1;
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = scores.data() + r * keys;
+          if (diagonal) {  // keys after the query's own position are not visible
+            const int64_t visible = offset + it.begin + r / G + 1 - k0;
+            for (int64_t k = std::max<int64_t>(visible, 0); k < keys; ++k) s[k] = kNegInf;
+          }
+          const float m = std::max(maxes[r], row_max(s, keys));
+          if (m == kNegInf) {  // nothing visible yet in this row: it adds nothing
+            std::fill(s, s + keys, 0.f);
+            continue;
+          }
+          const float rescale = std::exp(maxes[r] - m);
+          sums[r] = sums[r] * rescale + exp_sum(s, m, keys);
+          maxes[r] = m;
+          scale_row(acc.data() + r * D, rescale, D);
+        }
+        // acc[rows, D] += p[rows, keys] . v[keys, D]
+        if constexpr (std::is_same_v<GT, float>) {
+          gemm(false, D, rows, keys, 1.f, vpack.data(), D, scores.data(), keys, 1.f, acc.data(), D);
+        } else {
+          at::vec::convert(scores.data(), ppack.data(), rows * keys);
+          gemm(false, D, rows, keys, 1.f, vpack.data(), D, ppack.data(), keys, 1.f, acc.data(), D);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = r / G, g = r % G;
+        float* a = acc.data() + r * D;
+        scale_row(a, 1.f / sums[r], D);
+        store(out_ptr + (starts[it.seq] + it.begin + t) * out_stride + (it.head * G + g) * D, a, D);
+      }
+    }
+  });
+}
+
+// ---- the ops ----
+
+void check_common(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& out) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache: a contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kv_cache.size(4) && q.stride(2) == 1 &&
+                  q.stride(1) == q.size(2),
+              "q: [tokens, heads, head_dim] with contiguous heads");
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, kv_cache and out must share a dtype");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == q.size(2),
+              "out: q's shape with contiguous heads");
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale, at::Tensor out) {
+  check_common(q, kv_cache, out);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+                  seq_lens.is_contiguous() && seq_lens.size(0) == q.size(0) &&
+                  block_tables.size(0) == q.size(0),
+              "block_tables [batch, max_blocks] and seq_lens [batch], int64");
+  if (q.size(0) == 0) return;
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "float32 or bfloat16 expected");
+  const bool fp32 = q.scalar_type() == at::kFloat;
+  switch (q.size(2)) {
+    case 64:
+      return fp32 ? decode_kernel<float, 64>(q, kv_cache, block_tables, seq_lens, scale, out)
+                  : decode_kernel<BFloat16, 64>(q, kv_cache, block_tables, seq_lens, scale, out);
+    case 128:
+      return fp32 ? decode_kernel<float, 128>(q, kv_cache, block_tables, seq_lens, scale, out)
+                  : decode_kernel<BFloat16, 128>(q, kv_cache, block_tables, seq_lens, scale, out);
+    default:
+      return fp32 ? decode_kernel<float, 0>(q, kv_cache, block_tables, seq_lens, scale, out)
+                  : decode_kernel<BFloat16, 0>(q, kv_cache, block_tables, seq_lens, scale, out);
+  }
+}
+
+void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                             const at::Tensor& num_cached, double scale, bool reduced_gemm,
+                             at::Tensor out) {
+  check_common(q, kv_cache, out);
+  const int64_t n = num_cached.size(0);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                  block_tables.stride(1) == 1 && block_tables.size(0) == n &&
+                  query_start_loc.scalar_type() == at::kLong &&
+                  query_start_loc.is_contiguous() && query_start_loc.size(0) == n + 1 &&
+                  num_cached.scalar_type() == at::kLong && num_cached.is_contiguous(),
+              "block_tables [seqs, max_blocks], query_start_loc [seqs + 1], num_cached [seqs], "
+              "int64");
+  if (n == 0) return;
+  if (q.scalar_type() == at::kFloat) {
+    prefill_kernel<float, float>(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
+                                 out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 expected");
+    if (reduced_gemm && blas().bgemm)
+      prefill_kernel<BFloat16, BFloat16>(q, kv_cache, block_tables, query_start_loc, num_cached,
+                                         scale, out);
+    else
+      prefill_kernel<BFloat16, float>(q, kv_cache, block_tables, query_start_loc, num_cached,
+                                      scale, out);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(PDSERVE_OPS, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+  m.def("paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor num_cached, float scale, bool reduced_gemm, "
+        "Tensor(a!) out) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
+}
