@@ -8,11 +8,12 @@ MODEL ?= models/tiny-llama
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt constraints.txt pyproject.toml
+$(STAMP): requirements.txt constraints.txt pyproject.toml kernels/csrc/paged_attention.cpp
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --disable-pip-version-check -q torch==2.13.0
 	$(PIP) install --disable-pip-version-check -q -c constraints.txt -r requirements.txt
 	$(PIP) install --disable-pip-version-check -q -c constraints.txt --no-deps -e .
+	$(VENV)/bin/pdserve --log-level WARNING build-kernels
 	touch $(STAMP)
 
 $(MODEL)/config.json: | $(STAMP)

@@ -65,8 +65,28 @@ def _tiny(args) -> int:
     return 0
 
 
+def _kernels_args(p):
+    from kernels.cpu_attention import ISA_FLAGS
+    p.add_argument("--isa", nargs="*", choices=list(ISA_FLAGS),
+                   help="instruction sets to build for (default: this CPU's); an image built on "
+                        "one machine and run on others can carry all of them")
+
+
+def _kernels(args) -> int:
+    import time
+
+    from kernels import cpu_attention
+    for isa in args.isa or [cpu_attention.cpu_isa()]:
+        start = time.monotonic()
+        cpu_attention.load(isa)
+        print(f"{isa}: {cpu_attention.cache_dir()} ({time.monotonic() - start:.1f} s)")
+    return 0
+
+
 TOOLS = {
     "stats": (_stats_args, _stats, "scheduler and per-worker counters as JSON"),
+    "build-kernels": (_kernels_args, _kernels,
+                      "compile the CPU attention kernels into their on-disk cache"),
     "make-tiny-model": (_tiny_args, _tiny, "write the embedded tiny random-weight model"),
 }
 

@@ -1,8 +1,8 @@
 """Paged attention on the CPU (kernels/csrc/paged_attention.cpp): builder and launchers.
 
-The extension is compiled once per instruction set, the one torch itself dispatches to on this
-CPU (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2 or DEFAULT), so a build made on
-one machine is never run on a CPU that lacks its instructions. Builds are cached on disk
+The extension is compiled once per instruction set; a worker runs the one torch itself
+dispatches to on this CPU (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2 or DEFAULT),
+so kernels built for one machine never run on a CPU that lacks their instructions. Builds are cached on disk
 (`PDSERVE_KERNEL_CACHE`, default ~/.cache/pdserve/kernels) and rebuilt only when the source,
 the flags or torch change: `make install` builds the one this machine needs, and a worker loads
 it before it reports ready.
@@ -18,15 +18,9 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 
-# at::vec's vector width follows CPU_CAPABILITY_*; the -m flags are the ones torch builds its
-# own kernels of that capability with
-ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
-               "-mf16c", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-DCPU_CAPABILITY_AVX2",
-             "-DCPU_CAPABILITY=AVX2"],
-    "DEFAULT": ["-DCPU_CAPABILITY=DEFAULT"],
-}
+# PDSERVE_ISA selects the kernels' target and at::vec's vector width; the library's load-time
+# code is baseline, so every build loads anywhere (an image can carry all three)
+ISA_FLAGS = {"AVX512": ["-DPDSERVE_ISA=2"], "AVX2": ["-DPDSERVE_ISA=1"], "DEFAULT": ["-DPDSERVE_ISA=0"]}
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}

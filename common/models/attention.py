@@ -5,11 +5,14 @@ Token order inside a step's batch:
     [0, num_decodes)              one token per decoding sequence
     [num_decodes, num_tokens)     prefill chunks, one sequence after another
 
-Backends: `torch` (the CPU path, kernels/reference.py) and `triton` (kernels/*.py: CUDA tensors,
-or CPU tensors under TRITON_INTERPRET=1 for tests). `auto` takes triton on CUDA, else torch.
+Backends: `cpu` (kernels/cpu_attention.py: compiled paged attention that reads K/V in place),
+`torch` (kernels/reference.py: the readable reference, gathers K/V per step) and `triton`
+(kernels/*.py: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 for tests). `auto` takes
+triton on CUDA, else cpu (torch, with a warning, where the cpu kernels cannot be built).
 """
 from __future__ import annotations
 
+import logging
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
@@ -18,6 +21,8 @@ import torch
 
 from common.models.ops import ModelOps, TorchOps, TritonOps
 from kernels import reference
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -165,6 +170,33 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
+class CpuAttentionBackend(AttentionBackend):
+    """One kernel call for all decode rows and one for all prefill chunks, after one KV write
+    for the whole step; both read the paged cache in place (no gather, no padding). The
+    extension is built (or found in its on-disk cache) here, before the worker reports ready."""
+
+    def __init__(self):
+        from kernels import cpu_attention
+        self._kernels = cpu_attention
+        self._ops = cpu_attention.load()
+        self.ops = TorchOps()
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        reference.write_kv(k, v, kv_cache, meta.slot_mapping)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        n = meta.num_decodes
+        if n:
+            self._kernels.paged_decode_attention(q[:n], kv_cache, meta.decode_block_tables,
+                                                 meta.decode_seq_lens, scale, out=out[:n],
+                                                 ops=self._ops)
+        if meta.prefills:
+            self._kernels.paged_prefill_attention(q[n:], kv_cache, meta.prefill_block_tables,
+                                                  meta.query_start_loc, meta.prefill_num_cached,
+                                                  scale, out=out[n:], ops=self._ops)
+        return out
+
+
 class TritonAttentionBackend(AttentionBackend):
     """One launch for all decode rows (the kernel walks each row's own blocks, so decode groups
     are not needed) and one for all prefill chunks, after one KV write for the whole step."""
@@ -190,16 +222,27 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
 
-_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
+_BACKENDS = {"cpu": CpuAttentionBackend, "torch": TorchAttentionBackend,
+             "triton": TritonAttentionBackend}
 
 
 def create_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """auto: triton when the model's tensors live on CUDA, else torch."""
+    """auto: triton when the model's tensors live on CUDA, else cpu; torch where the cpu kernels
+    cannot be built (no C++ compiler), with a warning that says why."""
     on_cuda = torch.device(device).type == "cuda"
+    if name == "auto" and not on_cuda:
+        try:
+            return CpuAttentionBackend()
+        except (OSError, RuntimeError, ImportError) as e:
+            log.warning("the cpu attention kernels could not be built (%s); falling back to the "
+                        "slower torch backend", e)
+            return TorchAttentionBackend()
     if name == "auto":
-        name = "triton" if on_cuda else "torch"
+        name = "triton"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(_BACKENDS)}")
+    if name == "cpu" and on_cuda:
+        raise ValueError("the cpu attention backend needs the model and its KV cache on the CPU")
     if name == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the triton attention backend needs CUDA tensors (or TRITON_INTERPRET=1 "
                          "to interpret the kernels on CPU, for tests)")

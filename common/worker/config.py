@@ -148,7 +148,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers with the same host id use shared memory between them; "
                         "default hostname + machine id (env PDSERVE_HOST_ID)")
     p.add_argument("--attention-backend", default=d.attention_backend,
-                   help="auto (triton on a GPU, torch on CPU) | torch | triton")
+                   help="auto (triton on a GPU, cpu kernels on CPU) | cpu | torch | triton")
     p.add_argument("--device", default=env("PDSERVE_DEVICE", d.device),
                    help="cpu | cuda | cuda:N | auto: where the model and its KV cache live "
                         "(env PDSERVE_DEVICE)")

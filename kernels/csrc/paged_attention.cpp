@@ -5,11 +5,12 @@
 // p % block_size. Both ops accumulate in float32 whatever the cache's dtype (float32, bfloat16)
 // and share each key and value row between the query heads of its group (GQA, no repeat).
 //
-// decode:  one query per sequence. Work items are (sequence, kv head, partition of at most
-//          kPartition positions), split between threads by cost (positions), so one long
-//          sequence among short ones keeps every thread busy; a sequence with several
-//          partitions is merged after (flash-decoding). Keys and values are read once each:
-//          scores for the whole partition, softmax, then the weighted sum of values.
+// decode:  one query per sequence. Work items are (sequence, partition of at most kPartition
+//          positions), split between threads by cost (positions), so one long sequence among
+//          short ones keeps every thread busy; a sequence with several partitions is merged
+//          after (flash-decoding). A position's keys for every kv head are one contiguous row:
+//          rows are read whole, once each, prefetched ahead (the blocks jump): scores for the
+//          whole partition, softmax, then the weighted sum of the value rows.
 // prefill: a chunk of queries per sequence over its cached prefix and itself (the chunk's keys
 //          are already written to the cache), causal. Work items are (sequence, kv head, tile
 //          of query tokens); the tile's G heads are packed into one [tokens * G, head_dim]
@@ -17,25 +18,61 @@
 //          in cache, scores and values through BLAS GEMMs, online softmax between.
 //
 // Built once per instruction set (kernels/cpu_attention.py picks the one the CPU runs):
-// CPU_CAPABILITY_AVX512 / CPU_CAPABILITY_AVX2 select at::vec's vector width; the op namespace
-// comes from PDSERVE_OPS, so that two builds can be loaded side by side in tests.
+// PDSERVE_ISA 2 = AVX512, 1 = AVX2, 0 = portable. Only the kernels below are compiled for it
+// (a target pragma, and at::vec's CPU_CAPABILITY namespace): the library's load-time code stays
+// baseline, so any build loads on any x86 CPU and only calling a kernel needs its instructions.
+// The op namespace comes from PDSERVE_OPS, so that two builds can be loaded side by side.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
-
 #include <dlfcn.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifndef PDSERVE_OPS
 #define PDSERVE_OPS pdserve_cpu
 #endif
+#ifndef PDSERVE_ISA
+#define PDSERVE_ISA 0
+#endif
+
+#if PDSERVE_ISA == 2
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2")
+// the pragma enables the instructions, not the macros the headers test for them
+#define __AVX512F__ 1
+#define __AVX512BW__ 1
+#define __AVX512VL__ 1
+#define __AVX512DQ__ 1
+#ifndef __AVX2__
+#define __AVX2__ 1
+#define __AVX__ 1
+#define __FMA__ 1
+#define __F16C__ 1
+#endif
+#elif PDSERVE_ISA == 1
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi,bmi2")
+#ifndef __AVX2__
+#define __AVX2__ 1
+#define __AVX__ 1
+#define __FMA__ 1
+#define __F16C__ 1
+#endif
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 
 namespace {
 
@@ -546,7 +583,15 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
   });
 }
 
-// ---- the ops ----
+}  // namespace
+
+#if PDSERVE_ISA != 0
+#pragma GCC pop_options
+#endif
+
+// ---- the ops: checks and dispatch, compiled for any CPU ----
+
+namespace {
 
 void check_common(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& out) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");

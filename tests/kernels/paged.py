@@ -10,7 +10,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATTN_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=5e-3, rtol=5e-3),
             torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 # GQA ratio -> (num_heads, num_kv_heads): MHA, GQA, and MQA (one kv head)
-HEADS = {1: (2, 2), 4: (8, 2), 8: (8, 1)}
+HEADS = {1: (2, 2), 2: (8, 4), 4: (8, 2), 8: (8, 1)}
 
 
 def random_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

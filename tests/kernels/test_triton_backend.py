@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from common.models.attention import (AttentionMetadata, TorchAttentionBackend,
-                                     TritonAttentionBackend, create_attention_backend)
+from common.models.attention import (AttentionMetadata, CpuAttentionBackend,
+                                     TorchAttentionBackend, TritonAttentionBackend,
+                                     create_attention_backend)
 from common.models.llama import load_model
 from tests.kernels.paged import DEVICE
 
@@ -15,10 +16,23 @@ TOL = dict(rtol=1e-4, atol=1e-3)
 
 
 def test_auto_picks_triton_on_cuda_only():
-    assert isinstance(create_attention_backend("auto", "cpu"), TorchAttentionBackend)
+    assert isinstance(create_attention_backend("auto", "cpu"), CpuAttentionBackend)
     assert isinstance(create_attention_backend("auto", "cuda"), TritonAttentionBackend)
-    with pytest.raises(ValueError, match="known: auto, torch, triton"):
+    with pytest.raises(ValueError, match="known: auto, cpu, torch, triton"):
         create_attention_backend("flash", "cpu")
+    with pytest.raises(ValueError, match="needs the model and its KV cache on the CPU"):
+        create_attention_backend("cpu", "cuda")
+
+
+def test_auto_falls_back_to_torch_when_the_cpu_kernels_cannot_be_built(monkeypatch):
+    from kernels import cpu_attention
+
+    def no_compiler(isa=None):
+        raise RuntimeError("Error building extension: c++: not found")
+    monkeypatch.setattr(cpu_attention, "load", no_compiler)
+    assert isinstance(create_attention_backend("auto", "cpu"), TorchAttentionBackend)
+    with pytest.raises(RuntimeError, match="c\\+\\+: not found"):
+        create_attention_backend("cpu", "cpu")
 
 
 class Runner:

@@ -18,8 +18,12 @@ def _hf(model_dir):
         model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def _ours(model_dir):
-    model = load_model(model_dir, create_attention_backend("torch"))
+# the readable reference, and the compiled kernels that serve by default on CPU
+BACKENDS = ["torch", "cpu"]
+
+
+def _ours(model_dir, backend):
+    model = load_model(model_dir, create_attention_backend(backend))
     c = model.config
     cache = PagedKVCache(KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, "float32"),
                          NUM_BLOCKS)
@@ -46,10 +50,11 @@ def _run(model, cache, prefills=(), decodes=()):
     return model.compute_logits(hidden)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_prefill_then_decode_match_hf(tiny_models, arch):
+def test_prefill_then_decode_match_hf(tiny_models, arch, backend):
     hf = _hf(tiny_models[arch])
-    model, cache = _ours(tiny_models[arch])
+    model, cache = _ours(tiny_models[arch], backend)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (37,), generator=g).tolist()
     blocks = [9, 3, 41, 7, 22, 15]  # scattered on purpose: paging, not contiguity
@@ -63,10 +68,11 @@ def test_prefill_then_decode_match_hf(tiny_models, arch):
         torch.testing.assert_close(logits[0], _hf_logits(hf, seq)[-1], **TOL)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_chunked_prefill_and_mixed_batch_match_hf(tiny_models, arch):
+def test_chunked_prefill_and_mixed_batch_match_hf(tiny_models, arch, backend):
     hf = _hf(tiny_models[arch])
-    model, cache = _ours(tiny_models[arch])
+    model, cache = _ours(tiny_models[arch], backend)
     g = torch.Generator().manual_seed(2)
     a = torch.randint(0, model.config.vocab_size, (40,), generator=g).tolist()
     b = torch.randint(0, model.config.vocab_size, (21,), generator=g).tolist()
@@ -86,10 +92,12 @@ def test_chunked_prefill_and_mixed_batch_match_hf(tiny_models, arch):
     torch.testing.assert_close(logits[2:], _hf_logits(hf, c), **TOL)
 
 
-def test_decodes_of_very_different_lengths_match_hf(tiny_models):
-    """A batch whose contexts differ a lot is split into groups; every row stays exact."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decodes_of_very_different_lengths_match_hf(tiny_models, backend):
+    """A batch whose contexts differ a lot (the torch backend splits it into groups; the cpu
+    kernels split long rows into partitions); every row stays exact."""
     hf = _hf(tiny_models["llama"])
-    model, cache = _ours(tiny_models["llama"])
+    model, cache = _ours(tiny_models["llama"], backend)
     g = torch.Generator().manual_seed(3)
     lens = [3, 70, 5, 130, 20]
     seqs, tables, nxt = [], [], 0

@@ -1,0 +1,176 @@
+"""The CPU paged attention kernels (kernels/csrc/paged_attention.cpp) against kernels.reference.
+
+Both builds that can run here are checked: the one this CPU takes (AVX2 or AVX512) and the
+portable DEFAULT one, on 1 and 2 threads (the work split by cost, long contexts in partitions).
+"""
+import pytest
+import torch
+
+from kernels import cpu_attention, reference
+from tests.kernels.paged import ATTN_TOL, HEADS, block_tables, param_id, random_cache
+
+ISAS = sorted({cpu_attention.cpu_isa(), "DEFAULT"})
+# contexts of 1 to 3000 in one batch: the query alone, block-size remainders, several partitions
+SEQ_LENS = [1, 15, 33, 600, 3000, 17, 1100]
+
+
+@pytest.fixture(params=ISAS)
+def ops(request):
+    return cpu_attention.load(request.param)
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thr")
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _tol(dtype):
+    # the kernel reads bf16 K/V and accumulates in fp32; the reference runs in fp32 on the same
+    # bf16 values, so only the bf16 rounding of the output and of P (prefill) separates them
+    return ATTN_TOL[dtype]
+
+
+def _decode_case(seq_lens, dtype, head_dim, gqa, block_size, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads = HEADS[gqa]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, gen)
+    tables = block_tables(seq_lens, block_size, num_blocks, gen)
+    q = torch.randn((len(seq_lens), heads, head_dim), generator=gen).to(dtype)
+    return q, cache, tables, torch.tensor(seq_lens)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_decode_matches_reference(ops, threads, dtype, gqa, block_size):
+    q, cache, tables, lens = _decode_case(SEQ_LENS, dtype, 64, gqa, block_size)
+    scale = 64 ** -0.5
+    out = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
+    ref = reference.decode_attention(q.float(), cache.float(), tables, lens, scale)
+    torch.testing.assert_close(out.float(), ref, **_tol(dtype))
+
+
+# 128 (compiled for), 32 (the tiny model, run-time loop), 40 and 36 (not whole AVX-512 / AVX2
+# vectors: the scalar tails)
+@pytest.mark.parametrize("head_dim", [128, 32, 40, 36])
+def test_decode_head_dims(ops, head_dim):
+    q, cache, tables, lens = _decode_case([1, 70, 700], torch.float32, head_dim, 4, 16, seed=1)
+    scale = head_dim ** -0.5
+    out = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
+    ref = reference.decode_attention(q, cache, tables, lens, scale)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+
+
+def _prefill_case(specs, dtype, head_dim, gqa, block_size, seed=0):
+    """specs: (num_cached, chunk) per sequence; the chunks' keys are already in the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads = HEADS[gqa]
+    totals = [a + n for a, n in specs]
+    num_blocks = sum(-(-t // block_size) for t in totals) + 3
+    cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, gen)
+    tables = block_tables(totals, block_size, num_blocks, gen)
+    q = torch.randn((sum(n for _, n in specs), heads, head_dim), generator=gen).to(dtype)
+    starts = torch.tensor([0] + [n for _, n in specs]).cumsum(0)
+    return q, cache, tables, starts, torch.tensor([a for a, _ in specs])
+
+
+def _prefill_reference(q, cache, tables, starts, num_cached, scale):
+    out = []
+    for i, a in enumerate(num_cached.tolist()):
+        qi = q[starts[i]:starts[i + 1]].float()
+        k, v = reference.gather_kv(cache.float(), tables[i])
+        n = qi.shape[0]
+        out.append(reference.prefill_attention(qi, k[a:a + n], v[a:a + n], cache.float(),
+                                               tables[i], a, scale))
+    return torch.cat(out)
+
+
+# chunks over cached prefixes that end on a block boundary and off it, a fresh prompt, one
+# token, and chunks longer than a query tile (128 rows) and a key tile (256 keys)
+PREFILLS = [(0, 1), (16, 16), (5, 3), (37, 100), (0, 300), (250, 261), (512, 17)]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_prefill_over_cached_prefix_matches_reference(ops, threads, dtype, gqa, block_size):
+    q, cache, tables, starts, cached = _prefill_case(PREFILLS, dtype, 64, gqa, block_size)
+    scale = 64 ** -0.5
+    out = cpu_attention.paged_prefill_attention(q, cache, tables, starts, cached, scale, ops=ops)
+    ref = _prefill_reference(q, cache, tables, starts, cached, scale)
+    torch.testing.assert_close(out.float(), ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("head_dim", [128, 36])
+def test_prefill_head_dims(ops, head_dim):
+    q, cache, tables, starts, cached = _prefill_case([(40, 30), (0, 9)], torch.float32,
+                                                     head_dim, 2, 16, seed=2)
+    scale = head_dim ** -0.5
+    out = cpu_attention.paged_prefill_attention(q, cache, tables, starts, cached, scale, ops=ops)
+    ref = _prefill_reference(q, cache, tables, starts, cached, scale)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+
+
+def test_bf16_prefill_through_float_gemms_too(ops, monkeypatch):
+    """Where oneDNN has no native bf16 GEMM the tiles are converted to float: same answer."""
+    q, cache, tables, starts, cached = _prefill_case([(33, 40)], torch.bfloat16, 64, 4, 16)
+    ref = _prefill_reference(q, cache, tables, starts, cached, 0.125)
+    for native in (False, True):
+        monkeypatch.setattr(cpu_attention, "has_fast_bf16_gemm", lambda: native)
+        out = cpu_attention.paged_prefill_attention(q, cache, tables, starts, cached, 0.125,
+                                                    ops=ops)
+        torch.testing.assert_close(out.float(), ref, **_tol(torch.bfloat16))
+
+
+def test_writes_only_its_rows_of_a_shared_output(ops):
+    """The backend hands out[:num_decodes] and out[num_decodes:] of one tensor."""
+    q, cache, tables, lens = _decode_case([20, 5], torch.float32, 64, 4, 16, seed=3)
+    big = torch.full((4, 8, 64), 7.0)
+    cpu_attention.paged_decode_attention(q, cache, tables, lens, 0.125, out=big[1:3], ops=ops)
+    ref = reference.decode_attention(q, cache, tables, lens, 0.125)
+    torch.testing.assert_close(big[1:3], ref, **ATTN_TOL[torch.float32])
+    assert (big[0] == 7).all() and (big[3] == 7).all()
+
+
+def test_a_bad_plan_raises_instead_of_reading_outside_the_cache(ops):
+    q, cache, tables, lens = _decode_case([20, 5], torch.float32, 64, 4, 16, seed=4)
+    bad = tables.clone()
+    bad[1, 0] = cache.shape[1]  # one past the last block
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_attention.paged_decode_attention(q, cache, bad, lens, 0.125, ops=ops)
+    with pytest.raises(RuntimeError, match="block table holds"):
+        cpu_attention.paged_decode_attention(q, cache, tables, torch.tensor([20, 33]), 0.125,
+                                             ops=ops)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_attention.paged_decode_attention(q.bfloat16(), cache, tables, lens, 0.125, ops=ops)
+
+
+def test_backend_writes_the_step_and_attends_like_the_reference():
+    """CpuAttentionBackend over a mixed step (decodes, a chunk over a prefix, a fresh prompt)
+    equals TorchAttentionBackend, the readable reference."""
+    from common.models.attention import (AttentionMetadata, CpuAttentionBackend,
+                                         TorchAttentionBackend)
+    gen = torch.Generator().manual_seed(5)
+    block, heads, kv_heads, dim = 16, 8, 2, 64
+    cache = random_cache(40, block, kv_heads, dim, torch.float32, gen)
+    meta = AttentionMetadata.build(decodes=[(20, [3, 9]), (0, [4]), (47, [1, 2, 5, 6])],
+                                   prefills=[(16, 21, [7, 8, 10]), (0, 9, [11])],
+                                   block_size=block)
+    tokens = 3 + 21 + 9
+    q = torch.randn((tokens, heads, dim), generator=gen)
+    k = torch.randn((tokens, kv_heads, dim), generator=gen)
+    v = torch.randn((tokens, kv_heads, dim), generator=gen)
+    ref_cache = cache.clone()
+    out = CpuAttentionBackend().forward(q, k, v, cache, meta, 0.125)
+    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, 0.125)
+    assert torch.equal(cache, ref_cache)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+
+
+def test_unknown_instruction_set_is_refused():
+    with pytest.raises(ValueError, match="known: AVX512, AVX2, DEFAULT"):
+        cpu_attention.load("NEON9")
