@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import time
 
 import grpc
 import torch
@@ -46,8 +47,11 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
     device = torch.device(cfg.resolved_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this thread's; step threads enter the device themselves
-    model = load_model(cfg.model, create_attention_backend(cfg.attention_backend, device), dtype,
-                       device)
+    start = time.monotonic()
+    backend = create_attention_backend(cfg.attention_backend, device)  # builds or loads kernels
+    log.info("%s attention backend ready in %.2f s", type(backend).__name__,
+             time.monotonic() - start)
+    model = load_model(cfg.model, backend, dtype, device)
     mc = model.config
     layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                       head_dim=mc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype)

@@ -82,12 +82,17 @@ def _attrs(span: Span) -> dict:
 
 
 def _wait_for(receiver: Receiver, names: set[str], timeout: float = 60.0):
+    """Spans once every name was seen from some service and the request's span from both ends
+    (the gateway's client span ends first: the scheduler's server span is exported later)."""
     deadline = time.monotonic() + timeout
     while True:
         spans = receiver.snapshot()
         seen = {s.name for _, s in spans}
         services = {svc for svc, _ in spans}
-        if (names <= seen and SERVICES <= services) or time.monotonic() > deadline:
+        request_ends = {svc for svc, s in spans if s.name == REQUEST_SPAN}
+        if (names <= seen and SERVICES <= services and
+                {"pdserve-gateway", "pdserve-scheduler"} <= request_ends) \
+                or time.monotonic() > deadline:
             return spans
         time.sleep(0.2)
 
