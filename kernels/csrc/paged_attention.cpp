@@ -46,30 +46,24 @@
 #define CPU_CAPABILITY_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2")
-// the pragma enables the instructions, not the macros the headers test for them
 #define __AVX512F__ 1
 #define __AVX512BW__ 1
 #define __AVX512VL__ 1
 #define __AVX512DQ__ 1
-#ifndef __AVX2__
-#define __AVX2__ 1
-#define __AVX__ 1
-#define __FMA__ 1
-#define __F16C__ 1
-#endif
 #elif PDSERVE_ISA == 1
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2")
-#ifndef __AVX2__
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+// the pragma enables the instructions, not the macros the headers test for them
+#if PDSERVE_ISA != 0 && !defined(__AVX2__)
 #define __AVX2__ 1
 #define __AVX__ 1
 #define __FMA__ 1
 #define __F16C__ 1
-#endif
-#else
-#define CPU_CAPABILITY DEFAULT
 #endif
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
