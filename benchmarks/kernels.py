@@ -1,11 +1,14 @@
 """Attention kernels beside torch's scaled_dot_product_attention on the same shapes, one table.
 
-    .venv/bin/python benchmarks/kernels.py [--dtype bfloat16] [--block-size 16]
+    .venv/bin/python benchmarks/kernels.py [--dtype bfloat16] [--block-size 16] [--sweep]
 
 Decode is memory-bound: it reports the bandwidth achieved (K/V, q and out bytes over the time) as
 a fraction of the device's peak (from its memory clock and bus width). Prefill is compute-bound:
 it reports TFLOP/s (4 * head_dim flops per visible query-key pair and head). SDPA runs on
 contiguous K/V of the same lengths, so the gap is the price of paging (and the kernel's quality).
+On a GPU every call is timed from a CUDA graph of it (as decode steps run in serving), so launch
+overhead is left out of both columns. --sweep times every tile/warp/stage configuration of the
+two kernels on the GPU shapes and prints the best per shape (what the defaults are chosen from).
 
 Without a GPU it times the torch references (the CPU backend) instead, on smaller shapes, and says
 so: the Triton interpreter is for correctness, its timings mean nothing.
@@ -37,7 +40,7 @@ def bench(fn, on_gpu: bool) -> float:
     """Median milliseconds of fn()."""
     if on_gpu:
         import triton.testing
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
     fn()
     times = []
     for _ in range(5):
@@ -130,6 +133,54 @@ def prefill_rows(dtype, block_size: int, on_gpu: bool) -> list[list[str]]:
     return rows
 
 
+def sweep(dtype, block_size: int) -> None:
+    """Every configuration of both kernels on each GPU shape: the best three per shape, and the
+    configuration with the least total time over the shapes."""
+    import itertools
+
+    from kernels.paged_decode_attention import DecodeConfig, paged_decode_attention
+    from kernels.paged_prefill_attention import PrefillConfig, paged_prefill_attention
+    device = "cuda"
+    cases = []  # (name, shape, configs, fn(config))
+    for batch, ctx, heads, kv_heads, dim in DECODE_GPU:
+        cache, tables = paged(batch, ctx, kv_heads, dim, block_size, dtype, device)
+        lens = torch.full((batch,), ctx, device=device)
+        q = torch.randn((batch, heads, dim), dtype=dtype, device=device)
+        configs = [DecodeConfig(t, w, st, tp) for t, w, st, tp in itertools.product(
+            (32, 64, 128), (2, 4, 8), (2, 3), (512, 1024))]
+        cases.append((f"decode b={batch} ctx={ctx} h={heads}/{kv_heads}", configs,
+                       lambda c, q=q, cache=cache, tables=tables, lens=lens:
+                       paged_decode_attention(q, cache, tables, lens, 0.1, config=c)))
+    for seqs, chunk, cached, heads, kv_heads, dim in PREFILL_GPU:
+        cache, tables = paged(seqs, cached + chunk, kv_heads, dim, block_size, dtype, device)
+        q = torch.randn((seqs * chunk, heads, dim), dtype=dtype, device=device)
+        starts = torch.arange(0, seqs * chunk + 1, chunk, device=device)
+        num_cached = torch.full((seqs,), cached, device=device)
+        configs = [PrefillConfig(m, n, w, st) for m, n, w, st in itertools.product(
+            (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)) if m * n <= 128 * 64]
+        cases.append((f"prefill n={seqs} chunk={chunk} cached={cached} h={heads}/{kv_heads}",
+                       configs, lambda c, q=q, cache=cache, tables=tables, starts=starts,
+                       num_cached=num_cached, chunk=chunk:
+                       paged_prefill_attention(q, cache, tables, starts, num_cached, chunk, 0.1,
+                                               config=c)))
+    for kind in ("decode", "prefill"):
+        totals: dict = {}
+        for name, configs, fn in (c for c in cases if c[0].startswith(kind)):
+            times = []
+            for c in configs:
+                try:
+                    times.append((bench(lambda: fn(c), True), c))
+                except Exception as e:  # out of shared memory or registers: not a candidate
+                    print(f"  {c}: {type(e).__name__}")
+            times.sort(key=lambda t: t[0])
+            print(f"{name}: " + "; ".join(f"{ms:.3f} ms {c}" for ms, c in times[:3]))
+            for ms, c in times:
+                totals.setdefault(c, []).append(ms / times[0][0])
+        best = min((sum(r) / len(r), c) for c, r in totals.items()
+                   if len(r) == max(map(len, totals.values())))
+        print(f"{kind}: best overall {best[1]}, mean {best[0]:.2f}x of each shape's best")
+
+
 def print_table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, ["-" * w for w in widths], *rows]:
@@ -141,9 +192,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--sweep", action="store_true", help="time every kernel configuration (GPU)")
     args = p.parse_args()
     on_gpu = torch.cuda.is_available()
     dtype = getattr(torch, args.dtype)
+    if args.sweep:
+        if not on_gpu:
+            p.error("--sweep times the Triton kernels: it needs a GPU")
+        sweep(dtype, args.block_size)
+        return
     if on_gpu:
         peak = peak_bandwidth()
         ours = "triton"

@@ -1,7 +1,11 @@
-"""The 56M-parameter Llama the performance figures use (hidden 512, 8 layers, 8 query heads / 4
-KV heads, head_dim 64, vocab 32000), random weights, with the embedded tiny model's tokenizer.
+"""The Llamas the performance figures use, random weights, with the embedded tiny model's
+tokenizer (vocab 32000):
 
-    .venv/bin/python benchmarks/make_bench_model.py DIR [--dtype float32|bfloat16]
+    56m  hidden 512, 8 layers, 8 query heads / 4 KV heads, head_dim 64 (the CPU figures)
+    1b   hidden 2048, 16 layers, 32 query heads / 8 KV heads, head_dim 64, MLP 8192: the shape
+         of a 1B-class Llama (the GPU figures)
+
+    .venv/bin/python benchmarks/make_bench_model.py DIR [--size 56m|1b] [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
@@ -18,19 +22,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.models.tiny import make_tiny_model  # noqa: E402
 
 
+SIZES = {
+    "56m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir")
+    p.add_argument("--size", default="56m", choices=list(SIZES))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args()
     out = Path(args.dir)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, torch_dtype=args.dtype)
-    model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, args.dtype))
+        vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype=args.dtype,
+        **SIZES[args.size])
+    # random init is the slow part: on the GPU where there is one
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, args.dtype))
     model.save_pretrained(out, safe_serialization=True)
     with tempfile.TemporaryDirectory() as tmp:
         tiny = make_tiny_model(tmp)

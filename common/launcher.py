@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 DEFAULT_MODEL = "models/tiny-llama"
+GPU_MEMORY_SHARE = 0.9  # of one GPU's memory, split between the workers `pdserve up` puts on it
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="more `pdserve scheduler` flags, as one string "
                         "(e.g. \"--max-num-partial-prefills 4 --no-enable-prefix-caching\")")
     p.add_argument("--device", default="cpu",
-                   help="where the workers keep the model and KV cache: cpu | cuda | auto")
+                   help="where the workers keep the model and KV cache: cpu | cuda | auto; on a "
+                        "GPU the workers split 90%% of its memory and send KV over cuda_ipc")
     p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
                    help="give each worker its own cores (when there are enough), so prefill and "
                         "decode do not fight over them")
@@ -91,6 +93,10 @@ def commands(args) -> list[list[str]]:
               "--cpu-threads", str(threads), "--device", args.device,
               # the largest step, profiled by a GPU worker before it sizes its KV cache
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.device != "cpu" and num_workers and "PDSERVE_GPU_MEMORY_UTILIZATION" not in os.environ:
+        # the workers share the GPU: each takes its part of 0.9 of its memory (a worker's own
+        # --gpu-memory-utilization in --prefill/--decode-worker-args comes later and wins)
+        worker += ["--gpu-memory-utilization", f"{GPU_MEMORY_SHARE / num_workers:.4f}"]
     cores = _core_sets(num_workers) if args.pin_cpus else [[]] * num_workers
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]

@@ -18,6 +18,7 @@ Scores live in the log2 domain (scale * log2(e) folded into the scale) so that e
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,6 +28,14 @@ TILE_N = 64               # key positions per loop step; independent of the cach
 MIN_SPLIT_LEN = 256       # a split shorter than this costs more in the combine than it saves
 TARGET_PROGRAMS = 512     # about 4 programs per SM on an H100: enough to hide memory latency
 MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    tile_n: int = TILE_N
+    num_warps: int = 4
+    num_stages: int = 3
+    target_programs: int = TARGET_PROGRAMS
 
 
 @triton.jit
@@ -124,16 +133,17 @@ def _combine_kernel(
              out.to(out_ptr.dtype.element_ty))
 
 
-def choose_num_splits(num_programs: int, max_len: int) -> int:
-    """Splits per sequence so that about TARGET_PROGRAMS programs run; 1 when already there."""
-    if num_programs >= TARGET_PROGRAMS or max_len <= MIN_SPLIT_LEN:
+def choose_num_splits(num_programs: int, max_len: int, target: int = TARGET_PROGRAMS) -> int:
+    """Splits per sequence so that about `target` programs run; 1 when already there."""
+    if num_programs >= target or max_len <= MIN_SPLIT_LEN:
         return 1
-    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // num_programs), max_len // MIN_SPLIT_LEN))
+    return max(1, min(MAX_SPLITS, -(-target // num_programs), max_len // MIN_SPLIT_LEN))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None,
+                           config: DecodeConfig | None = None) -> torch.Tensor:
     """q: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks]; seq_lens: [batch]
     (the query's own key included, already in the cache) -> [batch, num_heads, head_dim].
 
@@ -158,11 +168,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if batch == 0:
         return out
 
+    cfg = config or DecodeConfig()
     group = num_heads // num_kv_heads
     max_len = max(1, block_tables.shape[1] * block_size)
     if num_splits is None:
-        num_splits = choose_num_splits(batch * num_kv_heads, max_len)
-    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), TILE_N) * TILE_N
+        num_splits = choose_num_splits(batch * num_kv_heads, max_len, cfg.target_programs)
+    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), cfg.tile_n) * cfg.tile_n
     num_splits = triton.cdiv(max_len, split_len)
     if num_splits > 1:
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
@@ -177,8 +188,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE_N=TILE_N, SPLIT_LEN=split_len, NUM_SPLITS=num_splits,
-        DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, SPLIT_LEN=split_len, NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _combine_kernel[(batch, num_heads)](

@@ -36,6 +36,8 @@ class WorkerConfig:
     host_id: str = ""                # workers with equal host ids share memory (shm)
     attention_backend: str = "auto"
     device: str = "cpu"              # cpu | cuda | cuda:N | auto (cuda when there is one)
+    enforce_eager: bool = False      # no CUDA graphs: every step runs the eager forward
+    max_cudagraph_capture_size: int = 256  # the largest decode batch captured as a graph
     seed: int = 0
     connect_timeout_s: float = 30.0
     metrics_port: int = 0            # 0: no /metrics
@@ -55,12 +57,15 @@ class WorkerConfig:
             raise ValueError("--num-kv-blocks and --kv-cache-memory-mib must be >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.max_cudagraph_capture_size < 1:
+            raise ValueError("--max-cudagraph-capture-size must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, not {self.device!r}")
         if self.resolved_device() != "cpu" and self.kv_transports == ("shm", "tcp"):
-            object.__setattr__(self, "kv_transports", ("tcp",))  # the default, minus shm
+            # the default on a GPU: device to device between workers of one host, else tcp
+            object.__setattr__(self, "kv_transports", ("cuda_ipc", "tcp"))
         if self.resolved_device() != "cpu" and "shm" in self.kv_transports:
             raise ValueError("the shm KV transport needs the KV cache in host memory; on a GPU "
                              "use --kv-transports cuda_ipc, tcp or nccl")
@@ -152,6 +157,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=env("PDSERVE_DEVICE", d.device),
                    help="cpu | cuda | cuda:N | auto: where the model and its KV cache live "
                         "(env PDSERVE_DEVICE)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run every step eagerly instead of replaying decode steps from "
+                        "CUDA graphs captured at start-up")
+    p.add_argument("--max-cudagraph-capture-size", type=int,
+                   default=d.max_cudagraph_capture_size,
+                   help="the largest decode batch captured as a CUDA graph; larger ones run "
+                        "eagerly")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded sampling")
     metrics.add_arguments(p)
     tracing.add_arguments(p)
@@ -174,7 +186,8 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         kv_secret=args.kv_secret, kv_transfer_timeout_s=args.kv_transfer_timeout,
                         host_id=args.host_id,
                         attention_backend=args.attention_backend, seed=args.seed,
-                        device=args.device,
+                        device=args.device, enforce_eager=args.enforce_eager,
+                        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         otlp_traces_endpoint=args.otlp_traces_endpoint or "",
                         detailed_traces=args.detailed_traces)

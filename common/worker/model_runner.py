@@ -7,6 +7,7 @@ import torch
 
 from common.models.attention import AttentionMetadata
 from common.models.llama import LlamaForCausalLM
+from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.kv_cache import PagedKVCache
 from common.worker.sampler import Sampler, SamplingRequest
 from protos import scheduler_pb2, worker_pb2
@@ -47,11 +48,13 @@ class StepStats:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, sampler: Sampler):
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, sampler: Sampler,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.block_size = cache.layout.block_size
+        self.decode_graphs = decode_graphs  # decode-only steps replay these where they fit
 
     def execute(self, scheduled: list[tuple[RequestState, int]],
                 on_layer=None) -> tuple[list[Sampled], StepStats]:
@@ -73,15 +76,22 @@ class ModelRunner:
             start = r.num_computed_tokens
             ids.extend(r.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-        meta = AttentionMetadata.build(
-            [(r.num_computed_tokens, r.block_ids) for r, _ in decodes],
-            [(r.num_computed_tokens, n, r.block_ids) for r, n in prefills], self.block_size)
         device = self.cache.tensor.device
-        if device.type != "cpu":
-            meta = meta.to(device)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=device),
-                            torch.tensor(positions, dtype=torch.long, device=device),
-                            self.cache.layers, meta, on_layer)
+        graphs = self.decode_graphs
+        if (graphs is not None and not prefills and on_layer is None
+                and graphs.fits(len(decodes), max(len(r.block_ids) for r, _ in decodes))):
+            bs = self.block_size
+            slots = [r.block_ids[p // bs] * bs + p % bs for (r, _), p in zip(decodes, positions)]
+            hidden = graphs.run(ids, positions, slots, [r.block_ids for r, _ in decodes])
+        else:
+            meta = AttentionMetadata.build(
+                [(r.num_computed_tokens, r.block_ids) for r, _ in decodes],
+                [(r.num_computed_tokens, n, r.block_ids) for r, n in prefills], self.block_size)
+            if device.type != "cpu":
+                meta = meta.to(device)
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=device),
+                                torch.tensor(positions, dtype=torch.long, device=device),
+                                self.cache.layers, meta, on_layer)
 
         stats = StepStats(decode_tokens=sum(r.num_computed_tokens >= r.num_prompt_tokens
                                             for r, _ in decodes))

@@ -20,7 +20,9 @@ from common.kv_transfer.base import KVReceiver, TransferConfig, create_listener,
 from common.models.attention import create_attention_backend
 from common.models.llama import load_model
 from common.worker.config import WorkerConfig
-from common.worker.kv_cache import SEGMENT_PREFIX, KVLayout, PagedKVCache, sweep_stale_segments
+from common.worker.cuda_graphs import DecodeGraphs
+from common.worker.kv_cache import (SEGMENT_PREFIX, KVLayout, PagedKVCache, on_device,
+                                    sweep_stale_segments)
 from common.worker.memory import num_kv_blocks
 from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
@@ -45,6 +47,8 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
         torch.set_num_threads(cfg.cpu_threads or len(cfg.cpu_cores))
     dtype = getattr(torch, cfg.dtype)
     device = torch.device(cfg.resolved_device())
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda": the current GPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this thread's; step threads enter the device themselves
     start = time.monotonic()
@@ -66,10 +70,16 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
                           advertise_host=cfg.kv_advertise_host,
                           advertise_port=cfg.kv_advertise_port)
     receiver = KVReceiver()
-    worker = Worker(ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed)), cache,
+    max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    graphs = None
+    if device.type == "cuda" and not cfg.enforce_eager:
+        graphs = DecodeGraphs(model, cache.layers, cfg.block_size, max_len,
+                              cfg.max_cudagraph_capture_size)
+        with on_device(device):
+            graphs.capture()
+    worker = Worker(ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed), graphs), cache,
                     {t: create_sender(t, layout, tcfg) for t in cfg.kv_transports}, receiver,
                     {t: create_listener(t, cache, receiver, tcfg) for t in cfg.kv_transports})
-    max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     reg = worker_pb2.Register(
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
         num_blocks=num_blocks, transports=cfg.kv_transports,

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.paged_prefill_attention import paged_prefill_attention
+from kernels.paged_prefill_attention import PrefillConfig, paged_prefill_attention
 from kernels.reshape_and_cache import reshape_and_cache
 from tests.kernels.paged import (ATTN_TOL, DEVICE, HEADS, block_tables, param_id, random_cache,
                                  slots_of)
@@ -14,7 +14,7 @@ from tests.kernels.paged import (ATTN_TOL, DEVICE, HEADS, block_tables, param_id
 SEQS = [(0, 1), (0, 37), (13, 20), (32, 7), (5, 70)]
 
 
-def _check(seqs, dtype, head_dim, gqa, block_size, seed=0):
+def _check(seqs, dtype, head_dim, gqa, block_size, seed=0, config=None):
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads = HEADS[gqa]
     lens = [c + n for c, n in seqs]
@@ -36,7 +36,8 @@ def _check(seqs, dtype, head_dim, gqa, block_size, seed=0):
     scale = head_dim ** -0.5
     out = paged_prefill_attention(
         q, cache, tables, torch.tensor(starts, device=DEVICE),
-        torch.tensor([c for c, _ in seqs], device=DEVICE), max(n for _, n in seqs), scale)
+        torch.tensor([c for c, _ in seqs], device=DEVICE), max(n for _, n in seqs), scale,
+        config=config)
     # bf16 is checked against fp32 math: a bf16 reference would add its own rounding
     ref_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
     q, k, v, cache = (t.to(ref_dtype) for t in (q, k, v, cache))
@@ -53,6 +54,15 @@ def _check(seqs, dtype, head_dim, gqa, block_size, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=param_id)
 def test_prefill_matches_reference(dtype, head_dim, gqa, block_size):
     _check(SEQS, dtype, head_dim, gqa, block_size)
+
+
+@pytest.mark.parametrize("config", [PrefillConfig(block_m=16, block_n=16, num_warps=4),
+                                    PrefillConfig(block_m=32, block_n=64, num_warps=4)],
+                         ids=["m16n16", "m32n64"])
+def test_small_tiles_cross_many_unmasked_key_tiles(config):
+    """Tiles smaller than the prefixes and chunks: most key tiles lie wholly before their rows
+    (the unmasked loop), and key tiles wider than row tiles cross the diagonal."""
+    _check(SEQS + [(40, 50)], torch.float32, 64, 4, 16, config=config)
 
 
 def test_single_sequence_and_strided_out():

@@ -41,6 +41,10 @@ def test_a_sender_refuses_blocks_out_of_range_or_mismatched(monkeypatch):
 def test_cuda_ipc_needs_a_gpu_cache_and_one_host():
     with pytest.raises(ValueError, match="cuda_ipc KV transport needs the KV cache on a GPU"):
         WorkerConfig(role="decode", model="m", kv_transports=("cuda_ipc", "tcp"), device="cpu")
+    # the default: device to device on a GPU, shared memory on CPU, tcp between hosts
+    assert WorkerConfig(role="decode", model="m", device="cuda").kv_transports == (
+        "cuda_ipc", "tcp")
+    assert WorkerConfig(role="decode", model="m", device="cpu").kv_transports == ("shm", "tcp")
 
     def worker(host):
         return WorkerState(worker_id=host, role="decode", endpoint="", fingerprint="f",

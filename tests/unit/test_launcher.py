@@ -35,3 +35,14 @@ def test_colocated_mode_starts_no_prefill_worker():
     roles = [c[len(launcher._pdserve())]
              for c in _commands("--mode", "colocated", "--decode-workers", "2").values()]
     assert roles.count("decode-worker") == 2 and "prefill-worker" not in roles
+
+
+def test_workers_sharing_a_gpu_split_its_memory(monkeypatch):
+    monkeypatch.delenv("PDSERVE_GPU_MEMORY_UTILIZATION", raising=False)
+    cmds = _commands("--device", "cuda", "--prefill-workers", "1", "--decode-workers", "2",
+                     "--decode-worker-args", "--gpu-memory-utilization 0.5")
+    shares = {name: [c[i + 1] for i, a in enumerate(c) if a == "--gpu-memory-utilization"]
+              for name, c in cmds.items() if "worker" in name}
+    assert shares == {"prefill-worker1": ["0.3000"], "decode-worker2": ["0.3000", "0.5"],
+                      "decode-worker3": ["0.3000", "0.5"]}  # argparse keeps the last
+    assert not any("--gpu-memory-utilization" in c for c in _commands().values())
