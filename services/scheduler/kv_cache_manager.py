@@ -1,12 +1,20 @@
 """Per-request view of one worker's blocks: which blocks each request holds, prefix hits, and
-which of its full blocks are registered in the prefix cache.
+which of its full blocks are registered in the prefix cache. The only way to the block pool: the
+scheduler never touches a reference count.
 
 A request's blocks:
 
     [0, num_hit)            cached prefix found at admission (shared, ref counted)
     [num_hit, len(blocks))  its own, filled by compute (or by a KV transfer)
+
+Blocks that something may still read or write (a planned step, an ordered KV send) are released
+after that event rather than now: `free(request_id, after=event)` / `release(blocks, after=...)`
+keep them referenced until `done(event)`.
 """
 from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
 
 from services.scheduler.block_pool import BlockPool
 
@@ -21,6 +29,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks already in the prefix cache
+        self._deferred: defaultdict[Hashable, list[list[int]]] = defaultdict(list)
         # prefix-cache lookups that led to an allocation, in tokens (vLLM's units for metrics)
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -118,14 +127,30 @@ class KVCacheManager:
     def holds(self, request_id: str) -> bool:
         return request_id in self._blocks
 
-    def free(self, request_id: str) -> None:
-        self.pool.free(self.detach(request_id))
-
-    def detach(self, request_id: str) -> list[int]:
-        """Forgets the request's blocks without releasing them: the caller frees them through
-        `pool.free` once nothing reads or writes them any more."""
+    def free(self, request_id: str, after: Hashable | None = None) -> None:
+        """Forgets the request's blocks; releases them now, or once `after` is done."""
         self._num_registered.pop(request_id, None)
-        return self._blocks.pop(request_id, [])
+        self.release(self._blocks.pop(request_id, []), after)
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        """One more reference to each block, the scheduler's own (a block a planned copy reads,
+        which its request may free before the copy runs); `release` drops it."""
+        self.pool.touch(list(block_ids))
+
+    def release(self, block_ids: Sequence[int], after: Hashable | None = None) -> None:
+        """Drops one reference of each block now, or once `after` is done."""
+        if after is None:
+            self.pool.free(list(block_ids))
+        elif block_ids:
+            self._deferred[after].append(list(block_ids))
+
+    def done(self, event: Hashable) -> None:
+        """Releases every block deferred until `event`."""
+        for blocks in self._deferred.pop(event, []):
+            self.pool.free(blocks)
+
+    def num_deferred(self, event: Hashable) -> int:
+        return sum(map(len, self._deferred.get(event, [])))
 
     def request_ids(self) -> list[str]:
         return list(self._blocks)

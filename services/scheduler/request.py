@@ -5,7 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from protos import scheduler_pb2
+from common.sampling_params import SamplingParams, TokenLogprobs
+from services.scheduler.block_hash import extend_block_hashes
 
 
 class Status(enum.Enum):
@@ -23,7 +24,7 @@ class Output:
     """What the scheduler tells the request's stream after a step."""
     request_id: str
     token_ids: list[int]
-    logprobs: list[scheduler_pb2.TokenLogprobs]
+    logprobs: list[TokenLogprobs]
     finish_reason: str = ""      # "", "stop", "length", "abort", "error"
     stop_token_id: int = -1
     num_prompt_tokens: int = 0
@@ -35,7 +36,7 @@ class Output:
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    sampling: scheduler_pb2.SamplingParams
+    sampling: SamplingParams
     eos_token_ids: list[int]
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
@@ -67,6 +68,13 @@ class Request:
     @property
     def max_tokens(self) -> int:
         return self.sampling.max_tokens
+
+    def hashes(self, block_size: int) -> list[bytes]:
+        """The chained hashes of its full blocks (extended as it grows)."""
+        if len(self.block_hashes) < self.num_tokens // block_size:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, block_size,
+                                self.cache_salt)
+        return self.block_hashes
 
     def check_stop(self, token_id: int, max_model_len: int) -> tuple[str, int]:
         """(finish reason, stop token id or -1) after token_id was appended."""

@@ -15,7 +15,11 @@ from collections import deque
 import grpc
 
 from common import tracing
+from common.plans import StepPlan
 from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.scheduler_codec import logprobs_to_pb, sampling_from_pb
+from protos.worker_codec import (plan_to_pb, registration_from_pb, result_from_pb,
+                                 transfers_done_from_pb)
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Output, Request
 from services.scheduler.scheduler import QueueFull, RegistrationError, Scheduler
@@ -54,8 +58,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
         for i in ids:
             if i in self._streams:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {i} is in use")
+        sampling = sampling_from_pb(request.sampling)
         samples = [Request(request_id=i, prompt_token_ids=list(request.prompt_token_ids),
-                           sampling=_sample_params(request.sampling, j),
+                           sampling=sampling.for_sample(j),
                            eos_token_ids=list(request.eos_token_ids),
                            priority=request.priority, cache_salt=request.cache_salt)
                    for j, i in enumerate(ids)]
@@ -122,7 +127,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
         if first is grpc.aio.EOF or not first.HasField("register"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must register")
         try:
-            w = self.scheduler.add_worker(first.register)
+            w = self.scheduler.add_worker(registration_from_pb(first.register))
         except RegistrationError as e:
             log.warning("refused worker %s: %s", first.register.worker_id, e)
             await context.write(worker_pb2.SchedulerMessage(
@@ -154,10 +159,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 if msg is grpc.aio.EOF:
                     break
                 if msg.HasField("transfers"):
-                    self.scheduler.transfers_done(wid, msg.transfers)
+                    self.scheduler.transfers_done(wid, transfers_done_from_pb(msg.transfers))
                 elif msg.HasField("result") and link.steps \
                         and msg.result.step_id == link.steps[0][0]:
-                    self._dispatch(self.scheduler.update(wid, msg.result))
+                    self._dispatch(self.scheduler.update(wid, result_from_pb(msg.result)))
                     link.steps.popleft()[1].set_result(True)
                 else:
                     log.error("worker %s answered out of protocol; dropping it", wid)
@@ -205,11 +210,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                           step_id, self.config.step_timeout_s)
                 return
 
-    async def _send(self, link: _WorkerLink, plan: worker_pb2.StepPlan,
-                    planned_at: float) -> None:
+    async def _send(self, link: _WorkerLink, plan: StepPlan, planned_at: float) -> None:
         self.telemetry.on_plan(link.worker_id, plan, planned_at)
         link.steps.append((plan.step_id, asyncio.get_running_loop().create_future()))
-        await link.context.write(worker_pb2.SchedulerMessage(plan=plan))
+        await link.context.write(worker_pb2.SchedulerMessage(plan=plan_to_pb(plan)))
 
 
 class _WorkerLink:
@@ -225,19 +229,10 @@ class _WorkerLink:
 
 def _to_response(out: Output, sample: int) -> scheduler_pb2.GenerateResponse:
     return scheduler_pb2.GenerateResponse(
-        token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
+        token_ids=out.token_ids, logprobs=[logprobs_to_pb(lp) for lp in out.logprobs],
+        finish_reason=out.finish_reason,
         num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
         stop_token_id=out.stop_token_id, error=out.error, sample=sample)
-
-
-def _sample_params(params: scheduler_pb2.SamplingParams, j: int) -> scheduler_pb2.SamplingParams:
-    """Sample j's parameters: seed + j when a seed is set."""
-    if j == 0 or not params.HasField("seed"):
-        return params
-    out = scheduler_pb2.SamplingParams()
-    out.CopyFrom(params)
-    out.seed = (params.seed + j) % 2**64
-    return out
 
 
 async def create_server(config: SchedulerConfig) -> tuple[grpc.aio.Server, int, SchedulerService]:

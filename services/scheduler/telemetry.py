@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common import tracing
 from common.metrics import LATENCY_BUCKETS, PREFIX
-from protos import worker_pb2
+from common.plans import NewRequest, StepPlan
 from services.scheduler.request import Output, Request
 from services.scheduler.scheduler import Scheduler
 
@@ -71,7 +71,7 @@ class SchedulerTelemetry:
             tracing.inject(t.carrier)
         self._tracked[req.request_id] = t
 
-    def on_plan(self, worker_id: str, plan: worker_pb2.StepPlan | None,
+    def on_plan(self, worker_id: str, plan: StepPlan | None,
                 planned_at: float) -> None:
         """Before the plan goes out: context into its new requests; first admissions."""
         if plan is None or not self._tracked:
@@ -92,7 +92,7 @@ class SchedulerTelemetry:
             if t.context is not None:
                 self._trace_admission(worker_id, new, t, planned_at)
 
-    def _trace_admission(self, worker_id: str, new: worker_pb2.NewRequest, t: _Tracked,
+    def _trace_admission(self, worker_id: str, new: NewRequest, t: _Tracked,
                          planned_at: float) -> None:
         now = time.time()
         tracing.record_span("scheduler.queue", t.arrival_wall, planned_at, t.context)

@@ -1,24 +1,26 @@
-"""The scheduler's view of one worker, and of one KV transfer between two workers."""
+"""The scheduler's view of one worker, of one step it runs, and of one KV transfer between two
+workers."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from protos import worker_pb2
+from common.plans import (BlockCopy, Fork, KVLayout, KVRecv, NewRequest, StepPlan,
+                          WorkerCounters)
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
+
+SAME_HOST_TRANSPORTS = ("shm", "cuda_ipc")
 
 
 @dataclass(eq=False)
 class WorkerState:
-    """The scheduler's view of one worker."""
     worker_id: str
-    role: str
-    endpoint: str
+    role: str                       # "prefill" or "decode"
     fingerprint: str
-    layout: worker_pb2.KVLayout
+    layout: KVLayout
     max_model_len: int
-    transports: tuple[str, ...]
+    transports: tuple[str, ...]     # preferred first
     kv: KVCacheManager
     host_id: str = ""
     endpoints: dict[str, str] = field(default_factory=dict)  # transport -> address
@@ -26,56 +28,83 @@ class WorkerState:
     decoding: list[Request] = field(default_factory=list)
     arrivals: list[Request] = field(default_factory=list)  # KV landed, not yet sent to the worker
     known: set[str] = field(default_factory=set)           # requests whose state the worker holds
-    to_drop: list[str] = field(default_factory=list)
-    recvs: list[worker_pb2.KVRecv] = field(default_factory=list)
-    steps: deque[Step] = field(default_factory=deque)     # planned, result not in yet; oldest first
+    to_drop: list[str] = field(default_factory=list)       # for its next plan
+    recvs: list[KVRecv] = field(default_factory=list)      # for its next plan
     copies: list[BlockCopy] = field(default_factory=list)  # for its next plan
-    counters: worker_pb2.WorkerCounters = field(default_factory=worker_pb2.WorkerCounters)
+    steps: deque[Step] = field(default_factory=deque)     # planned, result not in yet; oldest first
+    counters: WorkerCounters = WorkerCounters()
 
     @property
     def is_idle(self) -> bool:
         return not self.steps
 
+    @property
+    def endpoint(self) -> str:
+        """Where peers reach it over its preferred transport."""
+        return self.endpoints.get(self.transports[0], "") if self.transports else ""
+
+    @property
+    def num_seqs(self) -> int:
+        """Requests holding blocks here."""
+        return len(self.kv.request_ids())
+
     def last_step_with(self, request_id: str) -> Step | None:
         return next((s for s in reversed(self.steps) if request_id in s.request_ids), None)
+
+    def cache(self, req: Request, num_computed: int) -> None:
+        """Full blocks whose KV a step computes become prefix-cache hits for later steps of the
+        same worker (its steps run in order)."""
+        bs = self.kv.block_size
+        if num_computed >= (self.kv.num_registered(req.request_id) + 1) * bs:
+            self.kv.cache_blocks(req.request_id, req.hashes(bs), num_computed)
+
+    def introduce(self, plan: StepPlan, req: Request, kv_transfer_id: str = "") -> None:
+        """The request in full, the first time this worker sees it (its blocks filled by
+        `kv_transfer_id` when given); its forks sample their first token with it."""
+        forks = () if req.output_token_ids else tuple(Fork(f.request_id, f.sampling)
+                                                      for f in req.forks)
+        plan.new_requests.append(NewRequest(
+            request_id=req.request_id, all_token_ids=tuple(req.all_token_ids),
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_computed_tokens=req.num_tokens - 1 if kv_transfer_id else req.num_computed_tokens,
+            block_ids=tuple(self.kv.get_block_ids(req.request_id)), sampling=req.sampling,
+            eos_token_ids=tuple(req.eos_token_ids), kv_transfer_id=kv_transfer_id, forks=forks))
+        self.known.add(req.request_id)
 
 
 @dataclass(eq=False)
 class Step:
-    """A plan sent to a worker whose result has not arrived yet."""
+    """A plan sent to a worker whose result has not arrived yet. Blocks it uses that nothing
+    else holds are released when it is done (`step_event`)."""
     step_id: int
     request_ids: set[str] = field(default_factory=set)   # scheduled in it
-    frees: list[list[int]] = field(default_factory=list)  # blocks it uses that nothing else holds
     recvs: list[str] = field(default_factory=list)        # transfer ids it registers
     decodes_only: bool = False  # one decode token per request and nothing else: the next step
                                 # may be planned while it runs
 
 
-@dataclass(frozen=True)
-class BlockCopy:
-    """A fork's copy of its leader's partial block, on one worker. The scheduler holds a
-    reference to src until the step that copies it has run."""
-    fork_id: str
-    leader_id: str
-    src: int
-    dst: int
-
-
 @dataclass(eq=False)
 class Transfer:
+    """A request's KV on its way from src to dst. Once ordered, blocks on both sides are in use
+    until the sender reports it done (`transfer_event`)."""
+    transfer_id: str
     request: Request
     src: WorkerState
     dst: WorkerState
-    transport: str = ""
+    transport: str
     skip: int = 0            # leading blocks the receiver has cached: they do not travel
     computed: bool = False   # the sender's step computing the last chunk is planned
     receiver_ready: bool = False  # the receiver ran the step that registered the expectation
-    ordered: bool = False    # the send is in a plan: blocks on both sides are in use until done
-    cancelled: bool = False  # its request moved on; only the blocks below still wait for done
-    frees: list[tuple[WorkerState, list[int]]] = field(default_factory=list)
+    ordered: bool = False    # the send is in a plan
+    cancelled: bool = False  # its request moved on; only blocks still wait for the done
 
 
-SAME_HOST_TRANSPORTS = ("shm", "cuda_ipc")
+def step_event(step_id: int) -> tuple[str, int]:
+    return ("step", step_id)
+
+
+def transfer_event(transfer_id: str) -> tuple[str, str]:
+    return ("transfer", transfer_id)
 
 
 def transport_between(src: WorkerState, dst: WorkerState) -> str:

@@ -31,10 +31,17 @@ def test_manager_grows_requests_block_by_block():
     assert kv.pool.ref_cnt == [0] * 6
 
 
-def test_detach_defers_the_release():
+def test_a_release_after_an_event_waits_for_it():
     kv = KVCacheManager(num_blocks=4, block_size=2)
     kv.allocate_slots("a", 4)
-    blocks = kv.detach("a")
-    assert blocks == [0, 1] and not kv.holds("a") and kv.num_free_blocks == 2
-    kv.pool.free(blocks)
-    assert kv.num_free_blocks == 4
+    kv.allocate_slots("b", 2)
+    kv.free("a", after=("step", 7))
+    assert not kv.holds("a") and kv.num_free_blocks == 1 and kv.num_deferred(("step", 7)) == 2
+    kv.hold([2])  # the scheduler's own reference: b's block stays while a copy reads it
+    kv.free("b")
+    kv.release([2], after=("step", 7))
+    kv.done(("step", 8))
+    assert kv.num_free_blocks == 1
+    kv.done(("step", 7))
+    assert kv.num_free_blocks == 4 and kv.pool.ref_cnt == [0] * 4
+    assert kv.pool.free_block_ids() == [3, 1, 0, 2]  # a's tail first, then the copy source

@@ -11,7 +11,7 @@ from common.kv_transfer.base import KVTransferError
 from common.kv_transfer.cuda_ipc import CudaIpcSender, IpcHandle
 from common.worker.config import WorkerConfig
 from common.worker.kv_cache import KVLayout, PagedKVCache
-from protos import worker_pb2
+from common import plans
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.worker_state import WorkerState, transport_between
 
@@ -47,8 +47,8 @@ def test_cuda_ipc_needs_a_gpu_cache_and_one_host():
     assert WorkerConfig(role="decode", model="m", device="cpu").kv_transports == ("shm", "tcp")
 
     def worker(host):
-        return WorkerState(worker_id=host, role="decode", endpoint="", fingerprint="f",
-                           layout=worker_pb2.KVLayout(), max_model_len=0,
+        return WorkerState(worker_id=host, role="decode", fingerprint="f",
+                           layout=plans.KVLayout(1, 1, 4, 4, "float16"), max_model_len=0,
                            transports=("cuda_ipc", "nccl"), kv=KVCacheManager(4, 4),
                            host_id=host)
     assert transport_between(worker("a"), worker("a")) == "cuda_ipc"

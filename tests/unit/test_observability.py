@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common import tracing
 from common.metrics import start_metrics_server
-from protos import worker_pb2
+from common.plans import KVLayout, Registration
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.scheduler import Scheduler
@@ -81,11 +81,10 @@ def test_prefix_cache_counts_each_admission_once_in_tokens():
 
 def test_scheduler_metrics_read_its_state():
     sched = Scheduler(SchedulerConfig())
-    layout = worker_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4,
-                                 dtype="float32")
-    w = sched.add_worker(worker_pb2.Register(worker_id="d0", role="decode", num_blocks=10,
-                                             layout=layout, model_fingerprint="m",
-                                             transports=["shm"], kv_endpoint="x"))
+    w = sched.add_worker(Registration(
+        worker_id="d0", role="decode", model_fingerprint="m", num_blocks=10,
+        layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32"),
+        transports=("shm",), kv_endpoints={"shm": "x"}))
     w.kv.allocate_slots("r", 12)  # 3 of 10 blocks
     telemetry = SchedulerTelemetry(sched)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value

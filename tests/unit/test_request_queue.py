@@ -1,12 +1,12 @@
 import pytest
 
-from protos import scheduler_pb2
+from common.sampling_params import SamplingParams
 from services.scheduler.request import Request
 from services.scheduler.request_queue import create_request_queue
 
 
 def _req(rid, priority=0, t=0.0):
-    return Request(rid, [1], scheduler_pb2.SamplingParams(max_tokens=1), [], priority=priority,
+    return Request(rid, [1], SamplingParams(max_tokens=1), [], priority=priority,
                    arrival_time=t)
 
 

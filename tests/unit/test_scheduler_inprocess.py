@@ -11,7 +11,10 @@ import transformers
 
 from common.worker.config import WorkerConfig
 from common.worker.service import build_worker, start_listeners
-from protos import scheduler_pb2, worker_pb2
+from common.sampling_params import SamplingParams
+from protos import worker_pb2
+from protos.worker_codec import (plan_to_pb, registration_from_pb, result_from_pb,
+                                 transfers_done_from_pb)
 from services.scheduler.block_hash import extend_block_hashes
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
@@ -31,7 +34,7 @@ class Cluster:
                 num_kv_blocks=blocks, block_size=4, **kw))
             self._await(start_listeners(worker, reg))
             self.registrations = getattr(self, "registrations", []) + [reg]
-            self.sched.add_worker(reg)
+            self.sched.add_worker(registration_from_pb(reg))
             self.workers[reg.worker_id] = worker
         self.outputs = {}
         self.hold_sends = False  # keep KV sends back, as a slow transport would
@@ -42,7 +45,8 @@ class Cluster:
     def deliver(self):
         for wid, sends in self.held:
             if wid in self.workers:
-                self.sched.transfers_done(wid, self.workers[wid].send_kv(sends))
+                self.sched.transfers_done(wid, transfers_done_from_pb(
+                    self.workers[wid].send_kv(sends)))
         self.held.clear()
 
     def _await(self, coro):
@@ -63,7 +67,7 @@ class Cluster:
             sid = rid if j == 0 else f"{rid}/{j}"
             self.outputs[sid] = []
             seed = {"seed": kw["seed"] + j} if "seed" in kw else {}
-            return Request(sid, list(prompt), scheduler_pb2.SamplingParams(
+            return Request(sid, list(prompt), SamplingParams(
                 max_tokens=max_tokens, ignore_eos=True, logprobs=-1, **{**kw, **seed}),
                 eos_token_ids=[])
         samples = [sample(j) for j in range(n)]
@@ -88,16 +92,17 @@ class Cluster:
                 self.ahead_plans += 1
             plan = sent.popleft()
             ran = True
-            for out in self.sched.update(wid, worker.execute(plan)):
+            pb = plan_to_pb(plan)  # what the worker gets over the wire
+            for out in self.sched.update(wid, result_from_pb(worker.execute(pb))):
                 self.outputs[out.request_id].append(out)
             # the worker holds no request state the scheduler does not know of (or drops next)
             if wid in self.sched.workers:
                 w = self.sched.workers[wid]
                 assert set(worker.requests) <= w.known | set(w.to_drop), wid
-            if plan.sends and self.hold_sends:
-                self.held.append((wid, plan.sends))
-            elif plan.sends:
-                self.sched.transfers_done(wid, worker.send_kv(plan.sends))
+            if pb.sends and self.hold_sends:
+                self.held.append((wid, pb.sends))
+            elif pb.sends:
+                self.sched.transfers_done(wid, transfers_done_from_pb(worker.send_kv(pb.sends)))
         return ran
 
     def run(self, max_steps=500):
@@ -237,11 +242,11 @@ def test_incompatible_worker_is_refused(cluster, tiny_models):
                                            worker_id=f"test-other-{id(c)}", num_kv_blocks=4, block_size=4))
     other.cache.close()
     with pytest.raises(RegistrationError, match="fingerprint"):
-        c.sched.add_worker(reg)
+        c.sched.add_worker(registration_from_pb(reg))
     reg.model_fingerprint = c.sched.workers[next(iter(c.sched.workers))].fingerprint
     reg.layout.block_size = 8
     with pytest.raises(RegistrationError, match="KV layout"):
-        c.sched.add_worker(reg)
+        c.sched.add_worker(registration_from_pb(reg))
 
 
 def test_worker_without_a_transport_to_its_peers_is_refused(cluster):
@@ -255,10 +260,10 @@ def test_worker_without_a_transport_to_its_peers_is_refused(cluster):
     del reg.transports[:]
     reg.transports.append("shm")
     with pytest.raises(RegistrationError, match="no KV transport .* shm works only within"):
-        c.sched.add_worker(reg)
+        c.sched.add_worker(registration_from_pb(reg))
     assert "elsewhere" not in c.sched.workers
     reg.host_id = decode.host_id  # the same host: shm works
-    c.sched.add_worker(reg)
+    c.sched.add_worker(registration_from_pb(reg))
 
 
 def test_requests_that_never_fit_are_refused(cluster):
@@ -312,7 +317,7 @@ def test_decode_worker_lost_mid_transfer_frees_the_senders_blocks_when_done(clus
     c.submit("a", prompt, max_tokens=10)
     while not c.held:
         c.step()
-    did = c.sched.transfers[next(iter(c.sched.transfers))].dst.worker_id
+    did = next(iter(c.sched.transfers.by_id.values())).dst.worker_id
     c.sched.remove_worker(did)
     c.workers.pop(did).cache.close()
     assert _free(c, "prefill") == 16 - 3  # the send still reads them
@@ -395,7 +400,7 @@ def test_colocated_mode_refuses_prefill_workers(cluster, tiny_llama):
                                        worker_id=f"test-p-{id(c)}", num_kv_blocks=4, block_size=4))
     w.cache.close()
     with pytest.raises(RegistrationError, match="colocated"):
-        c.sched.add_worker(reg)
+        c.sched.add_worker(registration_from_pb(reg))
 
 
 def test_waiting_queue_is_bounded(cluster):

@@ -1,12 +1,12 @@
-from protos import worker_pb2
+from common.plans import KVLayout
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.worker_state import transport_between as _transport
 from services.scheduler.worker_state import WorkerState
 
 
 def _w(host, transports):
-    return WorkerState(worker_id=host, role="decode", endpoint="", fingerprint="f",
-                       layout=worker_pb2.KVLayout(), max_model_len=0,
+    return WorkerState(worker_id=host, role="decode", fingerprint="f",
+                       layout=KVLayout(1, 1, 4, 4, "float32"), max_model_len=0,
                        transports=tuple(transports), kv=KVCacheManager(4, 4), host_id=host)
 
 

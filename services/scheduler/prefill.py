@@ -1,65 +1,104 @@
-"""Prefill planning: which prompts a worker starts or continues in a step, in chunks under the
-step's token budget, and where their KV goes. A mixin of Scheduler: it plans with the
-scheduler's state (workers, waiting queue, transfers) and owns none of its own.
+"""Prefill: which prompts a worker starts or continues in a step, in chunks under the step's
+token budget, and, on a prefill worker, which decode worker their KV goes to.
+
+A prompt is a *partial* prefill from the step that starts it until the step that finishes it.
+At most max_num_partial_prefills are partial on a worker at once, at most
+max_long_partial_prefills of them long; a prompt that fits whole in what is left of the budget
+may always start, so short prompts pass long ones.
+
+Who prefills a prompt:
+
+    prefill workers exist?  no  -> its decode worker
+                            yes -> a prefill worker, unless
+                                   - its uncached tail is at most --prefill-bypass-threshold
+                                     tokens (judged by what the decode workers cache), or
+                                   - its KV transfer failed once (prefill_locally), or
+                                   - --saturated-prefill-bypass and no prefill worker can start
+                                     it while a decode worker has room
+                                   and, among prefill workers, the one caching most of its
+                                   prefix
 """
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
-from protos import worker_pb2
+from common.plans import ScheduledTokens, StepPlan
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.placement import Placement
 from services.scheduler.request import Request, Status
-from services.scheduler.worker_state import Transfer, WorkerState, transport_between
+from services.scheduler.request_queue import RequestQueue
+from services.scheduler.transfers import Transfers
+from services.scheduler.worker_state import WorkerState, transport_between
+from services.scheduler.workers import Workers
 
 ADMISSION_LOOKAHEAD = 8  # waiting requests a worker looks past a head that cannot start now
 
 
-class PrefillPlanning:
-    # ---- prefill: chunks under the step's token budget --------------------------------------
-    #
-    # A prompt is a *partial* prefill from the step that starts it until the step that
-    # finishes it. At most max_num_partial_prefills are partial on a worker at once, at most
-    # max_long_partial_prefills of them long; a prompt that fits whole in what is left of the
-    # budget may always start, so short prompts pass long ones.
+class Prefill:
+    def __init__(self, config: SchedulerConfig, workers: Workers, waiting: RequestQueue,
+                 transfers: Transfers, placement: Placement, next_id: Callable[[], int]):
+        self.config = config
+        self.workers = workers
+        self.waiting = waiting
+        self.transfers = transfers
+        self.placement = placement
+        self._next_id = next_id
 
-    def _schedule_prefills(self, w: WorkerState, plan: worker_pb2.StepPlan, budget: int) -> None:
+    def admits(self, w: WorkerState) -> bool:
+        """Whether w may take requests from the waiting queue at all."""
+        if w.role == "prefill":
+            return bool(self.workers.of_role("decode"))
+        return (not self.workers.has_prefill or self.config.prefill_bypass_threshold > 0
+                or self.config.saturated_prefill_bypass
+                or any(r.prefill_locally for r in itertools.islice(self.waiting, self.lookahead)))
+
+    @property
+    def lookahead(self) -> int:
+        return self.config.max_num_partial_prefills + ADMISSION_LOOKAHEAD
+
+    def schedule(self, w: WorkerState, plan: StepPlan, budget: int) -> None:
+        """Chunks of w's partial prefills, then new prompts, while the budget lasts."""
         for req in w.prefilling:
             if budget <= 0:
                 break
             if req.status is Status.PREFILLING and req.num_computed_tokens < req.num_tokens:
                 budget -= self._schedule_chunk(w, plan, req, budget)
-        if not self._admits(w):
+        if not self.admits(w):
             return
-        for req in list(itertools.islice(self.waiting, self._lookahead)):
-            if budget <= 0 or self._num_seqs(w) >= self.config.max_num_seqs:
+        for req in list(itertools.islice(self.waiting, self.lookahead)):
+            if budget <= 0 or w.num_seqs >= self.config.max_num_seqs:
                 return
             verdict = self._try_admit(w, plan, req, budget)
             if verdict is None:
                 return  # no room anywhere: keep the queue's order
             budget -= verdict
 
-    def _try_admit(self, w: WorkerState, plan: worker_pb2.StepPlan, req: Request,
+    def has_partial(self, w: WorkerState) -> bool:
+        return any(r.status is Status.PREFILLING for r in w.prefilling)
+
+    def _try_admit(self, w: WorkerState, plan: StepPlan, req: Request,
                    budget: int) -> int | None:
         """Starts req on w; returns the tokens it scheduled (0: req skipped, later ones may
         go) or None (stop admitting this step)."""
         n = req.num_tokens
-        hashes = self._hashes(req)
+        hashes = req.hashes(w.kv.block_size)
         prefix = w.kv.find_prefix(hashes, n)
         todo = n - len(prefix) * w.kv.block_size
         short = todo <= self.config.prefill_bypass_threshold or req.prefill_locally
-        if w.role == "decode" and not short and \
-                any(p.role == "prefill" for p in self.workers.values()) and \
+        if w.role == "decode" and not short and self.workers.has_prefill and \
                 not self._decode_may_relieve(w, req, todo):
             return 0  # a prefill worker takes it
         if w.role == "prefill" and (req.prefill_locally or self._short_for_a_decoder(req, hashes)):
             return 0  # its decode worker prefills it: no KV hop for a short prompt
         if w.role == "prefill" and self._better_prefill(w, req, hashes, len(prefix)):
             return 0  # another prefill worker holds more of its prefix: leave it to that one
-        if todo > min(budget, self._chunk_cap(req)) and not self._may_start_partial(w, req):
+        if todo > min(budget, self._chunk_cap()) and not self._may_start_partial(w, req):
             return 0
         dst = dst_prefix = None
         if w.role == "prefill":
-            decoders = [d for d in self.workers.values() if d.role == "decode"
-                        and self._num_seqs(d) < self.config.max_num_seqs and transport_between(w, d)]
+            decoders = [d for d in self.workers.of_role("decode")
+                        if d.num_seqs < self.config.max_num_seqs and transport_between(w, d)]
             dst = self.placement.choose_decode(req, decoders, n + 1, hashes)
             if dst is None:
                 return None
@@ -75,16 +114,9 @@ class PrefillPlanning:
             req.num_cached_tokens = req.num_computed_tokens
         w.prefilling.append(req)
         if dst is not None:
-            assert dst.kv.allocate_slots(req.request_id, n, dst_prefix) is not None
-            req.transfer_id = f"{req.request_id}/{next(self._ids)}"
-            skip = len(dst_prefix)  # blocks the decode worker has cached already
-            transport = transport_between(w, dst)
-            dst.recvs.append(worker_pb2.KVRecv(
-                transfer_id=req.transfer_id, request_id=req.request_id,
-                block_ids=dst.kv.get_block_ids(req.request_id)[skip:], transport=transport))
-            self.transfers[req.transfer_id] = Transfer(req, w, dst, transport=transport,
-                                                       skip=skip)
-        self._send_new(w, plan, req)
+            self.transfers.open(req, w, dst, dst_prefix or [],
+                                f"{req.request_id}/{self._next_id()}")
+        w.introduce(plan, req)
         return self._schedule_chunk(w, plan, req, budget)
 
     def _short_for_a_decoder(self, req: Request, hashes: list[bytes]) -> bool:
@@ -92,9 +124,8 @@ class PrefillPlanning:
         decode workers hold, so that the one a prefill worker leaves a prompt to takes it."""
         t = self.config.prefill_bypass_threshold
         n = req.num_tokens
-        return t > 0 and any(
-            d.role == "decode" and n - len(d.kv.find_prefix(hashes, n)) * d.kv.block_size <= t
-            for d in self.workers.values())
+        return t > 0 and any(n - len(d.kv.find_prefix(hashes, n)) * d.kv.block_size <= t
+                             for d in self.workers.of_role("decode"))
 
     @property
     def long_prefill_token_threshold(self) -> int:
@@ -109,31 +140,29 @@ class PrefillPlanning:
         prefill it itself (no prefill of its own running, a quarter of its blocks left)."""
         if not self.config.saturated_prefill_bypass:
             return False
-        prefillers = [p for p in self.workers.values() if p.role == "prefill"]
-        saturated = all(self._num_seqs(p) >= self.config.max_num_seqs
-                        or not self._may_start_partial(p, req) for p in prefillers)
-        own_prefill = any(r.status is Status.PREFILLING for r in w.prefilling)
+        saturated = all(p.num_seqs >= self.config.max_num_seqs
+                        or not self._may_start_partial(p, req)
+                        for p in self.workers.of_role("prefill"))
         room = w.kv.num_free_blocks - w.kv.blocks_for(todo + 1) >= w.kv.num_blocks // 4
-        return saturated and not own_prefill and room
+        return saturated and not self.has_partial(w) and room
 
     def _better_prefill(self, w: WorkerState, req: Request, hashes: list[bytes],
                         hit: int) -> bool:
         """Whether another prefill worker caches a longer prefix of req and can start it."""
-        for other in self.workers.values():
-            if other is w or other.role != "prefill" or \
-                    self._num_seqs(other) >= self.config.max_num_seqs:
+        for other in self.workers.of_role("prefill"):
+            if other is w or other.num_seqs >= self.config.max_num_seqs:
                 continue
             prefix = other.kv.find_prefix(hashes, req.num_tokens)
             if len(prefix) > hit and other.kv.can_fit(req.request_id, req.num_tokens, prefix):
                 return True
         return False
 
-    def _chunk_cap(self, req: Request) -> int:
+    def _chunk_cap(self) -> int:
         """Most tokens of one prompt in one step: long prompts are capped when several partial
         prefills share a step, so that none of them takes the whole budget."""
         if self.config.max_num_partial_prefills > 1:
             return self.long_prefill_token_threshold
-        return self.max_model_len
+        return self.workers.max_model_len
 
     def _is_long(self, req: Request) -> bool:
         t = self.long_prefill_token_threshold
@@ -148,25 +177,11 @@ class PrefillPlanning:
             return sum(map(self._is_long, partial)) < self.config.max_long_partial_prefills
         return True
 
-    def _schedule_chunk(self, w: WorkerState, plan: worker_pb2.StepPlan, req: Request,
-                        budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap(req))
-        plan.scheduled.add(request_id=req.request_id, num_tokens=n)
+    def _schedule_chunk(self, w: WorkerState, plan: StepPlan, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap())
+        plan.scheduled.append(ScheduledTokens(req.request_id, n))
         req.num_computed_tokens += n
-        self._cache(w, req, req.num_computed_tokens)
+        w.cache(req, req.num_computed_tokens)
         if req.num_computed_tokens == req.num_tokens and req.transfer_id:
-            t = self.transfers[req.transfer_id]
-            t.computed = True
-            if t.receiver_ready:  # else a later plan orders it, once the receiver expects it
-                self._order_send(plan, t)
+            self.transfers.computed(plan, req)
         return n
-
-    def _order_send(self, plan: worker_pb2.StepPlan, t: Transfer) -> None:
-        """The send runs after the plan's compute; from here on, blocks on both sides stay in
-        use until the sender reports it done."""
-        rid = t.request.request_id
-        t.ordered = True
-        plan.sends.add(transfer_id=t.request.transfer_id, request_id=rid,
-                       src_block_ids=t.src.kv.get_block_ids(rid)[t.skip:],
-                       dst_block_ids=t.dst.kv.get_block_ids(rid)[t.skip:],
-                       dst_endpoint=t.dst.endpoints[t.transport], transport=t.transport)

@@ -1,0 +1,164 @@
+"""What the scheduler and a worker say to each other, as plain dataclasses: a worker's
+registration, the step plans the scheduler sends, the step results and transfer reports the
+worker answers. protos/worker_codec.py converts them to and from protobuf; nothing else on either
+side of the boundary sees the wire format.
+
+A plan is built up while the scheduler plans a step (its lists grow); everything in it is
+frozen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.sampling_params import SamplingParams, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of a worker's KV cache blocks; workers exchanging KV must agree on it."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # torch dtype name, e.g. "float32"
+
+    def __str__(self) -> str:
+        return (f"(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, block_size={self.block_size}, dtype={self.dtype})")
+
+
+@dataclass(frozen=True)
+class Registration:
+    worker_id: str
+    role: str                      # "prefill" or "decode"
+    model_fingerprint: str
+    num_blocks: int
+    layout: KVLayout
+    transports: tuple[str, ...]
+    kv_endpoints: dict[str, str]   # transport -> address peers send to
+    host_id: str = ""
+    max_model_len: int = 0
+
+
+@dataclass(frozen=True)
+class Fork:
+    """A sample of the same prompt: samples its first token from its leader's logits."""
+    request_id: str
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request as a worker first sees it; all_token_ids = prompt + output tokens so far."""
+    request_id: str
+    all_token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_computed_tokens: int        # tokens whose KV is in block_ids already
+    block_ids: tuple[int, ...]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    kv_transfer_id: str = ""        # non-empty: block_ids were filled by this transfer
+    forks: tuple[Fork, ...] = ()
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C headers of its span
+
+
+@dataclass(frozen=True)
+class CachedRequest:
+    """Diffs for a request the worker holds already."""
+    request_id: str
+    new_block_ids: tuple[int, ...] = ()
+    new_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScheduledTokens:
+    request_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class KVSend:
+    """Push blocks of this worker into a peer's cache, after the step's result went out."""
+    transfer_id: str
+    request_id: str
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    dst_endpoint: str
+    transport: str
+
+
+@dataclass(frozen=True)
+class KVRecv:
+    """Blocks of this worker that a peer will fill."""
+    transfer_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    transport: str
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Before the forward: fork request_id's own copy of its leader's partial last prompt block.
+    If the leader failed to join this step (its KV never landed), the fork fails too."""
+    src: int
+    dst: int
+    request_id: str
+    leader_id: str
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    cached_requests: list[CachedRequest] = field(default_factory=list)
+    scheduled: list[ScheduledTokens] = field(default_factory=list)   # order = batch order
+    sends: list[KVSend] = field(default_factory=list)
+    recvs: list[KVRecv] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)    # drop their state
+    copies: list[BlockCopy] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.finished_request_ids or self.recvs
+                    or self.new_requests or self.sends)
+
+
+@dataclass(frozen=True)
+class WorkerCounters:
+    prompt_tokens_computed: int = 0
+    tokens_decoded: int = 0
+    kv_blocks_sent: int = 0
+    kv_blocks_received: int = 0
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class RequestError:
+    request_id: str
+    error: str
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_id: int
+    sampled: tuple[SampledToken, ...] = ()
+    errors: tuple[RequestError, ...] = ()
+    counters: WorkerCounters = WorkerCounters()
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    transfer_id: str
+    error: str = ""  # non-empty: failed
+
+
+@dataclass(frozen=True)
+class TransfersDone:
+    done: tuple[TransferDone, ...] = ()
+    counters: WorkerCounters = WorkerCounters()

@@ -1,0 +1,102 @@
+"""The workers of one deployment: who may join (same model, same KV layout, a KV transport to
+every peer of the other role), who is there, and the limits they share."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+
+from common.plans import Registration
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.worker_state import WorkerState, transport_between
+
+log = logging.getLogger(__name__)
+
+
+class RegistrationError(Exception):
+    """A worker that cannot join this deployment."""
+
+
+class Workers(Mapping[str, WorkerState]):
+    """worker id -> its state, in registration order."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self._by_id: dict[str, WorkerState] = {}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_id)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __getitem__(self, worker_id: str) -> WorkerState:
+        return self._by_id[worker_id]
+
+    def of_role(self, role: str) -> list[WorkerState]:
+        return [w for w in self._by_id.values() if w.role == role]
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(w.role == "prefill" for w in self._by_id.values())
+
+    @property
+    def max_model_len(self) -> int:
+        """The smallest limit of the workers and the scheduler's flag."""
+        limits = [w.max_model_len for w in self._by_id.values() if w.max_model_len > 0]
+        if self.config.max_model_len:
+            limits.append(self.config.max_model_len)
+        return min(limits, default=1 << 30)
+
+    @property
+    def block_size(self) -> int:
+        return next(iter(self._by_id.values())).layout.block_size
+
+    def join(self, reg: Registration) -> WorkerState:
+        """Raises RegistrationError, saying why, for a worker that cannot serve beside the
+        others."""
+        self._check(reg)
+        w = WorkerState(worker_id=reg.worker_id, role=reg.role, fingerprint=reg.model_fingerprint,
+                        layout=reg.layout, max_model_len=reg.max_model_len,
+                        transports=reg.transports, host_id=reg.host_id,
+                        endpoints=dict(reg.kv_endpoints),
+                        kv=KVCacheManager(reg.num_blocks, reg.layout.block_size,
+                                          self.config.enable_prefix_caching))
+        for other in self._by_id.values():
+            if other.role != w.role:
+                p, d = (w, other) if w.role == "prefill" else (other, w)
+                if not transport_between(p, d):
+                    raise RegistrationError(
+                        f"no KV transport from prefill worker {p.worker_id} ({_offer(p)}) to "
+                        f"decode worker {d.worker_id} ({_offer(d)}); shm works only within one "
+                        "host id: offer tcp (or nccl) on both")
+        self._by_id[w.worker_id] = w
+        log.info("worker %s joined: role=%s blocks=%d", w.worker_id, w.role, reg.num_blocks)
+        return w
+
+    def leave(self, worker_id: str) -> WorkerState | None:
+        return self._by_id.pop(worker_id, None)
+
+    def _check(self, reg: Registration) -> None:
+        if reg.role not in ("prefill", "decode"):
+            raise RegistrationError(f"unknown role {reg.role!r}; known: prefill, decode")
+        if reg.worker_id in self._by_id:
+            raise RegistrationError(f"worker id {reg.worker_id} is already registered")
+        if reg.num_blocks < 1 or reg.layout.block_size < 1:
+            raise RegistrationError("a worker needs at least one KV block of size >= 1")
+        for other in self._by_id.values():
+            if other.fingerprint != reg.model_fingerprint:
+                raise RegistrationError(
+                    f"model fingerprint {reg.model_fingerprint} differs from worker "
+                    f"{other.worker_id}'s {other.fingerprint}: every worker must serve the same "
+                    "model")
+            if other.layout != reg.layout:
+                raise RegistrationError(
+                    f"KV layout {reg.layout} differs from worker {other.worker_id}'s "
+                    f"{other.layout}")
+        if reg.role == "prefill" and self.config.mode == "colocated":
+            raise RegistrationError("the scheduler runs --mode colocated: decode workers only")
+
+
+def _offer(w: WorkerState) -> str:
+    return f"transports {', '.join(w.transports) or 'none'}, host id {w.host_id or '?'}"
