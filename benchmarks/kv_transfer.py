@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.kv_cache import KVLayout, PagedKVCache  # noqa: E402
 from common.kv_transfer.base import KVReceiver, TransferConfig  # noqa: E402
 from common.kv_transfer.nccl import NcclListener, NcclSender  # noqa: E402
 from common.kv_transfer.shm import ShmListener, ShmSender  # noqa: E402
 from common.kv_transfer.tcp import TcpListener, TcpSender  # noqa: E402
-from common.worker.kv_cache import KVLayout, PagedKVCache  # noqa: E402
 
 # tiny-model layout: 4 layers x 2 kv heads x 32 dims, fp32, 16-token blocks = 32 KiB a block
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")

@@ -1,4 +1,4 @@
-"""KV transfer between workers: senders, the receiver's bookkeeping, listeners, factories.
+"""KV transfer between workers: the sender and listener interfaces, the receiver's bookkeeping.
 
 A transfer moves the KV of `src_block_ids` on the sending worker into `dst_block_ids` on the
 receiving worker, all layers. The scheduler reserves the destination blocks and tells the
@@ -8,6 +8,7 @@ reports the transfer done, and only then does the request join the receiver's ba
 Per transport a module provides a sender (runs in the worker's step thread, blocking, with a
 deadline) and a listener (runs in the worker's event loop; shm needs none: the sender writes
 straight into the receiver's shared-memory cache, cuda_ipc into its exported GPU cache).
+The transports are built by name in common/kv_transfer/registry.py; this module knows none of them.
 """
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.worker.kv_cache import KVLayout, PagedKVCache, copy_blocks
+from common.kv_cache import KVLayout, PagedKVCache, copy_blocks
 
-KNOWN_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
 # the sender writes straight into the receiver's cache: no listener sees the data arrive
 DIRECT_WRITE_TRANSPORTS = ("shm", "cuda_ipc")
 
@@ -158,35 +158,3 @@ class KVListener(ABC):
     async def close(self) -> None:
         pass
 
-
-def create_sender(transport: str, layout: KVLayout, cfg: TransferConfig) -> KVSender:
-    if transport == "shm":
-        from common.kv_transfer.shm import ShmSender
-        return ShmSender(layout)
-    if transport == "tcp":
-        from common.kv_transfer.tcp import TcpSender
-        return TcpSender(layout, cfg)
-    if transport == "nccl":
-        from common.kv_transfer.nccl import NcclSender
-        return NcclSender(layout, cfg)
-    if transport == "cuda_ipc":
-        from common.kv_transfer.cuda_ipc import CudaIpcSender
-        return CudaIpcSender(layout)
-    raise ValueError(f"unknown KV transport {transport!r}; known: {', '.join(KNOWN_TRANSPORTS)}")
-
-
-def create_listener(transport: str, cache: PagedKVCache, receiver: KVReceiver,
-                    cfg: TransferConfig) -> KVListener:
-    if transport == "shm":
-        from common.kv_transfer.shm import ShmListener
-        return ShmListener(cache)
-    if transport == "tcp":
-        from common.kv_transfer.tcp import TcpListener
-        return TcpListener(cache, receiver, cfg)
-    if transport == "nccl":
-        from common.kv_transfer.nccl import NcclListener
-        return NcclListener(cache, receiver, cfg)
-    if transport == "cuda_ipc":
-        from common.kv_transfer.cuda_ipc import CudaIpcListener
-        return CudaIpcListener(cache)
-    raise ValueError(f"unknown KV transport {transport!r}; known: {', '.join(KNOWN_TRANSPORTS)}")

@@ -17,8 +17,8 @@ from urllib.parse import parse_qs, urlencode
 
 import torch
 
+from common.kv_cache import KVLayout, PagedKVCache, copy_blocks
 from common.kv_transfer.base import DirectWriteSender, KVListener, KVTransferError
-from common.worker.kv_cache import KVLayout, PagedKVCache, copy_blocks
 
 SCHEME = "cuda_ipc://"
 

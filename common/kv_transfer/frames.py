@@ -1,5 +1,5 @@
-"""The KV frame header both network transports use: authentication and the receiver's checks,
-made before a single payload byte is read."""
+"""The KV frame header both network transports use: its size cap, its authentication and the
+receiver's checks, all made before a single payload byte is read."""
 from __future__ import annotations
 
 import hashlib
@@ -7,8 +7,10 @@ import hmac
 
 import torch
 
-from common.worker.kv_cache import KVLayout
+from common.kv_cache import KVLayout
 from protos import kv_transfer_pb2
+
+MAX_HEADER_BYTES = 1 << 20  # a serialized KVFrameHeader larger than this is refused unread
 
 
 def auth_tag(secret: bytes, header: kv_transfer_pb2.KVFrameHeader) -> bytes:

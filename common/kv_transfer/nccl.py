@@ -18,11 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common.kv_cache import KVLayout, PagedKVCache, copy_blocks
 from common.kv_transfer.base import (KVListener, KVReceiver, KVSender, KVTransferError,
                                      TransferConfig)
-from common.kv_transfer.frames import auth_tag, authentic, check_frame
-from common.kv_transfer.tcp import MAX_HEADER_BYTES
-from common.worker.kv_cache import KVLayout, PagedKVCache, copy_blocks
+from common.kv_transfer.frames import MAX_HEADER_BYTES, auth_tag, authentic, check_frame
 from protos import kv_transfer_pb2
 
 log = logging.getLogger(__name__)

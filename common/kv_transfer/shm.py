@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
+from common.kv_cache import SHM_DIR, PagedKVCache, map_shared
 from common.kv_transfer.base import DirectWriteSender, KVListener, KVTransferError
-from common.worker.kv_cache import SHM_DIR, PagedKVCache, map_shared
 
 SCHEME = "shm://"
 

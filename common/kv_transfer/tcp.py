@@ -20,17 +20,16 @@ import time
 
 import torch
 
+from common.kv_cache import KVLayout, PagedKVCache, copy_blocks
 from common.kv_transfer.base import (KVListener, KVReceiver, KVSender, KVTransferError,
                                      TransferConfig)
-from common.kv_transfer.frames import auth_tag, authentic, check_frame
-from common.worker.kv_cache import KVLayout, PagedKVCache, copy_blocks
+from common.kv_transfer.frames import MAX_HEADER_BYTES, auth_tag, authentic, check_frame
 from protos import kv_transfer_pb2
 
 log = logging.getLogger(__name__)
 
 SCHEME = "tcp://"
 LEN = struct.Struct("!I")
-MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 64 << 20
 EXPECT_POLL_S = 0.005
 

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from common import metrics, tracing
-from common.kv_transfer.base import KNOWN_TRANSPORTS
+from common.kv_transfer.registry import KNOWN_TRANSPORTS
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.kv_cache import PagedKVCache, on_device
 from common.kv_transfer.base import KVSender, KVTransferError
-from common.worker.kv_cache import PagedKVCache, on_device
 from protos import worker_pb2
 
 STOP = -1

@@ -16,9 +16,9 @@ import logging
 
 import torch
 
+from common.kv_cache import KVLayout, PagedKVCache, on_device
 from common.models.attention import AttentionMetadata
 from common.models.llama import LlamaForCausalLM
-from common.worker.kv_cache import KVLayout, PagedKVCache, on_device
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.kv_cache import PagedKVCache
 from common.models.attention import AttentionMetadata
 from common.models.llama import LlamaForCausalLM
 from common.worker.cuda_graphs import DecodeGraphs
-from common.worker.kv_cache import PagedKVCache
 from common.worker.sampler import Sampler, SamplingRequest
 from protos import scheduler_pb2, worker_pb2
 

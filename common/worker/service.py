@@ -16,13 +16,14 @@ import grpc
 import torch
 
 from common import tracing
-from common.kv_transfer.base import KVReceiver, TransferConfig, create_listener, create_sender
+from common.kv_cache import (SEGMENT_PREFIX, KVLayout, PagedKVCache, on_device,
+                             sweep_stale_segments)
+from common.kv_transfer.base import KVReceiver, TransferConfig
+from common.kv_transfer.registry import create_listener, create_sender
 from common.models.attention import create_attention_backend
 from common.models.llama import load_model
 from common.worker.config import WorkerConfig
 from common.worker.cuda_graphs import DecodeGraphs
-from common.worker.kv_cache import (SEGMENT_PREFIX, KVLayout, PagedKVCache, on_device,
-                                    sweep_stale_segments)
 from common.worker.memory import num_kv_blocks
 from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler

@@ -9,8 +9,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from common.kv_cache import PagedKVCache, copy_blocks, on_device
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, KVTransferError
-from common.worker.kv_cache import PagedKVCache, copy_blocks, on_device
 from common.worker.layer_streamer import LayerStreamer
 from common.worker.model_runner import ModelRunner, RequestState
 from protos import worker_pb2

@@ -7,10 +7,10 @@ import textwrap
 import pytest
 import torch
 
+from common.kv_cache import KVLayout, PagedKVCache
 from common.kv_transfer.base import KVTransferError
 from common.kv_transfer.cuda_ipc import CudaIpcSender, IpcHandle
 from common.worker.config import WorkerConfig
-from common.worker.kv_cache import KVLayout, PagedKVCache
 from common import plans
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.worker_state import WorkerState, transport_between
@@ -58,7 +58,7 @@ def test_cuda_ipc_needs_a_gpu_cache_and_one_host():
 RECEIVER = textwrap.dedent("""
     import sys, torch
     from common.kv_transfer.cuda_ipc import CudaIpcListener
-    from common.worker.kv_cache import KVLayout, PagedKVCache
+    from common.kv_cache import KVLayout, PagedKVCache
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
     cache = PagedKVCache(layout, 8, device="cuda")
     print(CudaIpcListener(cache).endpoint(), flush=True)

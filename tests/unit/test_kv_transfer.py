@@ -9,11 +9,11 @@ import threading
 import pytest
 import torch
 
-from common.kv_transfer.base import (KVReceiver, KVTransferError, TransferConfig,
-                                     create_listener, create_sender)
+from common.kv_cache import KVLayout, PagedKVCache
+from common.kv_transfer.base import KVReceiver, KVTransferError, TransferConfig
+from common.kv_transfer.registry import create_listener, create_sender
 from common.kv_transfer.shm import ShmListener, ShmSender
 from common.kv_transfer.tcp import TcpSender
-from common.worker.kv_cache import KVLayout, PagedKVCache
 from protos import kv_transfer_pb2
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -175,10 +175,10 @@ def test_segments_of_dead_workers_are_swept(tmp_path):
     """A segment's owner holds a lock on it for life; a crashed owner's segment is removed."""
     import subprocess
     import sys
-    from common.worker.kv_cache import create_segment, sweep_stale_segments
+    from common.kv_cache import create_segment, sweep_stale_segments
     live_fd = create_segment(tmp_path / "pdserve-kv-live", 4096)
     code = ("import os, sys; sys.path.insert(0, %r); from pathlib import Path;"
-            "from common.worker.kv_cache import create_segment;"
+            "from common.kv_cache import create_segment;"
             "create_segment(Path(%r), 4096); os._exit(9)")  # dies without cleaning up
     subprocess.run([sys.executable, "-c", code % (str(Path(__file__).parents[2]),
                                                   str(tmp_path / "pdserve-kv-dead"))], check=False)

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from common import launcher
 from common.worker.config import parse_cores
+from services import launcher
 
 
 def test_core_lists_parse():

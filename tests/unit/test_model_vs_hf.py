@@ -3,9 +3,9 @@ import pytest
 import torch
 import transformers
 
+from common.kv_cache import KVLayout, PagedKVCache
 from common.models.attention import AttentionMetadata, create_attention_backend
 from common.models.llama import load_model
-from common.worker.kv_cache import KVLayout, PagedKVCache
 
 BLOCK = 16
 NUM_BLOCKS = 64

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from common.kv_cache import KVLayout
 from common.models.attention import create_attention_backend
 from common.models.llama import load_model
-from common.worker.kv_cache import KVLayout
 from common.worker.memory import (GIB, MIB, MemoryBudgetError, kv_cache_bytes, num_kv_blocks,
                                   profile_step)
 

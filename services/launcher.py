@@ -1,5 +1,8 @@
 """`pdserve up`: the whole stack on one host, each service its own process started with the same
-command a user would type for it. Ctrl-C (or SIGTERM) stops all of them."""
+command a user would type for it. Ctrl-C (or SIGTERM) stops all of them.
+
+It lives in services/ with the CLI because it starts the services: common/ never reaches up.
+"""
 from __future__ import annotations
 
 import argparse
@@ -69,7 +72,7 @@ def _pdserve() -> list[str]:
     if script.exists():
         return [str(script)]
     found = shutil.which("pdserve")
-    return [found] if found else [sys.executable, "-m", "common.cli"]
+    return [found] if found else [sys.executable, "-m", "services.cli"]
 
 
 def _core_sets(num_workers: int) -> list[list[str]]:
@@ -229,12 +232,12 @@ def run(args) -> int:
                 restarts += 1
                 print(f"pdserve up: `{role}` exited with {p.returncode}; restarting it "
                       f"({restarts}/{args.max_worker_restarts})", file=sys.stderr, flush=True)
-                from common.worker.kv_cache import sweep_stale_segments
+                from common.kv_cache import sweep_stale_segments
                 sweep_stale_segments()
                 procs[i] = subprocess.Popen(c)
             time.sleep(0.5)
         return 0
     finally:
         _stop(procs)
-        from common.worker.kv_cache import sweep_stale_segments
+        from common.kv_cache import sweep_stale_segments
         sweep_stale_segments()  # of a worker that crashed and could not clean up

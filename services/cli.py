@@ -1,4 +1,8 @@
-"""`pdserve`: one entry point, one subcommand per service plus tools."""
+"""`pdserve`: one entry point, one subcommand per service plus tools.
+
+It lives in services/, beside what it starts, so that imports point down: services import
+common, never the reverse (common/ holds what every service shares and knows none of them).
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,12 +12,13 @@ import logging
 import os
 import sys
 
+# command -> (module with add_arguments(parser) and run(args), help)
 SERVICES = {
     "gateway": ("services.gateway.main", "the OpenAI-compatible HTTP API"),
     "scheduler": ("services.scheduler.main", "the scheduler: queue, KV blocks, step plans"),
-    "prefill-worker": ("services.prefill_worker.main", "a worker that prefills prompts"),
-    "decode-worker": ("services.decode_worker.main", "a worker that decodes"),
-    "up": ("common.launcher", "the whole stack on this host, one process per service"),
+    "prefill-worker": ("services.worker", "a worker that prefills prompts"),
+    "decode-worker": ("services.worker", "a worker that decodes"),
+    "up": ("services.launcher", "the whole stack on this host, one process per service"),
 }
 
 

@@ -1,4 +1,6 @@
-"""The worker's paged KV cache: one tensor for all layers, in shared memory on CPU.
+"""The paged KV cache: its layout, the one tensor for all layers (in shared memory on CPU), its
+/dev/shm segments, and block copies. It sits below both the worker and the KV transports
+(common/kv_transfer), which read and write the same tensor and import nothing from the worker.
 
 Shape `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; layer l is a view
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`. Living in a /dev/shm file lets a peer on the

@@ -1,0 +1,48 @@
+"""The KV transports by name: the known names and the factories of their senders and listeners.
+
+The one module that knows every transport. Each is imported only when asked for, so a worker
+offering shm and tcp never loads torch.distributed (nccl) or the CUDA IPC code.
+"""
+from __future__ import annotations
+
+from common.kv_cache import KVLayout, PagedKVCache
+from common.kv_transfer.base import KVListener, KVReceiver, KVSender, TransferConfig
+
+KNOWN_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
+
+
+def _unknown(transport: str) -> ValueError:
+    return ValueError(f"unknown KV transport {transport!r}; known: {', '.join(KNOWN_TRANSPORTS)}")
+
+
+def create_sender(transport: str, layout: KVLayout, cfg: TransferConfig) -> KVSender:
+    if transport == "shm":
+        from common.kv_transfer.shm import ShmSender
+        return ShmSender(layout)
+    if transport == "tcp":
+        from common.kv_transfer.tcp import TcpSender
+        return TcpSender(layout, cfg)
+    if transport == "nccl":
+        from common.kv_transfer.nccl import NcclSender
+        return NcclSender(layout, cfg)
+    if transport == "cuda_ipc":
+        from common.kv_transfer.cuda_ipc import CudaIpcSender
+        return CudaIpcSender(layout)
+    raise _unknown(transport)
+
+
+def create_listener(transport: str, cache: PagedKVCache, receiver: KVReceiver,
+                    cfg: TransferConfig) -> KVListener:
+    if transport == "shm":
+        from common.kv_transfer.shm import ShmListener
+        return ShmListener(cache)
+    if transport == "tcp":
+        from common.kv_transfer.tcp import TcpListener
+        return TcpListener(cache, receiver, cfg)
+    if transport == "nccl":
+        from common.kv_transfer.nccl import NcclListener
+        return NcclListener(cache, receiver, cfg)
+    if transport == "cuda_ipc":
+        from common.kv_transfer.cuda_ipc import CudaIpcListener
+        return CudaIpcListener(cache)
+    raise _unknown(transport)
