@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.kv_cache import KVLayout, PagedKVCache  # noqa: E402
+from common.kv_layout import KVLayout
+from common.kv_cache import PagedKVCache  # noqa: E402
 from common.kv_transfer.base import KVReceiver, TransferConfig  # noqa: E402
 from common.kv_transfer.nccl import NcclListener, NcclSender  # noqa: E402
 from common.kv_transfer.shm import ShmListener, ShmSender  # noqa: E402

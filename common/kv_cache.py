@@ -1,4 +1,4 @@
-"""The paged KV cache: its layout, the one tensor for all layers (in shared memory on CPU), its
+"""The paged KV cache: the one tensor for all layers (in shared memory on CPU), its
 /dev/shm segments, and block copies. It sits below both the worker and the KV transports
 (common/kv_transfer), which read and write the same tensor and import nothing from the worker.
 
@@ -11,36 +11,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from common.kv_layout import KVLayout
+
 SHM_DIR = Path("/dev/shm")
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str  # torch dtype name without the "torch." prefix
-
-    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.dtype, None)
-        assert isinstance(dtype, torch.dtype), f"unknown dtype {self.dtype}"
-        return dtype
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across all layers, keys and values."""
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
 SEGMENT_PREFIX = "pdserve-kv-"

@@ -10,21 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.kv_layout import KVLayout
 from common.sampling_params import SamplingParams, TokenLogprobs
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The shape of a worker's KV cache blocks; workers exchanging KV must agree on it."""
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str  # torch dtype name, e.g. "float32"
-
-    def __str__(self) -> str:
-        return (f"(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, block_size={self.block_size}, dtype={self.dtype})")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 Each direction is lossless: x == from_pb(to_pb(x)) for every message."""
 from __future__ import annotations
 
-from common.plans import (BlockCopy, CachedRequest, Fork, KVLayout, KVRecv, KVSend, NewRequest,
+from common.kv_layout import KVLayout
+from common.plans import (BlockCopy, CachedRequest, Fork, KVRecv, KVSend, NewRequest,
                           Registration, RequestError, SampledToken, ScheduledTokens,
                           StepPlan, StepResult, TransferDone, TransfersDone, WorkerCounters)
 from protos import worker_pb2

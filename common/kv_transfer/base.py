@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv_cache import KVLayout, PagedKVCache, copy_blocks
+from common.kv_layout import KVLayout
+from common.kv_cache import PagedKVCache, copy_blocks
 
 # the sender writes straight into the receiver's cache: no listener sees the data arrive
 DIRECT_WRITE_TRANSPORTS = ("shm", "cuda_ipc")

@@ -17,7 +17,8 @@ from urllib.parse import parse_qs, urlencode
 
 import torch
 
-from common.kv_cache import KVLayout, PagedKVCache, copy_blocks
+from common.kv_layout import KVLayout
+from common.kv_cache import PagedKVCache, copy_blocks
 from common.kv_transfer.base import DirectWriteSender, KVListener, KVTransferError
 
 SCHEME = "cuda_ipc://"

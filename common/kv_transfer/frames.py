@@ -7,7 +7,7 @@ import hmac
 
 import torch
 
-from common.kv_cache import KVLayout
+from common.kv_layout import KVLayout
 from protos import kv_transfer_pb2
 
 MAX_HEADER_BYTES = 1 << 20  # a serialized KVFrameHeader larger than this is refused unread
@@ -38,7 +38,7 @@ def check_frame(h: kv_transfer_pb2.KVFrameHeader, layout: KVLayout,
     if h.dtype != layout.dtype or tuple(h.shape) != shape:
         return (f"{h.dtype}{list(h.shape)} does not match the cache's "
                 f"{layout.dtype}{list(shape)}"), shape
-    elem = torch.empty((), dtype=layout.torch_dtype).element_size()
+    elem = layout.element_bytes
     if h.payload_bytes != elem * torch.Size(shape).numel():
         return f"{h.payload_bytes} payload bytes for shape {list(shape)}", shape
     return "", shape

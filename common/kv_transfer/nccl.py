@@ -18,7 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common.kv_cache import KVLayout, PagedKVCache, copy_blocks
+from common.kv_layout import KVLayout
+from common.kv_cache import PagedKVCache, copy_blocks
 from common.kv_transfer.base import (KVListener, KVReceiver, KVSender, KVTransferError,
                                      TransferConfig)
 from common.kv_transfer.frames import MAX_HEADER_BYTES, auth_tag, authentic, check_frame

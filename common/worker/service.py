@@ -16,8 +16,8 @@ import grpc
 import torch
 
 from common import tracing
-from common.kv_cache import (SEGMENT_PREFIX, KVLayout, PagedKVCache, on_device,
-                             sweep_stale_segments)
+from common.kv_layout import KVLayout
+from common.kv_cache import SEGMENT_PREFIX, PagedKVCache, on_device, sweep_stale_segments
 from common.kv_transfer.base import KVReceiver, TransferConfig
 from common.kv_transfer.registry import create_listener, create_sender
 from common.models.attention import create_attention_backend

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.plans import (BlockCopy, Fork, KVLayout, KVRecv, NewRequest, StepPlan,
+from common.kv_layout import KVLayout
+from common.plans import (BlockCopy, Fork, KVRecv, NewRequest, StepPlan,
                           WorkerCounters)
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request

@@ -9,7 +9,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from common.plans import (KVLayout, Registration, RequestError, SampledToken, StepPlan,
+from common.kv_layout import KVLayout
+from common.plans import (Registration, RequestError, SampledToken, StepPlan,
                           StepResult, TransferDone, TransfersDone, WorkerCounters)
 from common.sampling_params import SamplingParams
 from services.scheduler.config import SchedulerConfig

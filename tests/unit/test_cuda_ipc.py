@@ -7,11 +7,11 @@ import textwrap
 import pytest
 import torch
 
-from common.kv_cache import KVLayout, PagedKVCache
+from common.kv_layout import KVLayout
+from common.kv_cache import PagedKVCache
 from common.kv_transfer.base import KVTransferError
 from common.kv_transfer.cuda_ipc import CudaIpcSender, IpcHandle
 from common.worker.config import WorkerConfig
-from common import plans
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.worker_state import WorkerState, transport_between
 
@@ -48,7 +48,7 @@ def test_cuda_ipc_needs_a_gpu_cache_and_one_host():
 
     def worker(host):
         return WorkerState(worker_id=host, role="decode", fingerprint="f",
-                           layout=plans.KVLayout(1, 1, 4, 4, "float16"), max_model_len=0,
+                           layout=LAYOUT, max_model_len=0,
                            transports=("cuda_ipc", "nccl"), kv=KVCacheManager(4, 4),
                            host_id=host)
     assert transport_between(worker("a"), worker("a")) == "cuda_ipc"
@@ -58,7 +58,8 @@ def test_cuda_ipc_needs_a_gpu_cache_and_one_host():
 RECEIVER = textwrap.dedent("""
     import sys, torch
     from common.kv_transfer.cuda_ipc import CudaIpcListener
-    from common.kv_cache import KVLayout, PagedKVCache
+    from common.kv_layout import KVLayout
+    from common.kv_cache import PagedKVCache
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
     cache = PagedKVCache(layout, 8, device="cuda")
     print(CudaIpcListener(cache).endpoint(), flush=True)

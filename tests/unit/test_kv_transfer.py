@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from common.kv_cache import KVLayout, PagedKVCache
+from common.kv_layout import KVLayout
+from common.kv_cache import PagedKVCache
 from common.kv_transfer.base import KVReceiver, KVTransferError, TransferConfig
 from common.kv_transfer.registry import create_listener, create_sender
 from common.kv_transfer.shm import ShmListener, ShmSender

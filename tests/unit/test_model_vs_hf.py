@@ -3,7 +3,8 @@ import pytest
 import torch
 import transformers
 
-from common.kv_cache import KVLayout, PagedKVCache
+from common.kv_layout import KVLayout
+from common.kv_cache import PagedKVCache
 from common.models.attention import AttentionMetadata, create_attention_backend
 from common.models.llama import load_model
 

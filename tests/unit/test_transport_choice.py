@@ -1,4 +1,4 @@
-from common.plans import KVLayout
+from common.kv_layout import KVLayout
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.worker_state import transport_between as _transport
 from services.scheduler.worker_state import WorkerState

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from common.kv_cache import KVLayout
+from common.kv_layout import KVLayout
 from common.models.attention import create_attention_backend
 from common.models.llama import load_model
 from common.worker.memory import (GIB, MIB, MemoryBudgetError, kv_cache_bytes, num_kv_blocks,
