@@ -25,15 +25,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.worker.config import WorkerConfig  # noqa: E402
 from common.worker.service import build_worker  # noqa: E402
-from protos import scheduler_pb2, worker_pb2  # noqa: E402
+from common.plans import NewRequest, ScheduledTokens, StepPlan  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 
 
 def time_steps(worker, num: int, batch: int, steps: int, first_step: int) -> list[float]:
     times = []
     for k in range(steps + 3):
-        plan = worker_pb2.StepPlan(step_id=first_step + k)
-        for i in range(batch):
-            plan.scheduled.add(request_id=f"r{i}", num_tokens=1)
+        plan = StepPlan(first_step + k,
+                        scheduled=[ScheduledTokens(f"r{i}", 1) for i in range(batch)])
         torch.cuda.synchronize()
         start = time.perf_counter()
         worker.execute(plan)  # returns after sampling: the tokens are on the host
@@ -52,14 +52,14 @@ def measure(args, eager: bool) -> dict[int, list[float]]:
     g = torch.Generator().manual_seed(0)
     step = 0
     for lo in range(0, n, 16):  # prefill 16 prompts a step
-        plan = worker_pb2.StepPlan(step_id=step)
+        plan = StepPlan(step)
         for i in range(lo, min(n, lo + 16)):
-            prompt = torch.randint(0, 32000, (args.context,), generator=g).tolist()
-            plan.new_requests.add(request_id=f"r{i}", all_token_ids=prompt,
-                                  num_prompt_tokens=len(prompt),
-                                  block_ids=list(range(i * blocks_per, (i + 1) * blocks_per)),
-                                  sampling=scheduler_pb2.SamplingParams(max_tokens=1 << 20))
-            plan.scheduled.add(request_id=f"r{i}", num_tokens=len(prompt))
+            prompt = tuple(torch.randint(0, 32000, (args.context,), generator=g).tolist())
+            plan.new_requests.append(NewRequest(
+                f"r{i}", prompt, len(prompt), 0,
+                tuple(range(i * blocks_per, (i + 1) * blocks_per)),
+                SamplingParams(max_tokens=1 << 20)))
+            plan.scheduled.append(ScheduledTokens(f"r{i}", len(prompt)))
         w.execute(plan)
         step += 1
     out = {}

@@ -15,7 +15,7 @@ import torch
 
 from common.kv_cache import PagedKVCache, on_device
 from common.kv_transfer.base import KVSender, KVTransferError
-from protos import worker_pb2
+from common.plans import KVSend
 
 STOP = -1
 JOIN_TIMEOUT_S = 600.0  # senders keep their own, shorter deadlines; this only bounds the join
@@ -23,7 +23,7 @@ JOIN_TIMEOUT_S = 600.0  # senders keep their own, shorter deadlines; this only b
 
 @dataclass
 class _Stream:
-    send: worker_pb2.KVSend
+    send: KVSend
     sender: KVSender
     start: float = 0.0
     end: float = 0.0
@@ -32,7 +32,7 @@ class _Stream:
 
 
 class LayerStreamer:
-    def __init__(self, cache: PagedKVCache, sends: list[tuple[worker_pb2.KVSend, KVSender]]):
+    def __init__(self, cache: PagedKVCache, sends: list[tuple[KVSend, KVSender]]):
         self.cache = cache
         self.num_layers = cache.layout.num_layers
         self.streams = {s.transfer_id: _Stream(s, sender) for s, sender in sends}

@@ -8,9 +8,10 @@ import torch
 from common.kv_cache import PagedKVCache
 from common.models.attention import AttentionMetadata
 from common.models.llama import LlamaForCausalLM
+from common.plans import Fork
+from common.sampling_params import SamplingParams, TokenLogprobs
 from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.sampler import Sampler, SamplingRequest
-from protos import scheduler_pb2, worker_pb2
 
 
 @dataclass
@@ -25,9 +26,9 @@ class RequestState:
     num_prompt_tokens: int
     num_computed_tokens: int
     block_ids: list[int]
-    sampling: scheduler_pb2.SamplingParams
+    sampling: SamplingParams
     eos_token_ids: list[int]
-    forks: list[worker_pb2.Fork] = field(default_factory=list)  # sampled with the first token
+    forks: list[Fork] = field(default_factory=list)  # sampled with the first token
 
     @property
     def is_decode(self) -> bool:
@@ -38,7 +39,7 @@ class RequestState:
 class Sampled:
     request_id: str
     token_id: int
-    logprobs: scheduler_pb2.TokenLogprobs | None
+    logprobs: TokenLogprobs | None
 
 
 @dataclass
@@ -129,7 +130,7 @@ class ModelRunner:
         return sampled, stats
 
     @staticmethod
-    def _sampling_row(r: RequestState, params: scheduler_pb2.SamplingParams) -> SamplingRequest:
+    def _sampling_row(r: RequestState, params: SamplingParams) -> SamplingRequest:
         return SamplingRequest(params=params, prompt_token_ids=r.token_ids[:r.num_prompt_tokens],
                                output_token_ids=r.token_ids[r.num_prompt_tokens:],
                                eos_token_ids=r.eos_token_ids, position=len(r.token_ids))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protos import scheduler_pb2
+from common.sampling_params import SamplingParams, TokenLogprobs, TopLogprob
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows.
 SAMPLING_EPS = 1e-5
@@ -30,7 +30,7 @@ _MASK64 = (1 << 64) - 1
 class SamplingRequest:
     """One row of the batch."""
 
-    params: scheduler_pb2.SamplingParams
+    params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far, before this step
     eos_token_ids: list[int]
@@ -40,7 +40,7 @@ class SamplingRequest:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
-    logprobs: list[scheduler_pb2.TokenLogprobs | None]  # None where params.logprobs < 0
+    logprobs: list[TokenLogprobs | None]  # None where params.logprobs < 0
 
 
 def _splitmix64(x: int) -> int:
@@ -55,8 +55,8 @@ def row_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
 
 
-def _repetition_penalty(p: scheduler_pb2.SamplingParams) -> float:
-    return p.repetition_penalty or 1.0  # proto3 default 0 means "not set"
+def _repetition_penalty(p: SamplingParams) -> float:
+    return p.repetition_penalty or 1.0  # 0 (protobuf's unset) means none
 
 
 def _flat_index(id_lists: list[list[int]], rows: list[int], vocab: int,
@@ -203,7 +203,7 @@ class Sampler:
         # Exponential race: argmax(p / E) with E ~ Exp(1) iid samples exactly from p.
         noise = torch.empty_like(probs).exponential_(generator=self._generator(device))
         for i, r in enumerate(rows):
-            if r.params.HasField("seed") and not greedy[i]:
+            if r.params.seed is not None and not greedy[i]:
                 gen = torch.Generator(device=device)
                 gen.manual_seed(row_seed(r.params.seed, r.position))
                 noise[i].exponential_(generator=gen)
@@ -222,7 +222,7 @@ class Sampler:
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                  rows: list[SamplingRequest]) -> list[scheduler_pb2.TokenLogprobs | None]:
+                  rows: list[SamplingRequest]) -> list[TokenLogprobs | None]:
         """From RAW logits (before penalties and temperature), as vLLM returns by default."""
         wanted = [r.params.logprobs for r in rows]
         if max(wanted, default=-1) < 0:
@@ -233,12 +233,11 @@ class Sampler:
         top_lp, top_ids = (logprobs.topk(max_k, dim=-1) if max_k > 0  # [B, max_k], best first
                            else (logprobs[:, :0], logprobs[:, :0].long()))
         top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-        out: list[scheduler_pb2.TokenLogprobs | None] = []
+        out: list[TokenLogprobs | None] = []
         for i, k in enumerate(wanted):
             if k < 0:
                 out.append(None)
                 continue
-            top = [scheduler_pb2.TopLogprob(token_id=t, logprob=lp)
-                   for t, lp in zip(top_ids[i][:k], top_lp[i][:k])]
-            out.append(scheduler_pb2.TokenLogprobs(logprob=sampled[i], top=top))
+            top = tuple(TopLogprob(t, lp) for t, lp in zip(top_ids[i][:k], top_lp[i][:k]))
+            out.append(TokenLogprobs(sampled[i], top))
         return out

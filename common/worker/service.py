@@ -29,7 +29,10 @@ from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
 from common.worker.telemetry import WorkerTelemetry, start_telemetry
 from common.worker.worker import Worker
+from common.plans import Registration
 from protos import worker_pb2, worker_pb2_grpc
+from protos.worker_codec import (plan_from_pb, registration_to_pb, result_to_pb,
+                                 transfers_done_to_pb)
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ class RegistrationRefused(Exception):
     pass
 
 
-def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
+def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     stale = sweep_stale_segments()
     if stale:
         log.info("removed KV segments of dead workers: %s", ", ".join(stale))
@@ -81,22 +84,18 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, worker_pb2.Register]:
     worker = Worker(ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed), graphs), cache,
                     {t: create_sender(t, layout, tcfg) for t in cfg.kv_transports}, receiver,
                     {t: create_listener(t, cache, receiver, tcfg) for t in cfg.kv_transports})
-    reg = worker_pb2.Register(
+    reg = Registration(
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
-        num_blocks=num_blocks, transports=cfg.kv_transports,
-        host_id=cfg.host_id or default_host_id(), max_model_len=max_len,
-        layout=worker_pb2.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                                   head_dim=layout.head_dim, block_size=layout.block_size,
-                                   dtype=layout.dtype))
+        num_blocks=num_blocks, layout=layout, transports=cfg.kv_transports, kv_endpoints={},
+        host_id=cfg.host_id or default_host_id(), max_model_len=max_len)
     return worker, reg
 
 
-async def start_listeners(worker: Worker, reg: worker_pb2.Register) -> None:
+async def start_listeners(worker: Worker, reg: Registration) -> None:
     """Starts every transport's listener and advertises where it listens."""
     for name, listener in worker.listeners.items():
         await listener.start()
         reg.kv_endpoints[name] = listener.endpoint()
-    reg.kv_endpoint = reg.kv_endpoints[reg.transports[0]]
 
 
 def default_host_id() -> str:
@@ -108,7 +107,7 @@ def default_host_id() -> str:
     return f"{socket.gethostname()}/{machine}"
 
 
-async def attach_once(cfg: WorkerConfig, worker: Worker, reg: worker_pb2.Register,
+async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
                       telemetry: WorkerTelemetry | None = None) -> None:
     """Registers and runs plans until the stream ends."""
     traced = telemetry if telemetry is not None and tracing.enabled() else None
@@ -117,7 +116,7 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: worker_pb2.Registe
                                     ("grpc.max_send_message_length", 64 << 20)]) as channel:
         await asyncio.wait_for(channel.channel_ready(), cfg.connect_timeout_s)
         call = worker_pb2_grpc.WorkerControlStub(channel).Attach()
-        await call.write(worker_pb2.WorkerMessage(register=reg))
+        await call.write(worker_pb2.WorkerMessage(register=registration_to_pb(reg)))
         ack = await asyncio.wait_for(call.read(), cfg.connect_timeout_s)
         if ack is grpc.aio.EOF:
             return
@@ -130,15 +129,16 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: worker_pb2.Registe
             msg = await call.read()
             if msg is grpc.aio.EOF:
                 return
+            plan = plan_from_pb(msg.plan)
             if traced is not None:
-                traced.before_step(msg.plan)
-            result = await asyncio.to_thread(worker.execute, msg.plan)
+                traced.before_step(plan)
+            result = await asyncio.to_thread(worker.execute, plan)
             if traced is not None:
-                traced.after_step(msg.plan, result)
-            await call.write(worker_pb2.WorkerMessage(result=result))
-            if msg.plan.sends:
-                done = await asyncio.to_thread(worker.send_kv, msg.plan.sends)
-                await call.write(worker_pb2.WorkerMessage(transfers=done))
+                traced.after_step(plan, result)
+            await call.write(worker_pb2.WorkerMessage(result=result_to_pb(result)))
+            if plan.sends:
+                done = await asyncio.to_thread(worker.send_kv, plan.sends)
+                await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
 
 
 async def serve(cfg: WorkerConfig) -> int:

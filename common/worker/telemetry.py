@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily
 from common import tracing
 from common.metrics import PREFIX, TRANSFER_BUCKETS, start_metrics_server
 from common.worker.worker import Worker
-from protos import worker_pb2
+from common.plans import KVSend, NewRequest, StepPlan, StepResult
 
 
 @dataclass
@@ -64,7 +64,7 @@ class WorkerTelemetry:
 
     # ---- KV sends (step thread) ------------------------------------------------------------
 
-    def on_send(self, send: worker_pb2.KVSend, start: float, end: float, error: str) -> None:
+    def on_send(self, send: KVSend, start: float, end: float, error: str) -> None:
         nbytes = len(send.src_block_ids) * self.block_bytes
         if error:
             self.kv_failures.labels(send.transport).inc()
@@ -82,7 +82,7 @@ class WorkerTelemetry:
 
     # ---- steps (event loop; only with tracing on) --------------------------------------------
 
-    def before_step(self, plan: worker_pb2.StepPlan) -> None:
+    def before_step(self, plan: StepPlan) -> None:
         now = time.time()
         for rid in plan.finished_request_ids:
             self._close(rid)
@@ -114,14 +114,14 @@ class WorkerTelemetry:
             self._step.append((t, s.request_id, s.num_tokens, is_decode, computed))
         self._step_start = now
 
-    def _received(self, new: worker_pb2.NewRequest, t: _Traced, now: float) -> None:
+    def _received(self, new: NewRequest, t: _Traced, now: float) -> None:
         since, blocks, transport = self._expected.pop(new.kv_transfer_id, (now, 0, ""))
         tracing.record_span("kv.receive", since, now, t.context, {
             "pdserve.request_id": new.request_id, "pdserve.transfer_id": new.kv_transfer_id,
             "pdserve.transport": transport, "pdserve.blocks": blocks,
             "pdserve.bytes": blocks * self.block_bytes})
 
-    def after_step(self, plan: worker_pb2.StepPlan, result: worker_pb2.StepResult) -> None:
+    def after_step(self, plan: StepPlan, result: StepResult) -> None:
         end = time.time()
         sampled = {s.request_id for s in result.sampled}
         for t, rid, n, is_decode, computed in self._step:

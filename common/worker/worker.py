@@ -8,19 +8,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from common.kv_cache import PagedKVCache, copy_blocks, on_device
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, KVTransferError
+from common.plans import (BlockCopy, KVSend, NewRequest, RequestError, SampledToken, StepPlan,
+                          StepResult, TransferDone, TransfersDone, WorkerCounters)
 from common.worker.layer_streamer import LayerStreamer
 from common.worker.model_runner import ModelRunner, RequestState
-from protos import worker_pb2
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Counts:
+    prompt_tokens: int = 0
+    decoded: int = 0
+    blocks_sent: int = 0
+    blocks_received: int = 0
+    steps: int = 0
+
+
 class Worker:
     # called after each KV send with (send, start, end as time.time(), error or ""): metrics, spans
-    on_send: Callable[[worker_pb2.KVSend, float, float, str], None] | None = None
+    on_send: Callable[[KVSend, float, float, str], None] | None = None
 
     def __init__(self, runner: ModelRunner, cache: PagedKVCache, senders: dict[str, KVSender],
                  receiver: KVReceiver, listeners: dict[str, KVListener]):
@@ -31,19 +42,26 @@ class Worker:
         self.listeners = listeners
         self._streamer: LayerStreamer | None = None  # sends of the step that ran last
         self.requests: dict[str, RequestState] = {}
-        self.counters = worker_pb2.WorkerCounters()
+        self._counts = _Counts()
 
     def reset(self) -> None:
         """Forgets every request: the scheduler that planned them is gone."""
         self.requests.clear()
         self.receiver.reset()
 
-    def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+    @property
+    def counters(self) -> WorkerCounters:
+        """Cumulative, reported to the scheduler with every answer."""
+        c = self._counts
+        return WorkerCounters(c.prompt_tokens, c.decoded, c.blocks_sent, c.blocks_received,
+                              c.steps)
+
+    def execute(self, plan: StepPlan) -> StepResult:
         with on_device(self.cache.tensor.device):
             return self._execute(plan)
 
-    def _execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
-        result = worker_pb2.StepResult(step_id=plan.step_id)
+    def _execute(self, plan: StepPlan) -> StepResult:
+        errors: list[RequestError] = []
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
             self.receiver.cancel_request(rid)
@@ -51,8 +69,8 @@ class Worker:
             self.receiver.expect(recv.transfer_id, recv.request_id, list(recv.block_ids),
                                  recv.transport or "shm")
         for new in plan.new_requests:
-            self._add(new, result)
-        failed = {e.request_id for e in result.errors}
+            self._add(new, errors)
+        failed = {e.request_id for e in errors}
         for diff in plan.cached_requests:
             req = self.requests.get(diff.request_id)
             if req is None and diff.request_id in failed:
@@ -61,45 +79,40 @@ class Worker:
             req.block_ids.extend(diff.new_block_ids)
             req.token_ids.extend(diff.new_token_ids)
         if plan.copies:
-            self._copy(plan.copies, failed, result)
+            self._copy(plan.copies, failed, errors)
 
         scheduled = [(self.requests[s.request_id], s.num_tokens) for s in plan.scheduled
                      if s.request_id in self.requests]
         self._streamer = self._layerwise(plan, scheduled)
+        sampled: list[SampledToken] = []
         if scheduled:
             try:
-                sampled, stats = self.runner.execute(
+                out, stats = self.runner.execute(
                     scheduled, self._streamer.on_layer if self._streamer else None)
             except BaseException:
                 if self._streamer is not None:
                     self._streamer.abort()
                 raise
-            for s in sampled:
-                result.sampled.add(request_id=s.request_id, token_id=s.token_id,
-                                   logprobs=s.logprobs)
-            self.counters.prompt_tokens_computed += stats.prompt_tokens
-            self.counters.tokens_decoded += stats.decode_tokens
-        self.counters.steps += 1
-        result.counters.CopyFrom(self.counters)
-        return result
+            sampled = [SampledToken(s.request_id, s.token_id, s.logprobs) for s in out]
+            self._counts.prompt_tokens += stats.prompt_tokens
+            self._counts.decoded += stats.decode_tokens
+        self._counts.steps += 1
+        return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters)
 
-    def send_kv(self, sends) -> worker_pb2.TransfersDone:
+    def send_kv(self, sends: list[KVSend]) -> TransfersDone:
         """Runs (or finishes, for those streamed layer by layer) a plan's KV sends; called after
         its StepResult went out."""
         with on_device(self.cache.tensor.device):
             return self._send_kv(sends)
 
-    def _send_kv(self, sends) -> worker_pb2.TransfersDone:
+    def _send_kv(self, sends: list[KVSend]) -> TransfersDone:
         streamed = self._streamer.finish() if self._streamer is not None else {}
         self._streamer = None
-        done = worker_pb2.TransfersDone()
-        for send in sends:
-            stream = streamed.get(send.transfer_id)
-            done.done.append(self._timed_send(send) if stream is None else self._streamed(stream))
-        done.counters.CopyFrom(self.counters)
-        return done
+        done = [self._timed_send(send) if (stream := streamed.get(send.transfer_id)) is None
+                else self._streamed(stream) for send in sends]
+        return TransfersDone(tuple(done), self.counters)
 
-    def _layerwise(self, plan: worker_pb2.StepPlan, scheduled) -> LayerStreamer | None:
+    def _layerwise(self, plan: StepPlan, scheduled) -> LayerStreamer | None:
         """Sends of prompts whose last chunk this step computes start during its forward."""
         completing = {r.request_id for r, n in scheduled
                       if r.num_computed_tokens + n == len(r.token_ids)}
@@ -107,23 +120,23 @@ class Worker:
                  if s.request_id in completing and s.transport in self.senders]
         return LayerStreamer(self.cache, sends) if sends else None
 
-    def _streamed(self, stream) -> worker_pb2.TransferDone:
+    def _streamed(self, stream) -> TransferDone:
         send = stream.send
         if self.on_send is not None:
             self.on_send(send, stream.start, stream.end, stream.error)
         if stream.error:
             log.warning("KV transfer %s failed: %s", send.transfer_id, stream.error)
-            return worker_pb2.TransferDone(transfer_id=send.transfer_id, error=stream.error)
-        self.counters.kv_blocks_sent += len(send.src_block_ids)
-        return worker_pb2.TransferDone(transfer_id=send.transfer_id)
+            return TransferDone(send.transfer_id, stream.error)
+        self._counts.blocks_sent += len(send.src_block_ids)
+        return TransferDone(send.transfer_id)
 
-    def _add(self, new: worker_pb2.NewRequest, result: worker_pb2.StepResult) -> None:
+    def _add(self, new: NewRequest, errors: list[RequestError]) -> None:
         if new.kv_transfer_id:
             try:
-                self.counters.kv_blocks_received += self.receiver.complete(
+                self._counts.blocks_received += self.receiver.complete(
                     new.kv_transfer_id, list(new.block_ids))
             except KVTransferError as e:
-                result.errors.add(request_id=new.request_id, error=str(e))
+                errors.append(RequestError(new.request_id, str(e)))
                 return
         self.requests[new.request_id] = RequestState(
             request_id=new.request_id,
@@ -136,21 +149,22 @@ class Worker:
             forks=list(new.forks),
         )
 
-    def _copy(self, copies, failed: set[str], result: worker_pb2.StepResult) -> None:
+    def _copy(self, copies: list[BlockCopy], failed: set[str],
+              errors: list[RequestError]) -> None:
         """Forks' copies of their leaders' partial blocks; a fork whose leader could not join
         (its KV never landed: in `failed`) fails with it."""
         done = []
         for c in copies:
             if c.leader_id in failed:
                 self.requests.pop(c.request_id, None)
-                result.errors.add(request_id=c.request_id,
-                                  error=f"the KV it shares with {c.leader_id} never landed")
+                errors.append(RequestError(
+                    c.request_id, f"the KV it shares with {c.leader_id} never landed"))
             else:
                 done.append(c)
         tensor = self.cache.tensor
         copy_blocks(tensor, [c.dst for c in done], tensor, [c.src for c in done])
 
-    def _timed_send(self, send: worker_pb2.KVSend) -> worker_pb2.TransferDone:
+    def _timed_send(self, send: KVSend) -> TransferDone:
         if self.on_send is None:
             return self._send(send)
         start = time.time()
@@ -158,7 +172,7 @@ class Worker:
         self.on_send(send, start, time.time(), done.error)
         return done
 
-    def _send(self, send: worker_pb2.KVSend) -> worker_pb2.TransferDone:
+    def _send(self, send: KVSend) -> TransferDone:
         sender = self.senders.get(send.transport)
         try:
             if sender is None:
@@ -167,6 +181,6 @@ class Worker:
                         send.dst_endpoint, list(send.dst_block_ids))
         except KVTransferError as e:
             log.warning("KV transfer %s failed: %s", send.transfer_id, e)
-            return worker_pb2.TransferDone(transfer_id=send.transfer_id, error=str(e))
-        self.counters.kv_blocks_sent += len(send.src_block_ids)
-        return worker_pb2.TransferDone(transfer_id=send.transfer_id)
+            return TransferDone(send.transfer_id, str(e))
+        self._counts.blocks_sent += len(send.src_block_ids)
+        return TransferDone(send.transfer_id)

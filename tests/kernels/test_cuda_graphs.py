@@ -60,9 +60,10 @@ def test_padded_decode_matches_the_eager_forward(tiny_llama, num_decodes):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_worker_on_graphs_samples_what_an_eager_one_does(tiny_llama, dtype):
+    from common.plans import NewRequest, ScheduledTokens, StepPlan
+    from common.sampling_params import SamplingParams
     from common.worker.config import WorkerConfig
     from common.worker.service import build_worker
-    from protos import scheduler_pb2, worker_pb2
 
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 2000, (3 + 11 * i,), generator=g).tolist() for i in range(9)]
@@ -76,23 +77,21 @@ def test_a_worker_on_graphs_samples_what_an_eager_one_does(tiny_llama, dtype):
         step = 0
         # 1, then 3, then 9 requests decode together: buckets 1, 4 and (past 8) eager
         for joined in (1, 3, 9):
-            plan = worker_pb2.StepPlan(step_id=step)
+            plan = StepPlan(step)
             for i in range(joined):
                 rid = f"r{i}"
                 if tokens[rid]:
                     continue
-                plan.new_requests.add(request_id=rid, all_token_ids=prompts[i],
-                                      num_prompt_tokens=len(prompts[i]),
-                                      block_ids=list(range(10 * i, 10 * i + 10)),
-                                      sampling=scheduler_pb2.SamplingParams(max_tokens=64))
-                plan.scheduled.add(request_id=rid, num_tokens=len(prompts[i]))
+                plan.new_requests.append(NewRequest(
+                    rid, tuple(prompts[i]), len(prompts[i]), 0, tuple(range(10 * i, 10 * i + 10)),
+                    SamplingParams(max_tokens=64)))
+                plan.scheduled.append(ScheduledTokens(rid, len(prompts[i])))
             for s in w.execute(plan).sampled:
                 tokens[s.request_id].append(s.token_id)
             for _ in range(6):
                 step += 1
-                plan = worker_pb2.StepPlan(step_id=step)
-                for i in range(joined):
-                    plan.scheduled.add(request_id=f"r{i}", num_tokens=1)
+                plan = StepPlan(step, scheduled=[ScheduledTokens(f"r{i}", 1)
+                                                 for i in range(joined)])
                 for s in w.execute(plan).sampled:
                     tokens[s.request_id].append(s.token_id)
             step += 1

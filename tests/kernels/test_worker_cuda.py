@@ -9,21 +9,19 @@ import torch
 
 from common.worker.config import WorkerConfig
 from common.worker.service import build_worker, start_listeners
-from protos import scheduler_pb2, worker_pb2
+from common.plans import KVSend, NewRequest, ScheduledTokens, StepPlan
+from common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.cuda
 
 
 def _run(worker, prompt, steps):
-    plan = worker_pb2.StepPlan(step_id=1)
-    plan.new_requests.add(request_id="r", all_token_ids=prompt, num_prompt_tokens=len(prompt),
-                          block_ids=list(range(8)), sampling=scheduler_pb2.SamplingParams(
-                              max_tokens=steps, logprobs=-1))
-    plan.scheduled.add(request_id="r", num_tokens=len(prompt))
+    plan = StepPlan(1, new_requests=[NewRequest(
+        "r", tuple(prompt), len(prompt), 0, tuple(range(8)), SamplingParams(max_tokens=steps))],
+        scheduled=[ScheduledTokens("r", len(prompt))])
     tokens = [worker.execute(plan).sampled[0].token_id]
     for k in range(steps - 1):
-        step = worker_pb2.StepPlan(step_id=2 + k)
-        step.scheduled.add(request_id="r", num_tokens=1)
+        step = StepPlan(2 + k, scheduled=[ScheduledTokens("r", 1)])
         tokens.append(worker.execute(step).sampled[0].token_id)
     return tokens
 
@@ -54,14 +52,10 @@ def test_cuda_kv_streams_layer_by_layer_over_tcp(tiny_llama):
     dst, dst_reg = build_worker(WorkerConfig(role="decode", worker_id="cuda-dst", **cfg))
     asyncio.run_coroutine_threadsafe(start_listeners(dst, dst_reg), loop).result(30)
     prompt = list(range(40))
-    plan = worker_pb2.StepPlan(step_id=1)
-    plan.new_requests.add(request_id="r", all_token_ids=prompt, num_prompt_tokens=40,
-                          block_ids=[0, 1, 2], sampling=scheduler_pb2.SamplingParams(
-                              max_tokens=1, logprobs=-1))
-    plan.scheduled.add(request_id="r", num_tokens=40)
-    plan.sends.add(transfer_id="t", request_id="r", src_block_ids=[0, 1, 2],
-                   dst_block_ids=[5, 6, 7], dst_endpoint=dst_reg.kv_endpoints["tcp"],
-                   transport="tcp")
+    plan = StepPlan(1, new_requests=[NewRequest(
+        "r", tuple(prompt), 40, 0, (0, 1, 2), SamplingParams(max_tokens=1))],
+        scheduled=[ScheduledTokens("r", 40)],
+        sends=[KVSend("t", "r", (0, 1, 2), (5, 6, 7), dst_reg.kv_endpoints["tcp"], "tcp")])
     dst.receiver.expect("t", "r", [5, 6, 7], "tcp")
     src.execute(plan)
     done = src.send_kv(plan.sends)

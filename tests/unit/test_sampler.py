@@ -5,7 +5,7 @@ import torch
 
 from common.worker.sampler import (SamplingRequest, Sampler, apply_min_tokens, apply_penalties,
                                    row_seed)
-from protos import scheduler_pb2
+from common.sampling_params import SamplingParams
 
 VOCAB = 16
 
@@ -14,7 +14,7 @@ def make_row(prompt=(1, 2, 3), output=(), eos=(0,), position=None, **params) -> 
     params.setdefault("logprobs", -1)
     prompt, output = list(prompt), list(output)
     return SamplingRequest(
-        params=scheduler_pb2.SamplingParams(**params),
+        params=SamplingParams(**params),
         prompt_token_ids=prompt,
         output_token_ids=output,
         eos_token_ids=list(eos),

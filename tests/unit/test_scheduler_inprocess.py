@@ -4,6 +4,7 @@ KV moves over the real transports (shm by default, tcp on loopback where a test 
 import asyncio
 import collections
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,9 +13,6 @@ import transformers
 from common.worker.config import WorkerConfig
 from common.worker.service import build_worker, start_listeners
 from common.sampling_params import SamplingParams
-from protos import worker_pb2
-from protos.worker_codec import (plan_to_pb, registration_from_pb, result_from_pb,
-                                 transfers_done_from_pb)
 from services.scheduler.block_hash import extend_block_hashes
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
@@ -34,7 +32,7 @@ class Cluster:
                 num_kv_blocks=blocks, block_size=4, **kw))
             self._await(start_listeners(worker, reg))
             self.registrations = getattr(self, "registrations", []) + [reg]
-            self.sched.add_worker(registration_from_pb(reg))
+            self.sched.add_worker(reg)
             self.workers[reg.worker_id] = worker
         self.outputs = {}
         self.hold_sends = False  # keep KV sends back, as a slow transport would
@@ -45,8 +43,7 @@ class Cluster:
     def deliver(self):
         for wid, sends in self.held:
             if wid in self.workers:
-                self.sched.transfers_done(wid, transfers_done_from_pb(
-                    self.workers[wid].send_kv(sends)))
+                self.sched.transfers_done(wid, self.workers[wid].send_kv(sends))
         self.held.clear()
 
     def _await(self, coro):
@@ -92,17 +89,16 @@ class Cluster:
                 self.ahead_plans += 1
             plan = sent.popleft()
             ran = True
-            pb = plan_to_pb(plan)  # what the worker gets over the wire
-            for out in self.sched.update(wid, result_from_pb(worker.execute(pb))):
+            for out in self.sched.update(wid, worker.execute(plan)):
                 self.outputs[out.request_id].append(out)
             # the worker holds no request state the scheduler does not know of (or drops next)
             if wid in self.sched.workers:
                 w = self.sched.workers[wid]
                 assert set(worker.requests) <= w.known | set(w.to_drop), wid
-            if pb.sends and self.hold_sends:
-                self.held.append((wid, pb.sends))
-            elif pb.sends:
-                self.sched.transfers_done(wid, transfers_done_from_pb(worker.send_kv(pb.sends)))
+            if plan.sends and self.hold_sends:
+                self.held.append((wid, plan.sends))
+            elif plan.sends:
+                self.sched.transfers_done(wid, worker.send_kv(plan.sends))
         return ran
 
     def run(self, max_steps=500):
@@ -242,11 +238,11 @@ def test_incompatible_worker_is_refused(cluster, tiny_models):
                                            worker_id=f"test-other-{id(c)}", num_kv_blocks=4, block_size=4))
     other.cache.close()
     with pytest.raises(RegistrationError, match="fingerprint"):
-        c.sched.add_worker(registration_from_pb(reg))
-    reg.model_fingerprint = c.sched.workers[next(iter(c.sched.workers))].fingerprint
-    reg.layout.block_size = 8
+        c.sched.add_worker(reg)
+    reg = replace(reg, model_fingerprint=c.sched.workers[next(iter(c.sched.workers))].fingerprint,
+                  layout=replace(reg.layout, block_size=8))
     with pytest.raises(RegistrationError, match="KV layout"):
-        c.sched.add_worker(registration_from_pb(reg))
+        c.sched.add_worker(reg)
 
 
 def test_worker_without_a_transport_to_its_peers_is_refused(cluster):
@@ -254,16 +250,13 @@ def test_worker_without_a_transport_to_its_peers_is_refused(cluster):
     worker: refused at registration, not hung at the first request."""
     c = cluster([("decode", 16)])
     decode = next(iter(c.sched.workers.values()))
-    reg = worker_pb2.Register()
-    reg.CopyFrom(c.registrations[0])
-    reg.worker_id, reg.role, reg.host_id = "elsewhere", "prefill", "another-host"
-    del reg.transports[:]
-    reg.transports.append("shm")
+    reg = replace(c.registrations[0], worker_id="elsewhere", role="prefill",
+                  host_id="another-host", transports=("shm",))
     with pytest.raises(RegistrationError, match="no KV transport .* shm works only within"):
-        c.sched.add_worker(registration_from_pb(reg))
+        c.sched.add_worker(reg)
     assert "elsewhere" not in c.sched.workers
-    reg.host_id = decode.host_id  # the same host: shm works
-    c.sched.add_worker(registration_from_pb(reg))
+    reg = replace(reg, host_id=decode.host_id)  # the same host: shm works
+    c.sched.add_worker(reg)
 
 
 def test_requests_that_never_fit_are_refused(cluster):
@@ -400,7 +393,7 @@ def test_colocated_mode_refuses_prefill_workers(cluster, tiny_llama):
                                        worker_id=f"test-p-{id(c)}", num_kv_blocks=4, block_size=4))
     w.cache.close()
     with pytest.raises(RegistrationError, match="colocated"):
-        c.sched.add_worker(registration_from_pb(reg))
+        c.sched.add_worker(reg)
 
 
 def test_waiting_queue_is_bounded(cluster):
