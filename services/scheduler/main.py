@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = SchedulerConfig()
     p.add_argument("--host", default=os.environ.get("PDSERVE_SCHEDULER_HOST", d.host),
                    help="address to listen on (env PDSERVE_SCHEDULER_HOST)")
-    p.add_argument("--port", type=int, default=int(os.environ.get("PDSERVE_SCHEDULER_PORT", d.port)),
+    p.add_argument("--port", type=int,
+                   default=int(os.environ.get("PDSERVE_SCHEDULER_PORT", d.port)),
                    help="gRPC port for gateways and workers; 0 picks a free one "
                         "(env PDSERVE_SCHEDULER_PORT)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,

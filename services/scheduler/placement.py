@@ -5,14 +5,14 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.scheduler.scheduler import WorkerState
     from services.scheduler.request import Request
+    from services.scheduler.scheduler import WorkerState
 
 
 class Placement(ABC):
     @abstractmethod
-    def choose_decode(self, req: "Request", candidates: list["WorkerState"], num_tokens: int,
-                      block_hashes: list[bytes]) -> "WorkerState | None":
+    def choose_decode(self, req: Request, candidates: list[WorkerState], num_tokens: int,
+                      block_hashes: list[bytes]) -> WorkerState | None:
         """A decode worker with room for num_tokens of req, or None to keep it waiting."""
 
 

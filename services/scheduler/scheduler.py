@@ -3,9 +3,10 @@ no asyncio, no gRPC, no protobuf. server.py calls `schedule(worker_id)` when a w
 `schedule_ahead(worker_id)` while its decode step runs, `update(worker_id, result)` when a step's
 result arrives and `transfers_done(worker_id, msg)` when its KV sends end.
 
-    workers.py    who may join, who is there          prefill.py  admission, chunks, placement
+    workers.py    who may join, who is there          prefill.py    admission, chunks, placement
     decode.py     the running batch, preemption,      transfers.py  KV sends: order, done, failed
-                  the step planned ahead              forks.py    samples sharing one prompt
+                  the step planned ahead              forks.py      samples sharing one prompt
+    lifecycle.py  tokens out, finish, re-queue, and release from every worker
     kv_cache_manager.py  blocks per request, prefix cache, releases after a step or transfer
 
 A disaggregated request moves  WAITING -> PREFILLING (on P) -> TRANSFERRING -> DECODING (on D)
@@ -19,26 +20,22 @@ import itertools
 import logging
 from collections.abc import Sequence
 
-from common.plans import (BlockCopy, Registration, SampledToken, StepPlan, StepResult,
-                          TransfersDone)
+from common.plans import Registration, SampledToken, StepPlan, StepResult, TransfersDone
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.decode import Decode
 from services.scheduler.forks import Forks
+from services.scheduler.lifecycle import Lifecycle, QueueFull
 from services.scheduler.placement import create_placement
 from services.scheduler.prefill import Prefill
 from services.scheduler.request import Output, Request, Status
 from services.scheduler.request_queue import create_request_queue
 from services.scheduler.transfers import Transfers
-from services.scheduler.worker_state import Step, WorkerState, step_event, transfer_event
+from services.scheduler.worker_state import Step, WorkerState, step_event
 from services.scheduler.workers import RegistrationError, Workers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["QueueFull", "RegistrationError", "Scheduler"]
-
-
-class QueueFull(Exception):
-    """The waiting queue is at --max-waiting-requests: retry later."""
+__all__ = ["QueueFull", "RegistrationError", "Scheduler"]  # what server.py catches
 
 
 class Scheduler:
@@ -47,16 +44,23 @@ class Scheduler:
         self.workers = Workers(config)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.scheduling_policy)
-        self.transfers = Transfers(requeue=self._requeue, land=self._land)
+        self.lifecycle = life = Lifecycle(self.requests, self.waiting, self.workers)
+        self.transfers = life.transfers = Transfers(requeue=life.requeue, land=self._land)
+        self.forks = life.forks = Forks(self.waiting, requeue=life.requeue)
         self._ids = itertools.count()
         self.prefill = Prefill(config, self.workers, self.waiting, self.transfers,
                                create_placement(config.placement), lambda: next(self._ids))
-        self.decode = Decode(preempt=self._preempt,
+        self.decode = Decode(preempt=life.preempt,
                              max_model_len=lambda: self.workers.max_model_len,
                              next_id=lambda: next(self._ids))
-        self.forks = Forks(self.waiting, requeue=self._requeue)
-        self.num_finished = 0
-        self.num_preemptions = 0
+
+    @property
+    def num_finished(self) -> int:
+        return self.lifecycle.num_finished
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.lifecycle.num_preemptions
 
     # ---- workers and requests ------------------------------------------------------------------
 
@@ -71,7 +75,7 @@ class Scheduler:
         self.transfers.sender_lost(w)
         for req in list(self.requests.values()):
             if worker_id in (req.prefill_worker, req.decode_worker):
-                self._requeue(req)
+                self.lifecycle.requeue(req)
         log.warning("worker %s left; its requests were re-queued", worker_id)
 
     @property
@@ -79,48 +83,18 @@ class Scheduler:
         return self.workers.max_model_len
 
     def add_request(self, req: Request, forks: Sequence[Request] = ()) -> None:
-        """Raises ValueError for a request that can never run. forks: more samples of req's
-        prompt (n > 1), prefilled once with it and sharing its prompt's blocks."""
-        ids = [req.request_id, *(f.request_id for f in forks)]
-        for rid in ids:
-            if rid in self.requests:
-                raise ValueError(f"request id {rid} is already in use")
-        if len(set(ids)) < len(ids):
-            raise ValueError("the samples of a request need distinct request ids")
-        assert all(f.prompt_token_ids == req.prompt_token_ids for f in forks)
-        if not req.prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if req.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        total = len(req.prompt_token_ids) + req.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens "
-                             f"({req.max_tokens}) exceeds the maximum model length "
-                             f"{self.max_model_len}")
-        decoders = self.workers.of_role("decode")
-        if decoders and all(w.kv.blocks_for(total) > w.kv.num_blocks for w in decoders):
-            raise ValueError(f"{total} tokens can never fit in a decode worker's KV cache")
-        limit = self.config.max_waiting_requests
-        if limit and len(self.waiting) >= limit:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting already (the limit is "
-                            f"{limit}); retry later")
-        self.requests[req.request_id] = req
-        for f in forks:
-            f.status, f.leader = Status.FORKING, req
-            req.forks.append(f)
-            self.requests[f.request_id] = f
-        self.waiting.push(req)
+        """Raises ValueError for a request that can never run, QueueFull when the queue is at its
+        limit. forks: more samples of req's prompt (n > 1), prefilled once with it and sharing
+        its prompt's blocks."""
+        self.lifecycle.add(req, forks, self.config.max_waiting_requests)
 
     def abort(self, request_id: str) -> Output | None:
         req = self.requests.get(request_id)
-        return None if req is None else self._finish(req, "abort")
+        return None if req is None else self.lifecycle.finish(req, "abort")
 
     @property
     def num_running(self) -> int:
-        """Admitted requests (forks count once their first token is out)."""
-        pending_forks = sum(r.status is Status.FORKING and not r.output_token_ids
-                            for r in self.requests.values())
-        return len(self.requests) - len(self.waiting) - pending_forks
+        return self.lifecycle.num_running
 
     # ---- planning ------------------------------------------------------------------------------
 
@@ -197,7 +171,7 @@ class Scheduler:
         for err in result.errors:
             req = self._current(w, err.request_id, ran)
             if req is not None:
-                outputs.append(self._finish(req, "error", error=err.error))
+                outputs.append(self.lifecycle.finish(req, "error", error=err.error))
         # forks first: they fork from their leader's blocks, which its own token may release
         forks = {s.request_id for s in result.sampled
                  if (r := self.requests.get(s.request_id)) is not None
@@ -229,7 +203,7 @@ class Scheduler:
             w.prefilling.remove(req)
             w.decoding.append(req)
             req.status = Status.DECODING
-        return self._emit(req, s, num_prompt_tokens=len(req.prompt_token_ids) if first else 0)
+        return self.lifecycle.emit(req, s, len(req.prompt_token_ids) if first else 0)
 
     def _on_fork_token(self, w: WorkerState, fork: Request, s: SampledToken,
                        ran: set[str]) -> Output | None:
@@ -239,22 +213,10 @@ class Scheduler:
         if leader is None or not self.forks.takes_first_token(fork, current):
             return None  # sampled for a leader that moved on since
         fork.num_cached_tokens = leader.num_cached_tokens
-        out = self._emit(fork, s, num_prompt_tokens=len(fork.prompt_token_ids))
+        out = self.lifecycle.emit(fork, s, len(fork.prompt_token_ids))
         if not out.finish_reason and not leader.transfer_id:
             self.forks.join(w, leader, fork)  # prefilled on its decode worker: its KV is here
         return out
-
-    def _emit(self, req: Request, s: SampledToken, num_prompt_tokens: int) -> Output:
-        """req's new token out to its stream, finishing it where the token stops it."""
-        req.output_token_ids.append(s.token_id)
-        logprobs = [s.logprobs] if s.logprobs is not None else []
-        reason, stop_id = req.check_stop(s.token_id, self.max_model_len)
-        if reason:
-            return self._finish(req, reason, token_ids=[s.token_id], logprobs=logprobs,
-                                stop_token_id=stop_id)
-        return Output(req.request_id, [s.token_id], logprobs,
-                      num_prompt_tokens=num_prompt_tokens,
-                      num_cached_tokens=req.num_cached_tokens or 0)
 
     def transfers_done(self, worker_id: str, msg: TransfersDone) -> None:
         w = self.workers.get(worker_id)
@@ -275,68 +237,3 @@ class Scheduler:
         dst.arrivals.append(req)
         for fork in list(req.forks):
             self.forks.join(dst, req, fork)
-
-    # ---- finishing and recovery ----------------------------------------------------------------
-
-    def _finish(self, req: Request, reason: str, token_ids: list[int] | None = None,
-                logprobs=None, stop_token_id: int = -1, error: str = "") -> Output:
-        if req.status is Status.WAITING:
-            self.waiting.remove(req)
-        if req.leader is not None:
-            req.leader.forks.remove(req)
-            req.leader = None
-        self.forks.detach(req)
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        self._release(req)
-        self.requests.pop(req.request_id, None)
-        self.num_finished += 1
-        return Output(req.request_id, token_ids or [], logprobs or [], finish_reason=reason,
-                      stop_token_id=stop_token_id, num_prompt_tokens=len(req.prompt_token_ids),
-                      num_cached_tokens=req.num_cached_tokens or 0, error=error)
-
-    def _preempt(self, req: Request) -> None:
-        log.info("preempting %s", req.request_id)
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self._requeue(req)
-
-    def _requeue(self, req: Request) -> None:
-        """Back to the queue with prompt + tokens so far. Forks without a first token stay
-        with their leader (sampled when it prefills again); those with one go their own way."""
-        if req.output_token_ids:
-            self.forks.detach(req)
-        self._release(req)
-        req.status = Status.WAITING
-        req.prefill_worker = req.decode_worker = None
-        req.num_computed_tokens = 0
-        req.transfer_id = ""
-        self.waiting.push_front(req)
-
-    def _release(self, req: Request) -> None:
-        """Drops req from every worker. Blocks still in use go back to their pool later: those of
-        a running step when its result arrives, those of an ordered KV send (both sides) when
-        the sender reports it done."""
-        rid = req.request_id
-        transfer = self.transfers.cancel(req)
-        for w in self.workers.values():
-            for c in [c for c in w.copies if c.request_id == rid]:
-                w.copies.remove(c)
-                w.kv.release([c.src])
-            landed = req in w.arrivals and bool(req.transfer_id)
-            for lst in (w.prefilling, w.decoding, w.arrivals):
-                if req in lst:
-                    lst.remove(req)
-            if rid in w.known:
-                w.known.discard(rid)
-                w.to_drop.append(rid)
-            elif any(r.request_id == rid for r in w.recvs):
-                w.recvs = [r for r in w.recvs if r.request_id != rid]
-            elif (transfer is not None and w is transfer.dst) or landed:
-                w.to_drop.append(rid)  # it expects the transfer (or holds it): cancel that
-            if transfer is not None and transfer.ordered and w in (transfer.src, transfer.dst):
-                w.kv.free(rid, after=transfer_event(transfer.transfer_id))
-            elif (step := w.last_step_with(rid)) is not None:
-                w.kv.free(rid, after=step_event(step.step_id))
-            else:
-                w.kv.free(rid)

@@ -18,8 +18,12 @@ from common import tracing
 from common.plans import StepPlan
 from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from protos.scheduler_codec import logprobs_to_pb, sampling_from_pb
-from protos.worker_codec import (plan_to_pb, registration_from_pb, result_from_pb,
-                                 transfers_done_from_pb)
+from protos.worker_codec import (
+    plan_to_pb,
+    registration_from_pb,
+    result_from_pb,
+    transfers_done_from_pb,
+)
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Output, Request
 from services.scheduler.scheduler import QueueFull, RegistrationError, Scheduler
@@ -122,7 +126,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
     async def Attach(self, request_iterator, context):
         try:
             first = await asyncio.wait_for(context.read(), self.config.register_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no registration in time")
         if first is grpc.aio.EOF or not first.HasField("register"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must register")
@@ -191,7 +195,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 if plan is None:
                     try:
                         await asyncio.wait_for(wake.wait(), IDLE_POLL_S)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                     continue
                 await self._send(link, plan, planned_at)
@@ -205,7 +209,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             try:
                 if not await asyncio.wait_for(done, self.config.step_timeout_s):
                     return  # the worker is gone
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.error("worker %s did not answer step %d in %.0fs; dropping it", wid,
                           step_id, self.config.step_timeout_s)
                 return

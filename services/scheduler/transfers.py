@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 from common.plans import KVRecv, KVSend, StepPlan, TransferDone
 from services.scheduler.request import Request
-from services.scheduler.worker_state import (Transfer, WorkerState, transfer_event,
-                                              transport_between)
+from services.scheduler.worker_state import Transfer, WorkerState, transfer_event, transport_between
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.kv_layout import KVLayout
-from common.plans import (BlockCopy, Fork, KVRecv, NewRequest, StepPlan,
-                          WorkerCounters)
+from common.plans import BlockCopy, Fork, KVRecv, NewRequest, StepPlan, WorkerCounters
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
 
