@@ -1,6 +1,6 @@
 """The gateway's HTTP surface: an OpenAI-compatible API plus vLLM's /tokenize and /detokenize.
 
-    /v1/completions, /v1/chat/completions   -> completions.py, chat.py (JSON or SSE)
+    /v1/completions, /v1/chat/completions   -> completions.py, chat.py through flow.py
     /v1/models, /v1/models/{id}             served model names
     /tokenize, /detokenize                  like vLLM's
     /health                                 200 when the scheduler channel is ready, else 503
@@ -21,9 +21,10 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common import tracing
-from services.gateway.chat import create_chat_completion
-from services.gateway.completions import create_completion
+from services.gateway.chat import ChatCompletion
+from services.gateway.completions import Completion
 from services.gateway.config import GatewayConfig
+from services.gateway.disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected
 from services.gateway.errors import GatewayError, install_error_handlers, unauthorized
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -42,7 +43,7 @@ from services.gateway.responses import (
     TokenizeResponse,
 )
 from services.gateway.scheduler_client import SchedulerClient
-from services.gateway.serving import CLIENT_CLOSED_STATUS, ClientDisconnected, ServingContext
+from services.gateway.serving import ServingContext
 from services.gateway.tokenizer import Tokenizer
 
 ERROR_RESPONSES = {
@@ -90,14 +91,14 @@ def _add_generation_routes(api: APIRouter, ctx: ServingContext) -> None:
         responses={200: {"content": SSE_DOC}},
     )
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await _unless_gone(create_completion(ctx, body, raw))
+        return await _unless_gone(Completion(ctx, body, raw).serve())
 
     @api.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse,
         responses={200: {"content": SSE_DOC}},
     )
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await _unless_gone(create_chat_completion(ctx, body, raw))
+        return await _unless_gone(ChatCompletion(ctx, body, raw).serve())
 
 
 def _add_model_routes(api: APIRouter, ctx: ServingContext) -> None:

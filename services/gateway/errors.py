@@ -4,12 +4,11 @@
 
 Validation (pydantic, invalid JSON) is 400, never FastAPI's default 422. Scheduler gRPC statuses
 map to 503 / 429 (both with Retry-After), 400, 504; a stream that has already started reports the
-same body as an SSE `data:` event instead.
+same body as an SSE `data:` event instead (sse.py frames it).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 
 import grpc
@@ -98,11 +97,6 @@ def from_grpc(err: grpc.aio.AioRpcError) -> GatewayError:
 
 def to_gateway_error(exc: GatewayError | grpc.aio.AioRpcError) -> GatewayError:
     return exc if isinstance(exc, GatewayError) else from_grpc(exc)
-
-
-def sse_error_event(exc: GatewayError | grpc.aio.AioRpcError) -> str:
-    """The error as an SSE event, for a stream whose HTTP status is already sent."""
-    return f"data: {json.dumps(to_gateway_error(exc).body())}\n\n"
 
 
 def error_response(err: GatewayError, request: Request | None = None) -> JSONResponse:

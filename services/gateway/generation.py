@@ -1,7 +1,7 @@
 """A choice's share of a Scheduler.Generate stream (one per prompt, carrying its n samples),
 turned into text deltas; the choices merged.
 
-Per choice:  GenerateResponse (token ids) -> IncrementalDetokenizer -> StopMatcher -> SeqDelta.
+Per choice:  GenerateOutput (token ids) -> IncrementalDetokenizer -> StopMatcher -> SeqDelta.
 A sequence that ends before the scheduler said it finished (stop string, client gone, error)
 cancels its gRPC stream and aborts the request, so the scheduler frees its blocks.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
 
-from protos import scheduler_pb2
+from services.gateway.codec import GenerateOutput, GenerateRequest, TokenLogprobs, decode_output
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import GatewayError
 from services.gateway.scheduler_client import SampleStreams
@@ -44,10 +44,13 @@ class SeqDelta:
     text: str
     token_ids: list[int]
     text_offsets: list[int]
-    logprobs: Sequence[scheduler_pb2.TokenLogprobs] = ()
+    logprobs: Sequence[TokenLogprobs] = ()
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+
+
+DeltaStream = AsyncGenerator[SeqDelta, None]  # one choice's deltas
 
 
 @dataclass
@@ -58,7 +61,7 @@ class Choice:
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)
-    logprobs: list[scheduler_pb2.TokenLogprobs] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -79,16 +82,17 @@ class Choice:
 
 
 async def run_sequence(
+    request: GenerateRequest,
     source: SampleStreams,
     sample: int,
     tokenizer: Tokenizer,
     index: int,
     options: OutputOptions,
     metrics: GatewayMetrics | None = None,
-) -> AsyncIterator[SeqDelta]:
-    """Deltas of one choice (sample `sample` of `source`); the last one carries finish_reason."""
-    request = source.request
-    request_id = source.request_ids[sample]
+) -> DeltaStream:
+    """Deltas of one choice (sample `sample` of `request`, streamed by `source`, the call that
+    carries `request`); the last one carries finish_reason."""
+    request_id = request.request_ids[sample]
     telemetry = SequenceTelemetry(metrics, request, request_id, counts_prompt=sample == 0)
     final_reason, num_cached = None, 0
     detok = IncrementalDetokenizer(
@@ -99,37 +103,38 @@ async def run_sequence(
     scheduler_finished = False
     stream = source.stream(sample, telemetry.span)
     try:
-        async for response in stream:
-            ids = list(response.token_ids)
+        async for message in stream:
+            output = decode_output(message)
+            ids = list(output.token_ids)
             num_tokens += len(ids)
             telemetry.on_tokens(len(ids))
             detok_start = time.perf_counter() if telemetry.tracing else 0.0
             offsets, pieces = [], []
             for k, token_id in enumerate(ids):
                 offsets.append(text_len)
-                if k == len(ids) - 1 and _hides_stop_token(response, options):
+                if k == len(ids) - 1 and _hides_stop_token(output, options):
                     continue
                 piece = detok.add(token_id)
                 text_len += len(piece)
                 pieces.append(piece)
-            if response.finish_reason:
+            if output.finish_reason:
                 pieces.append(detok.flush())
             if telemetry.tracing:
                 telemetry.detokenize_s += time.perf_counter() - detok_start
             text = stops.feed("".join(pieces), check=num_tokens > options.min_tokens)
-            delta = SeqDelta(index, text, ids, offsets, response.logprobs)
-            scheduler_finished = bool(response.finish_reason)
+            delta = SeqDelta(index, text, ids, offsets, output.logprobs)
+            scheduler_finished = bool(output.finish_reason)
             if stops.matched is not None:
                 delta.finish_reason, delta.stop_reason = "stop", stops.matched
-            elif response.finish_reason:
+            elif output.finish_reason:
                 delta.text += stops.flush()
-                delta.finish_reason = _finish_reason(response)
-                stop_token = response.stop_token_id
+                delta.finish_reason = _finish_reason(output)
+                stop_token = output.stop_token_id
                 if delta.finish_reason == "stop" and stop_token in request.sampling.stop_token_ids:
                     delta.stop_reason = stop_token  # vLLM: None for EOS, the id for stop_token_ids
             if delta.finish_reason is not None:
-                delta.num_cached_tokens = response.num_cached_tokens
-                final_reason, num_cached = delta.finish_reason, response.num_cached_tokens
+                delta.num_cached_tokens = output.num_cached_tokens
+                final_reason, num_cached = delta.finish_reason, output.num_cached_tokens
             yield delta
             if delta.finish_reason is not None:
                 return
@@ -145,28 +150,26 @@ async def run_sequence(
         telemetry.finish(final_reason, num_cached)
 
 
-def _hides_stop_token(
-    response: scheduler_pb2.GenerateResponse, options: OutputOptions
-) -> bool:
+def _hides_stop_token(output: GenerateOutput, options: OutputOptions) -> bool:
     """The token that stopped the sequence is counted but not shown, as in vLLM."""
     return (
-        response.finish_reason == "stop"
-        and response.stop_token_id >= 0
-        and len(response.token_ids) > 0
-        and response.token_ids[-1] == response.stop_token_id
+        output.finish_reason == "stop"
+        and output.stop_token_id >= 0
+        and len(output.token_ids) > 0
+        and output.token_ids[-1] == output.stop_token_id
         and not options.include_stop_str_in_output
     )
 
 
-def _finish_reason(response: scheduler_pb2.GenerateResponse) -> str:
-    if response.finish_reason == "error":
+def _finish_reason(output: GenerateOutput) -> str:
+    if output.finish_reason == "error":
         raise GatewayError(
-            500, response.error or "The scheduler failed this request.", "server_error"
+            500, output.error or "The scheduler failed this request.", "server_error"
         )
-    return response.finish_reason
+    return output.finish_reason
 
 
-async def merge(streams: list[AsyncIterator[SeqDelta]]) -> AsyncIterator[SeqDelta]:
+async def merge(streams: list[DeltaStream]) -> DeltaStream:
     """Interleave the choices' deltas as they arrive. Closing the merged stream, or one choice
     failing, closes every choice (each aborts its scheduler request)."""
     if len(streams) == 1:
@@ -176,7 +179,7 @@ async def merge(streams: list[AsyncIterator[SeqDelta]]) -> AsyncIterator[SeqDelt
         return
     queue: asyncio.Queue[SeqDelta | int] = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[SeqDelta]) -> None:
+    async def pump(i: int, stream: DeltaStream) -> None:
         try:
             async with aclosing(stream):
                 async for delta in stream:

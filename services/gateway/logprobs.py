@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from protos import scheduler_pb2
+from services.gateway.codec import TokenLogprobs
 from services.gateway.responses import (
     ChatLogprobs,
     ChatTokenLogprob,
@@ -28,7 +28,7 @@ def _clamp(logprob: float) -> float:
 def completion_logprobs(
     tokenizer: Tokenizer,
     token_ids: Sequence[int],
-    logprobs: Sequence[scheduler_pb2.TokenLogprobs],
+    logprobs: Sequence[TokenLogprobs],
     text_offsets: Sequence[int],
     num_top: int,
 ) -> CompletionLogprobs:
@@ -52,7 +52,7 @@ def completion_logprobs(
 def chat_logprobs(
     tokenizer: Tokenizer,
     token_ids: Sequence[int],
-    logprobs: Sequence[scheduler_pb2.TokenLogprobs],
+    logprobs: Sequence[TokenLogprobs],
     num_top: int,
 ) -> ChatLogprobs:
     content = []

@@ -1,10 +1,13 @@
-"""A thin async wrapper around the Scheduler gRPC stub; every call carries a deadline."""
+"""A thin async wrapper around the Scheduler gRPC stub; every call carries a deadline.
+
+It speaks protobuf; codec.py turns the messages into the dataclasses the rest of the gateway uses.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -98,7 +101,7 @@ class SchedulerClient:
             await asyncio.wait_for(
                 self._channel.channel_ready(), timeout_s or self._connect_timeout_s
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 
@@ -123,7 +126,7 @@ class SampleStreams:
 
     async def stream(
         self, sample: int, span=None
-    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
         """Sample's responses; ends after its finish, or when the call ends without one."""
         if self._pump_task is None:
             self._pump_task = asyncio.get_running_loop().create_task(self._pump(span))

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from common import tracing
 from common.metrics import ITL_BUCKETS, LATENCY_BUCKETS, PREFIX, TTFT_BUCKETS
-from protos import scheduler_pb2
+from services.gateway.codec import GenerateRequest
 
 
 class GatewayMetrics:
@@ -55,7 +55,7 @@ class SequenceTelemetry:
     """
 
     def __init__(self, metrics: GatewayMetrics | None,
-                 request: scheduler_pb2.GenerateRequest, request_id: str,
+                 request: GenerateRequest, request_id: str,
                  counts_prompt: bool = True) -> None:
         """counts_prompt: false for samples 1.. of a prompt, computed once for all of them."""
         self.metrics = metrics

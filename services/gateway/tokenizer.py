@@ -12,8 +12,8 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 import jinja2
 from tokenizers import decoders

@@ -6,6 +6,8 @@ served by a real grpc.aio server, so tests exercise HTTP, SSE and gRPC end to en
 Output token k of a request is `output_ids[k % len]` when `output_ids` is set, else the prompt's
 ids cyclically. It honors max_tokens, min_tokens, eos (unless ignore_eos) and stop_token_ids the
 way the scheduler does, reports fake logprobs, and records requests, aborts and cancellations.
+It reads requests and writes outputs through the gateway's codec, from the scheduler's side;
+`requests` keeps the messages as they came off the wire.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -25,6 +27,14 @@ from fastapi import FastAPI
 
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.app import create_app
+from services.gateway.codec import (
+    GenerateOutput,
+    GenerateRequest,
+    TokenLogprobs,
+    TopLogprob,
+    decode_request,
+    encode_output,
+)
 from services.gateway.config import GatewayConfig
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.tokenizer import Tokenizer
@@ -69,7 +79,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.finished: list[str] = []
         self._aborting: set[str] = set()
 
-    def outputs(self, request: scheduler_pb2.GenerateRequest) -> tuple[list[int], str, int]:
+    def outputs(self, request: GenerateRequest) -> tuple[list[int], str, int]:
         """(token ids, finish reason, stop token id) that the request will produce."""
         source = self.output_ids or list(request.prompt_token_ids)
         sampling = request.sampling
@@ -94,7 +104,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.requests.extend(samples)
         if self.fail_with is not None:
             await context.abort(*self.fail_with)
-        pending = {j: self._responses(s) for j, s in enumerate(samples)}
+        pending = {j: self._responses(decode_request(s)) for j, s in enumerate(samples)}
         try:
             while pending:
                 if self.delay_s:
@@ -116,26 +126,26 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             self.cancelled.extend(samples[j].request_id for j in pending)
             raise
 
-    def _responses(
-        self, request: scheduler_pb2.GenerateRequest
-    ) -> Iterator[scheduler_pb2.GenerateResponse]:
+    def _responses(self, request: GenerateRequest) -> Iterator[scheduler_pb2.GenerateResponse]:
         ids, finish, stop_token = self.outputs(request)
+        num_logprobs = request.sampling.logprobs
         step = self.tokens_per_message
         for start in range(0, len(ids), step):
-            chunk = ids[start : start + step]
-            response = scheduler_pb2.GenerateResponse(token_ids=chunk, stop_token_id=-1)
-            if request.sampling.logprobs >= 0:
-                response.logprobs.extend(
-                    _fake_logprobs(token, start + k, request.sampling.logprobs)
-                    for k, token in enumerate(chunk)
-                )
+            chunk = tuple(ids[start : start + step])
+            logprobs = tuple(
+                _fake_logprobs(token, start + k, num_logprobs) for k, token in enumerate(chunk)
+            ) if num_logprobs >= 0 else ()
+            output = GenerateOutput(token_ids=chunk, logprobs=logprobs)
             if start + step >= len(ids):
-                response.finish_reason = "error" if self.finish_with_error else finish
-                response.error = self.finish_with_error or ""
-                response.stop_token_id = stop_token
-                response.num_prompt_tokens = len(request.prompt_token_ids)
-                response.num_cached_tokens = self.num_cached_tokens
-            yield response
+                output = replace(
+                    output,
+                    finish_reason="error" if self.finish_with_error else finish,
+                    error=self.finish_with_error or "",
+                    stop_token_id=stop_token,
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                    num_cached_tokens=self.num_cached_tokens,
+                )
+            yield encode_output(output)
 
     async def Abort(
         self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -163,13 +173,11 @@ def _sample(request: scheduler_pb2.GenerateRequest, j: int) -> scheduler_pb2.Gen
     return sample
 
 
-def _fake_logprobs(token: int, position: int, k: int) -> scheduler_pb2.TokenLogprobs:
+def _fake_logprobs(token: int, position: int, k: int) -> TokenLogprobs:
     logprob = -0.25 * (position % 4) - 0.125
-    top = [scheduler_pb2.TopLogprob(token_id=token, logprob=logprob)]
-    top += [
-        scheduler_pb2.TopLogprob(token_id=abs(token - i), logprob=logprob - i) for i in range(1, k)
-    ]
-    return scheduler_pb2.TokenLogprobs(logprob=logprob, top=top[:k])
+    top = [TopLogprob(token, logprob)]
+    top += [TopLogprob(abs(token - i), logprob - i) for i in range(1, k)]
+    return TokenLogprobs(logprob, tuple(top[:k]))
 
 
 async def start_fake_scheduler(
