@@ -210,7 +210,7 @@ async def test_deadline_exceeded_is_504(model_dir: str, tokenizer: Tokenizer) ->
                 "/v1/completions", json={"prompt": "x", "max_tokens": 20, "stream": True}
             )
             await wait_for(lambda: len(gw.scheduler.aborted) == 2)
-    assert_error(plain, 504)["code"] == "deadline_exceeded"
+    assert assert_error(plain, 504)["code"] == "deadline_exceeded"
     assert streamed.status_code == 200  # the first token came in time
     events = [e for e in streamed.text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
