@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -62,7 +63,8 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     return removed
 
 
-def map_shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
+def map_shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype,
+               create: bool) -> torch.Tensor:
     """A tensor backed by a shared file; `create` needs the file made by create_segment."""
     numel = 1
     for s in shape:
@@ -93,7 +95,7 @@ class PagedKVCache:
         self.layers = list(self.tensor.unbind(0))
 
     def close(self) -> None:
-        """Removes the shared segment; peers that mapped it keep their mapping until they drop it."""
+        """Removes the shared segment; peers that mapped it keep the mapping until they drop it."""
         if self.shm_path is not None:
             self.shm_path.unlink(missing_ok=True)
             self.shm_path = None
@@ -108,7 +110,7 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(src start, dst start, length) of the runs where both id lists advance by one."""
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src_ids, dst_ids):
@@ -119,8 +121,8 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, i
     return runs
 
 
-def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor,
-                src_ids: list[int]) -> None:
+def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
+                src_ids: Sequence[int]) -> None:
     """dst[:, :, dst_ids] = src[:, :, src_ids] for caches `[layers, 2, blocks, ...]`, one slice
     copy per run of consecutive ids: no gathered temporary (fresh memory costs more than the
     copy itself)."""

@@ -2,10 +2,10 @@
 
 The extension is compiled once per instruction set; a worker runs the one torch itself
 dispatches to on this CPU (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2 or DEFAULT),
-so kernels built for one machine never run on a CPU that lacks their instructions. Builds are cached on disk
-(`PDSERVE_KERNEL_CACHE`, default ~/.cache/pdserve/kernels) and rebuilt only when the source,
-the flags or torch change: `make install` builds the one this machine needs, and a worker loads
-it before it reports ready.
+so kernels built for one machine never run on a CPU that lacks their instructions. Builds are
+cached on disk (`PDSERVE_KERNEL_CACHE`, default ~/.cache/pdserve/kernels) and rebuilt only when
+the source, the flags or torch change: `make install` builds the one this machine needs, and a
+worker loads it before it reports ready.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 
 # PDSERVE_ISA selects the kernels' target and at::vec's vector width; the library's load-time
 # code is baseline, so every build loads anywhere (an image can carry all three)
-ISA_FLAGS = {"AVX512": ["-DPDSERVE_ISA=2"], "AVX2": ["-DPDSERVE_ISA=1"], "DEFAULT": ["-DPDSERVE_ISA=0"]}
+ISA_FLAGS = {"AVX512": ["-DPDSERVE_ISA=2"], "AVX2": ["-DPDSERVE_ISA=1"],
+             "DEFAULT": ["-DPDSERVE_ISA=0"]}
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}

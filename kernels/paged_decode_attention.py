@@ -120,15 +120,15 @@ def _combine_kernel(
     s_mask = offs_s < NUM_SPLITS
     part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + offs_s        # [SPLITS_P2]
     # an empty split (past its sequence's end) has m = -inf, l = 0, o = 0: weight 0
-    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
-    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=s_mask[:, None], other=0.0)                          # [SPLITS_P2, HEAD_DIM]
-    m_max = tl.max(m, 0)
+    m_part = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+    l_part = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    o_part = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                     mask=s_mask[:, None], other=0.0)                     # [SPLITS_P2, HEAD_DIM]
+    m_max = tl.max(m_part, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)
-    den = tl.sum(l * w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.0)         # [HEAD_DIM]
+    w = tl.exp2(m_part - m_max)
+    den = tl.sum(l_part * w, 0)
+    out = tl.sum(o_part * w[:, None], 0) / tl.where(den > 0, den, 1.0)    # [HEAD_DIM]
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty))
 

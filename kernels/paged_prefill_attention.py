@@ -22,7 +22,6 @@ import triton.language as tl
 from kernels.paged_decode_attention import dot_precision
 
 
-
 @dataclass(frozen=True)
 class PrefillConfig:
     block_m: int = 64         # query rows per program

@@ -63,7 +63,8 @@ def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation. x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
+    """Neox-style rotation. x: [num_tokens, num_heads, head_dim];
+    cos/sin: [num_tokens, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
@@ -78,8 +79,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     flat[1].index_copy_(0, slot_mapping, value)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_table: [..., max_blocks] -> keys, values [..., max_blocks * block_size, kv_heads, dim]."""
+def gather_kv(kv_cache: torch.Tensor,
+              block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_table: [..., max_blocks]
+    -> keys, values [..., max_blocks * block_size, kv_heads, dim]."""
     k = kv_cache[0][block_table]  # [..., max_blocks, block_size, kv_heads, head_dim]
     v = kv_cache[1][block_table]
     shape = (*block_table.shape[:-1], -1, *k.shape[-2:])

@@ -3,12 +3,30 @@ Each direction is lossless: x == from_pb(to_pb(x)) for every message."""
 from __future__ import annotations
 
 from common.kv_layout import KVLayout
-from common.plans import (BlockCopy, CachedRequest, Fork, KVRecv, KVSend, NewRequest,
-                          Registration, RequestError, SampledToken, ScheduledTokens,
-                          StepPlan, StepResult, TransferDone, TransfersDone, WorkerCounters)
+from common.plans import (
+    BlockCopy,
+    CachedRequest,
+    Fork,
+    KVRecv,
+    KVSend,
+    NewRequest,
+    Registration,
+    RequestError,
+    SampledToken,
+    ScheduledTokens,
+    StepPlan,
+    StepResult,
+    TransferDone,
+    TransfersDone,
+    WorkerCounters,
+)
 from protos import worker_pb2
-from protos.scheduler_codec import (logprobs_from_pb, logprobs_to_pb, sampling_from_pb,
-                                    sampling_to_pb)
+from protos.scheduler_codec import (
+    logprobs_from_pb,
+    logprobs_to_pb,
+    sampling_from_pb,
+    sampling_to_pb,
+)
 
 
 def layout_to_pb(layout: KVLayout) -> worker_pb2.KVLayout:

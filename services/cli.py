@@ -30,6 +30,7 @@ def _stats_args(p):
 
 def _stats(args) -> int:
     import grpc
+
     from protos import scheduler_pb2, scheduler_pb2_grpc
 
     with grpc.insecure_channel(args.scheduler) as channel:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv_layout import KVLayout
 from common.kv_cache import PagedKVCache, copy_blocks
+from common.kv_layout import KVLayout
 
 # the sender writes straight into the receiver's cache: no listener sees the data arrive
 DIRECT_WRITE_TRANSPORTS = ("shm", "cuda_ipc")
@@ -56,7 +56,8 @@ class KVSender(ABC):
         """Pushes layers [layer_start, layer_end) of the blocks; returns the bytes moved."""
 
     def close(self) -> None:
-        pass
+        """Releases connections or mappings; an optional hook, a no-op for senders holding none."""
+        return None
 
 
 class DirectWriteSender(KVSender):
@@ -154,8 +155,11 @@ class KVListener(ABC):
         """The address peers send to, advertised at registration."""
 
     async def start(self) -> None:
-        pass
+        """Begins accepting data; an optional hook, a no-op for direct-write transports, whose
+        senders write into the cache with no listener involved."""
+        return None
 
     async def close(self) -> None:
-        pass
+        """Stops accepting data; an optional hook, a no-op where `start` opened nothing."""
+        return None
 

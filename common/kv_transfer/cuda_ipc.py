@@ -17,8 +17,8 @@ from urllib.parse import parse_qs, urlencode
 
 import torch
 
-from common.kv_layout import KVLayout
 from common.kv_cache import PagedKVCache, copy_blocks
+from common.kv_layout import KVLayout
 from common.kv_transfer.base import DirectWriteSender, KVListener, KVTransferError
 
 SCHEME = "cuda_ipc://"
@@ -89,15 +89,18 @@ class CudaIpcSender(DirectWriteSender):
                 "needs both workers to see it; use tcp or nccl between these two")
         need = self.layout.block_bytes * h.num_blocks
         if h.size < need:
-            raise KVTransferError(f"the exported cache holds {h.size} bytes, the layout needs {need}")
+            raise KVTransferError(
+                f"the exported cache holds {h.size} bytes, the layout needs {need}")
         try:
             storage = torch.UntypedStorage._new_shared_cuda(
                 visible[0], h.handle, h.size, h.offset, h.ref, h.ref_offset, h.event, h.sync)
         except RuntimeError as e:
             raise KVTransferError(f"cannot open the receiver's CUDA IPC handle: {e}") from e
         device = torch.device("cuda", visible[0])
-        return torch.empty(0, dtype=self.layout.torch_dtype, device=device).set_(
-            storage, 0, self.layout.cache_shape(h.num_blocks))
+        shape = self.layout.cache_shape(h.num_blocks)
+        cache = torch.empty(0, dtype=self.layout.torch_dtype, device=device)
+        # torch's stub drops set_'s `stride=[]` default (contiguous), which the op itself has
+        return cache.set_(storage, 0, shape)  # type: ignore[call-overload]
 
     def _copy(self, dst, dst_ids, src, src_ids):
         """On its own stream: the copy waits for nothing the compute stream still queues (the

@@ -18,10 +18,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common.kv_layout import KVLayout
 from common.kv_cache import PagedKVCache, copy_blocks
-from common.kv_transfer.base import (KVListener, KVReceiver, KVSender, KVTransferError,
-                                     TransferConfig)
+from common.kv_layout import KVLayout
+from common.kv_transfer.base import (
+    KVListener,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    TransferConfig,
+)
 from common.kv_transfer.frames import MAX_HEADER_BYTES, auth_tag, authentic, check_frame
 from protos import kv_transfer_pb2
 
@@ -37,8 +42,11 @@ def _group(store: dist.Store, prefix: str, rank: int, host: str, device: torch.d
     store = dist.PrefixStore(prefix, store)
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
-        return dist.ProcessGroupNCCL(store, rank, 2, timeout=timeout)
-    opts = dist.ProcessGroupGloo._Options()
+        # the stub lists only the options constructor; torch also binds one taking `timeout`
+        return dist.ProcessGroupNCCL(store, rank, 2, timeout=timeout)  # type: ignore[call-arg]
+    # the stub calls this class `Options`; at runtime that name is Backend.Options, which has
+    # no `_devices`: gloo's own options are the private `_Options`
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, 2, opts)
@@ -91,7 +99,7 @@ class NcclSender(KVSender):
             store = dist.TCPStore(host, port, None, False, timedelta(seconds=self.cfg.timeout_s))
             n = store.add("joins", 1) - 1
             pair = f"pair/{n}/"
-            store.set(f"join/{n}", b"")
+            store.set(f"join/{n}", "")  # only the key matters: the listener polls for it
             pg = _group(store, pair, 0, self.cfg.tcp_host, device, self.cfg.timeout_s)
             peer = self._peers[endpoint] = _Pair(store, pg, pair)
         return peer
@@ -117,7 +125,8 @@ class NcclSender(KVSender):
             refusal = _wait_key(store, f"{pair}go/{seq}", deadline).decode()
             if refusal:
                 raise KVTransferError(f"refused: {refusal}")
-            pg.send([payload], 1, seq).wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            left_s = max(0.1, deadline - time.monotonic())
+            pg.send([payload], 1, seq).wait(timedelta(seconds=left_s))
             if last:
                 del self._deadlines[transfer_id]
                 error = _wait_key(store, f"{pair}ack/{seq}", deadline).decode()
@@ -190,14 +199,17 @@ class NcclListener(KVListener):
         self._threads.append(t)
 
     def _accept(self) -> None:
+        store = self._store
+        assert store is not None, "start() opens the store before spawning the accept thread"
         n = 0
-        while _poll(self._store, f"join/{n}", self._stop.is_set):
-            self._store.delete_key(f"join/{n}")
+        while _poll(store, f"join/{n}", self._stop.is_set):
+            store.delete_key(f"join/{n}")
             self._spawn(self._serve, f"pair/{n}/")
             n += 1
 
     def _serve(self, pair: str) -> None:
         store = self._store
+        assert store is not None, "pairs are served only while the listener is started"
         try:
             pg = _group(store, pair, 1, self.cfg.tcp_host, self.cache.tensor.device,
                         self.cfg.timeout_s)

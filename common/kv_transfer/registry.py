@@ -5,8 +5,8 @@ offering shm and tcp never loads torch.distributed (nccl) or the CUDA IPC code.
 """
 from __future__ import annotations
 
-from common.kv_layout import KVLayout
 from common.kv_cache import PagedKVCache
+from common.kv_layout import KVLayout
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, TransferConfig
 
 KNOWN_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")

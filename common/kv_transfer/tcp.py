@@ -20,10 +20,15 @@ import time
 
 import torch
 
-from common.kv_layout import KVLayout
 from common.kv_cache import PagedKVCache, copy_blocks
-from common.kv_transfer.base import (KVListener, KVReceiver, KVSender, KVTransferError,
-                                     TransferConfig)
+from common.kv_layout import KVLayout
+from common.kv_transfer.base import (
+    KVListener,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    TransferConfig,
+)
 from common.kv_transfer.frames import MAX_HEADER_BYTES, auth_tag, authentic, check_frame
 from protos import kv_transfer_pb2
 
@@ -232,9 +237,11 @@ class TcpListener(KVListener):
             self._sock = None
 
     async def _accept(self) -> None:
+        listening = self._sock
+        assert listening is not None, "start() binds the socket before spawning the accept task"
         loop = asyncio.get_running_loop()
         while True:
-            sock, peer = await loop.sock_accept(self._sock)
+            sock, peer = await loop.sock_accept(listening)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._spawn(self._serve(sock, peer))
@@ -255,7 +262,7 @@ class TcpListener(KVListener):
                 await self._frame(conn, LEN.unpack(raw_len)[0])
         except FrameRejected as e:
             log.warning("KV frame from %s rejected: %s", peer, e)
-        except (asyncio.TimeoutError, ConnectionError) as e:
+        except (TimeoutError, ConnectionError) as e:
             log.warning("KV connection from %s broken: %r", peer, e)
         finally:
             sock.close()
@@ -271,8 +278,9 @@ class TcpListener(KVListener):
             raise
         payload = await conn.read(header.payload_bytes)
         tensor = torch.frombuffer(payload, dtype=self.layout.torch_dtype).view(shape)
-        await asyncio.to_thread(copy_blocks, self.cache.tensor[header.layer_start:header.layer_end],
-                                list(header.dst_block_ids), tensor, range(len(header.dst_block_ids)))
+        dst = self.cache.tensor[header.layer_start:header.layer_end]
+        await asyncio.to_thread(copy_blocks, dst, list(header.dst_block_ids), tensor,
+                                range(len(header.dst_block_ids)))
         layers = self._covered.setdefault(header.transfer_id, set())
         layers.update(range(header.layer_start, header.layer_end))
         if header.last:
@@ -303,5 +311,6 @@ class TcpListener(KVListener):
         return blocks
 
     async def _ack(self, conn: _Conn, transfer_id: str, error: str) -> None:
-        raw = kv_transfer_pb2.KVTransferAck(transfer_id=transfer_id, error=error).SerializeToString()
+        ack = kv_transfer_pb2.KVTransferAck(transfer_id=transfer_id, error=error)
+        raw = ack.SerializeToString()
         await conn.write(LEN.pack(len(raw)) + raw)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -59,7 +60,7 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, decodes: list[tuple[int, list[int]]],
-              prefills: list[tuple[int, int, list[int]]], block_size: int) -> "AttentionMetadata":
+              prefills: list[tuple[int, int, list[int]]], block_size: int) -> AttentionMetadata:
         """decodes: (num_computed, block_ids) per sequence, one new token each.
         prefills: (num_computed, num_new, block_ids) per sequence."""
         slots: list[int] = []
@@ -83,7 +84,7 @@ class AttentionMetadata:
         return cls(torch.tensor(slots, dtype=torch.long), len(decodes), tables, seq_lens, chunks,
                    _group_decodes(tables, seq_lens, block_size), *_varlen_prefills(chunks))
 
-    def to(self, device: torch.device | str) -> "AttentionMetadata":
+    def to(self, device: torch.device | str) -> AttentionMetadata:
         """The same metadata with every tensor on `device`: one copy per step, before forward."""
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
@@ -142,7 +143,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [num_tokens, heads, dim]; k, v: [num_tokens, kv_heads, dim] -> [num_tokens, heads, dim]."""
+        """q: [num_tokens, heads, dim]; k, v: [num_tokens, kv_heads, dim]
+        -> [num_tokens, heads, dim]."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -222,8 +224,8 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
 
-_BACKENDS = {"cpu": CpuAttentionBackend, "torch": TorchAttentionBackend,
-             "triton": TritonAttentionBackend}
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "cpu": CpuAttentionBackend, "torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
 
 
 def create_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:

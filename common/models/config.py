@@ -42,7 +42,7 @@ class ModelConfig:
             f"num_key_value_heads {self.num_kv_heads}")
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
         path = model_dir / "config.json"
         if not path.is_file():

@@ -31,7 +31,8 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul; the checkpoint's q_proj/k_proj/v_proj load into its rows
@@ -91,6 +92,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    rope_cos: torch.Tensor  # [max_position_embeddings, head_dim], a non-persistent buffer
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.config = cfg

@@ -90,14 +90,19 @@ class ArchSpec:
     llama3_rope: bool
 
 
-_QWEN = dict(rope_theta=1000000.0, tie_word_embeddings=True, llama3_rope=False)
 ARCHS = {
     "llama": ArchSpec(
         "LlamaForCausalLM", "llama", rope_theta=500000.0, tie_word_embeddings=False,
         qkv_bias=False, qk_norm=False, llama3_rope=True,
     ),
-    "qwen2": ArchSpec("Qwen2ForCausalLM", "qwen2", qkv_bias=True, qk_norm=False, **_QWEN),
-    "qwen3": ArchSpec("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True, **_QWEN),
+    "qwen2": ArchSpec(
+        "Qwen2ForCausalLM", "qwen2", rope_theta=1000000.0, tie_word_embeddings=True,
+        qkv_bias=True, qk_norm=False, llama3_rope=False,
+    ),
+    "qwen3": ArchSpec(
+        "Qwen3ForCausalLM", "qwen3", rope_theta=1000000.0, tie_word_embeddings=True,
+        qkv_bias=False, qk_norm=True, llama3_rope=False,
+    ),
 }
 KNOWN_ARCHS = tuple(ARCHS)
 
@@ -123,7 +128,11 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> 
 
     tokenizer = train_tokenizer()
     assert tokenizer.get_vocab_size() == VOCAB_SIZE, "corpus too small for the tokenizer vocab"
-    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for tok in SPECIAL_TOKENS:
+        tok_id = tokenizer.token_to_id(tok)
+        assert tok_id is not None, f"{tok} was added to the vocab by train_tokenizer"
+        ids[tok] = tok_id
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config())
     _write_json(out / "config.json", _model_config(spec, ids))

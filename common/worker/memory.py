@@ -16,8 +16,8 @@ import logging
 
 import torch
 
-from common.kv_layout import KVLayout
 from common.kv_cache import PagedKVCache, on_device
+from common.kv_layout import KVLayout
 from common.models.attention import AttentionMetadata
 from common.models.llama import LlamaForCausalLM
 

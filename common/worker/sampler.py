@@ -87,7 +87,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.
     counts = torch.zeros(num_rows * vocab, dtype=torch.int32, device=device)
     count_rows = sorted(set(out_rows) | set(rep_rows_with_output))
     if count_rows:
-        flat = _flat_index([rows[i].output_token_ids for i in count_rows], count_rows, vocab, device)
+        outputs = [rows[i].output_token_ids for i in count_rows]
+        flat = _flat_index(outputs, count_rows, vocab, device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     counts = counts.view(num_rows, vocab)  # [B, V]
     output_mask = counts > 0  # [B, V]
@@ -185,19 +186,20 @@ class Sampler:
         greedy_t = torch.tensor(greedy, device=device)  # [B]
         greedy_tokens = logits.argmax(dim=-1)  # [B]
 
-        temperature = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
-                                   dtype=logits.dtype, device=device)
+        temperatures = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
+        temperature = torch.tensor(temperatures, dtype=logits.dtype, device=device)  # [B]
         logits = logits / temperature.unsqueeze(1)
 
         top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
         top_p = [r.params.top_p if 0 < r.params.top_p < 1 else 1.0 for r in rows]
         min_p = [r.params.min_p for r in rows]
-        if any(k < vocab for k in top_k) or any(p < 1 for p in top_p) or any(p > 0 for p in min_p):
+        use_k, use_p, use_min_p = min(top_k) < vocab, min(top_p) < 1, max(min_p) > 0
+        if use_k or use_p or use_min_p:
             logits = apply_top_k_top_p_min_p(
                 logits,
-                torch.tensor(top_k, dtype=torch.long, device=device) if min(top_k) < vocab else None,
-                torch.tensor(top_p, dtype=logits.dtype, device=device) if min(top_p) < 1 else None,
-                torch.tensor(min_p, dtype=logits.dtype, device=device) if max(min_p) > 0 else None)
+                torch.tensor(top_k, dtype=torch.long, device=device) if use_k else None,
+                torch.tensor(top_p, dtype=logits.dtype, device=device) if use_p else None,
+                torch.tensor(min_p, dtype=logits.dtype, device=device) if use_min_p else None)
         probs = logits.softmax(dim=-1)  # [B, V]
 
         # Exponential race: argmax(p / E) with E ~ Exp(1) iid samples exactly from p.
@@ -232,12 +234,12 @@ class Sampler:
         max_k = min(max(wanted), logprobs.shape[1])
         top_lp, top_ids = (logprobs.topk(max_k, dim=-1) if max_k > 0  # [B, max_k], best first
                            else (logprobs[:, :0], logprobs[:, :0].long()))
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
         out: list[TokenLogprobs | None] = []
         for i, k in enumerate(wanted):
             if k < 0:
                 out.append(None)
                 continue
-            top = tuple(TopLogprob(t, lp) for t, lp in zip(top_ids[i][:k], top_lp[i][:k]))
+            top = tuple(TopLogprob(t, lp) for t, lp in zip(top_id_rows[i][:k], top_lp_rows[i][:k]))
             out.append(TokenLogprobs(sampled[i], top))
         return out

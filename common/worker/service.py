@@ -16,12 +16,13 @@ import grpc
 import torch
 
 from common import tracing
-from common.kv_layout import KVLayout
 from common.kv_cache import SEGMENT_PREFIX, PagedKVCache, on_device, sweep_stale_segments
+from common.kv_layout import KVLayout
 from common.kv_transfer.base import KVReceiver, TransferConfig
 from common.kv_transfer.registry import create_listener, create_sender
 from common.models.attention import create_attention_backend
 from common.models.llama import load_model
+from common.plans import Registration
 from common.worker.config import WorkerConfig
 from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.memory import num_kv_blocks
@@ -29,10 +30,8 @@ from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
 from common.worker.telemetry import WorkerTelemetry, start_telemetry
 from common.worker.worker import Worker
-from common.plans import Registration
 from protos import worker_pb2, worker_pb2_grpc
-from protos.worker_codec import (plan_from_pb, registration_to_pb, result_to_pb,
-                                 transfers_done_to_pb)
+from protos.worker_codec import plan_from_pb, registration_to_pb, result_to_pb, transfers_done_to_pb
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +164,7 @@ async def serve(cfg: WorkerConfig) -> int:
                 log.error("the scheduler refused this worker: %s", e)
                 print(f"pdserve {cfg.role}-worker refused: {e}", flush=True)
                 return 1
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, grpc.aio.AioRpcError, OSError) as e:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e)
                 log.warning("scheduler %s unreachable or stream broken: %s", cfg.scheduler, detail)
             worker.reset()
@@ -173,7 +172,7 @@ async def serve(cfg: WorkerConfig) -> int:
                 telemetry.reset()
             try:
                 await asyncio.wait_for(stop.wait(), cfg.reconnect_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
     finally:
         worker.cache.close()

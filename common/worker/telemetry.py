@@ -20,8 +20,8 @@ from prometheus_client.core import CounterMetricFamily
 
 from common import tracing
 from common.metrics import PREFIX, TRANSFER_BUCKETS, start_metrics_server
-from common.worker.worker import Worker
 from common.plans import KVSend, NewRequest, StepPlan, StepResult
+from common.worker.worker import Worker
 
 
 @dataclass
@@ -99,8 +99,8 @@ class WorkerTelemetry:
                 self._received(new, t, now)
         self._step = []
         for s in plan.scheduled:
-            t = self._traced.get(s.request_id)
-            if t is None:
+            traced = self._traced.get(s.request_id)
+            if traced is None:
                 continue
             state = self.worker.requests.get(s.request_id)
             if state is not None:
@@ -111,7 +111,7 @@ class WorkerTelemetry:
             else:
                 continue
             is_decode = s.num_tokens == 1 and computed == total - 1
-            self._step.append((t, s.request_id, s.num_tokens, is_decode, computed))
+            self._step.append((traced, s.request_id, s.num_tokens, is_decode, computed))
         self._step_start = now
 
     def _received(self, new: NewRequest, t: _Traced, now: float) -> None:

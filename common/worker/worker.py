@@ -12,8 +12,18 @@ from dataclasses import dataclass
 
 from common.kv_cache import PagedKVCache, copy_blocks, on_device
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, KVTransferError
-from common.plans import (BlockCopy, KVSend, NewRequest, RequestError, SampledToken, StepPlan,
-                          StepResult, TransferDone, TransfersDone, WorkerCounters)
+from common.plans import (
+    BlockCopy,
+    KVSend,
+    NewRequest,
+    RequestError,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    TransferDone,
+    TransfersDone,
+    WorkerCounters,
+)
 from common.worker.layer_streamer import LayerStreamer
 from common.worker.model_runner import ModelRunner, RequestState
 

@@ -58,7 +58,7 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def can_fit(self, request_id: str, num_tokens: int, prefix: list[int] = ()) -> bool:
+    def can_fit(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
         held = self._blocks.get(request_id)
         if held is None:
             need = self.blocks_for(num_tokens) - len(prefix)
@@ -68,7 +68,7 @@ class KVCacheManager:
         return need <= self.pool.num_free_blocks
 
     def allocate_slots(self, request_id: str, num_tokens: int,
-                       prefix: list[int] = ()) -> list[int] | None:
+                       prefix: Sequence[int] = ()) -> list[int] | None:
         """Grows the request's blocks to hold num_tokens tokens in all; a new request starts
         from the cached `prefix` blocks. Returns the newly allocated block ids (possibly none),
         or None when the pool cannot supply them, in which case nothing changes."""

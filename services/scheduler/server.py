@@ -150,8 +150,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             del self._wake[wid]
             self.scheduler.remove_worker(wid)
             self._wake_all()
-        if reader.done() and not reader.cancelled() and reader.exception() is not None:
-            raise reader.exception()  # a message it could not apply: the worker was dropped
+        error = reader.exception() if reader.done() and not reader.cancelled() else None
+        if error is not None:
+            raise error  # a message it could not apply: the worker was dropped
 
     async def _read(self, link: _WorkerLink, wake: asyncio.Event) -> None:
         """Applies the worker's messages in the order it sent them: a step's result always

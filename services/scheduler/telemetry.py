@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -25,13 +26,16 @@ from common.plans import NewRequest, StepPlan
 from services.scheduler.request import Output, Request
 from services.scheduler.scheduler import Scheduler
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span  # only when tracing is on, so imported lazily there
+
 
 @dataclass
 class _Tracked:
     arrival_wall: float
     arrival: float                          # monotonic
     carrier: dict[str, str] = field(default_factory=dict)
-    span: object = None                     # the request's span (tracing on)
+    span: Span | None = None                # the request's span (tracing on)
     context: object = None                  # ... as the parent of the spans made here
     admitted: bool = False
     sample: int = 0                         # n > 1: its index; the samples share one span
@@ -106,6 +110,7 @@ class SchedulerTelemetry:
                  "pdserve.transport": getattr(transfer, "transport", "") if transfer else "",
                  "pdserve.disaggregated": transfer is not None}
         tracing.record_span("scheduler.placement", planned_at, now, t.context, attrs)
+        assert t.span is not None, "on_generate sets the span whenever it sets the context"
         t.span.set_attributes(attrs)
 
     def on_finish(self, out: Output, num_output_tokens: int) -> None:
