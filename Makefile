@@ -4,7 +4,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 MODEL ?= models/tiny-llama
 
-.PHONY: install run test protos clean
+.PHONY: install run lint test protos clean
 
 install: $(STAMP)
 
@@ -22,7 +22,11 @@ $(MODEL)/config.json: | $(STAMP)
 run: install $(MODEL)/config.json
 	$(VENV)/bin/pdserve up --model $(MODEL)
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check services common kernels protos
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q tests
 
 protos: install

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -46,10 +46,10 @@ from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.serving import ServingContext
 from services.gateway.tokenizer import Tokenizer
 
-ERROR_RESPONSES = {
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 503, 504)
 }
-SSE_DOC = {"text/event-stream": {}}
+SSE_DOC: dict[str, dict[str, Any]] = {"text/event-stream": {}}
 
 
 def create_app(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.gateway.codec import TokenLogprobs
+from common.sampling_params import TokenLogprobs
 from services.gateway.flow import Generation
 from services.gateway.generation import Choice, SeqDelta
 from services.gateway.logprobs import chat_logprobs

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from fastapi import Request
 
-from services.gateway.codec import TokenLogprobs
+from common.sampling_params import TokenLogprobs
 from services.gateway.errors import bad_request
 from services.gateway.flow import Generation
 from services.gateway.generation import Choice, SeqDelta

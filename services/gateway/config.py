@@ -53,19 +53,19 @@ class GatewayConfig:
 
     def _set_max_model_len(self, model_dir: Path) -> None:
         model_limit = read_max_position_embeddings(model_dir)
-        if self.max_model_len is None:
-            if model_limit is None:
-                raise ValueError(
-                    f"{model_dir}/config.json has no max_position_embeddings; pass --max-model-len"
-                )
-            object.__setattr__(self, "max_model_len", model_limit)
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if model_limit is not None and self.max_model_len > model_limit:
+        max_len = self.max_model_len if self.max_model_len is not None else model_limit
+        if max_len is None:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"{model_dir}/config.json has no max_position_embeddings; pass --max-model-len"
+            )
+        if max_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_len}")
+        if model_limit is not None and max_len > model_limit:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's "
                 f"max_position_embeddings {model_limit}"
             )
+        object.__setattr__(self, "max_model_len", max_len)
 
 
 def read_max_position_embeddings(model_dir: Path) -> int | None:

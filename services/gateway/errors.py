@@ -10,6 +10,8 @@ same body as an SSE `data:` event instead (sse.py frames it).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
@@ -107,7 +109,7 @@ def error_response(err: GatewayError, request: Request | None = None) -> JSONRes
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-def validation_error(errors: list[dict]) -> GatewayError:
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
     """One 400 for a list of pydantic errors; param names the first offending field."""
     parts, param = [], None
     for error in errors:
@@ -122,19 +124,25 @@ def validation_error(errors: list[dict]) -> GatewayError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+    # Starlette types every handler as taking Exception; each gets only its own class
+    async def on_gateway_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, GatewayError)
         return error_response(exc, request)
 
-    async def on_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_request_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
         return error_response(validation_error(list(exc.errors())), request)
 
-    async def on_pydantic_validation(request: Request, exc: ValidationError) -> JSONResponse:
+    async def on_pydantic_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ValidationError)
         return error_response(validation_error(exc.errors(include_url=False)), request)
 
-    async def on_grpc_error(request: Request, exc: grpc.aio.AioRpcError) -> JSONResponse:
+    async def on_grpc_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, grpc.aio.AioRpcError)
         return error_response(from_grpc(exc), request)
 
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         err = GatewayError(exc.status_code, str(exc.detail), kind)
         response = error_response(err, request)

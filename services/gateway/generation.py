@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.gateway.codec import GenerateOutput, GenerateRequest, TokenLogprobs, decode_output
+from common.sampling_params import GenerateOutput, GenerateRequest, TokenLogprobs
+from protos.scheduler_codec import output_from_pb
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import GatewayError
 from services.gateway.scheduler_client import SampleStreams
@@ -104,7 +105,7 @@ async def run_sequence(
     stream = source.stream(sample, telemetry.span)
     try:
         async for message in stream:
-            output = decode_output(message)
+            output = output_from_pb(message)
             ids = list(output.token_ids)
             num_tokens += len(ids)
             telemetry.on_tokens(len(ids))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from services.gateway.codec import TokenLogprobs
+from common.sampling_params import TokenLogprobs
 from services.gateway.responses import (
     ChatLogprobs,
     ChatTokenLogprob,

@@ -6,7 +6,7 @@ Plain synchronous code: nothing here talks to the scheduler.
 
 from __future__ import annotations
 
-from services.gateway.codec import UINT64, GenerateRequest, SamplingParams
+from common.sampling_params import UINT64, GenerateRequest, SamplingParams
 from services.gateway.errors import bad_request
 from services.gateway.generation import OutputOptions
 from services.gateway.protocol import SamplingRequest

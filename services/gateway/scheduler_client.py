@@ -1,6 +1,7 @@
 """A thin async wrapper around the Scheduler gRPC stub; every call carries a deadline.
 
-It speaks protobuf; codec.py turns the messages into the dataclasses the rest of the gateway uses.
+It speaks protobuf; protos/scheduler_codec.py turns the messages into the dataclasses
+(common/sampling_params.py) the rest of the gateway uses.
 """
 
 from __future__ import annotations

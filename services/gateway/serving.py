@@ -10,7 +10,8 @@ import uuid
 
 from fastapi import Request
 
-from services.gateway.codec import GenerateRequest, encode_request
+from common.sampling_params import GenerateRequest
+from protos.scheduler_codec import request_to_pb
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import model_not_found
 from services.gateway.generation import DeltaStream, OutputOptions, run_sequence
@@ -29,6 +30,7 @@ class ServingContext:
         self.config = config
         self.client = client
         self.tokenizer = tokenizer
+        assert config.max_model_len is not None, "GatewayConfig resolves it when made"
         self.max_model_len: int = config.max_model_len
         self.metrics = GatewayMetrics(config.served_model_name[0])
         self.builder = RequestBuilder(
@@ -68,7 +70,7 @@ class ServingContext:
         requests. Nothing reaches the scheduler before a stream is iterated."""
         streams: list[DeltaStream] = []
         for request in requests:
-            source = SampleStreams(self.client, encode_request(request))
+            source = SampleStreams(self.client, request_to_pb(request))
             first = len(streams)
             streams.extend(
                 run_sequence(request, source, j, self.tokenizer, first + j, options, self.metrics)

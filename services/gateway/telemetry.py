@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from common import tracing
 from common.metrics import ITL_BUCKETS, LATENCY_BUCKETS, PREFIX, TTFT_BUCKETS
-from services.gateway.codec import GenerateRequest
+from common.sampling_params import GenerateRequest
 
 
 class GatewayMetrics:

@@ -91,7 +91,7 @@ class Tokenizer:
             k: v for k, v in (template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS
         }
         try:
-            return self.hf.apply_chat_template(
+            text = self.hf.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
@@ -101,6 +101,8 @@ class Tokenizer:
         except (jinja2.TemplateError, TypeError, ValueError) as err:
             # Templates raise these on messages they cannot render (roles out of order, ...).
             raise bad_request(f"Chat template error: {err}", "messages") from err
+        assert isinstance(text, str), "tokenize=False renders one conversation to one string"
+        return text
 
     async def aencode_chat(
         self,
@@ -122,11 +124,13 @@ class Tokenizer:
     # -- decode -------------------------------------------------------------------------------
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(
+        text = self.hf.decode(
             list(token_ids),
             skip_special_tokens=skip_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+        assert isinstance(text, str), "one sequence of ids decodes to one string"
+        return text
 
     def _token_text(self, token_id: int) -> str:
         """One token's text, as logprobs report it (a partial UTF-8 byte decodes to U+FFFD)."""

@@ -16,8 +16,9 @@ import grpc
 
 from common import tracing
 from common.plans import StepPlan
+from common.sampling_params import GenerateOutput
 from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from protos.scheduler_codec import logprobs_to_pb, sampling_from_pb
+from protos.scheduler_codec import output_to_pb, request_from_pb
 from protos.worker_codec import (
     plan_to_pb,
     registration_from_pb,
@@ -57,16 +58,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest, context):
         """One stream for the request and its samples (n > 1), until each has finished."""
-        rid = request.request_id or uuid.uuid4().hex
-        ids = [rid, *request.sample_ids]
+        gen = request_from_pb(request)
+        ids = [gen.request_id or uuid.uuid4().hex, *gen.sample_ids]
         for i in ids:
             if i in self._streams:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {i} is in use")
-        sampling = sampling_from_pb(request.sampling)
-        samples = [Request(request_id=i, prompt_token_ids=list(request.prompt_token_ids),
-                           sampling=sampling.for_sample(j),
-                           eos_token_ids=list(request.eos_token_ids),
-                           priority=request.priority, cache_salt=request.cache_salt)
+        samples = [Request(request_id=i, prompt_token_ids=list(gen.prompt_token_ids),
+                           sampling=gen.sampling.for_sample(j),
+                           eos_token_ids=list(gen.eos_token_ids), priority=gen.priority,
+                           cache_salt=gen.cache_salt)
                    for j, i in enumerate(ids)]
         try:
             self.scheduler.add_request(samples[0], samples[1:])
@@ -233,11 +233,11 @@ class _WorkerLink:
 
 
 def _to_response(out: Output, sample: int) -> scheduler_pb2.GenerateResponse:
-    return scheduler_pb2.GenerateResponse(
-        token_ids=out.token_ids, logprobs=[logprobs_to_pb(lp) for lp in out.logprobs],
-        finish_reason=out.finish_reason,
-        num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-        stop_token_id=out.stop_token_id, error=out.error, sample=sample)
+    return output_to_pb(GenerateOutput(
+        token_ids=tuple(out.token_ids), logprobs=tuple(out.logprobs),
+        finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens, stop_token_id=out.stop_token_id,
+        error=out.error, sample=sample))
 
 
 async def create_server(config: SchedulerConfig) -> tuple[grpc.aio.Server, int, SchedulerService]:

@@ -25,16 +25,10 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 
+from common.sampling_params import GenerateOutput, GenerateRequest, TokenLogprobs, TopLogprob
 from protos import scheduler_pb2, scheduler_pb2_grpc
+from protos.scheduler_codec import output_to_pb, request_from_pb
 from services.gateway.app import create_app
-from services.gateway.codec import (
-    GenerateOutput,
-    GenerateRequest,
-    TokenLogprobs,
-    TopLogprob,
-    decode_request,
-    encode_output,
-)
 from services.gateway.config import GatewayConfig
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.tokenizer import Tokenizer
@@ -104,7 +98,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.requests.extend(samples)
         if self.fail_with is not None:
             await context.abort(*self.fail_with)
-        pending = {j: self._responses(decode_request(s)) for j, s in enumerate(samples)}
+        pending = {j: self._responses(request_from_pb(s)) for j, s in enumerate(samples)}
         try:
             while pending:
                 if self.delay_s:
@@ -145,7 +139,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                     num_prompt_tokens=len(request.prompt_token_ids),
                     num_cached_tokens=self.num_cached_tokens,
                 )
-            yield encode_output(output)
+            yield output_to_pb(output)
 
     async def Abort(
         self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext

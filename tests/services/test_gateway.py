@@ -18,9 +18,15 @@ from protos import scheduler_pb2
 from services.gateway.config import GatewayConfig
 from services.gateway.main import serve
 from services.gateway.scheduler_client import SampleStreams, SchedulerClient
-from tests.services.fake_scheduler import (FakeScheduler, fake_gateway, http_client, openai_client,
-                                           start_fake_scheduler, wait_for)
 from services.gateway.tokenizer import Tokenizer
+from tests.services.fake_scheduler import (
+    FakeScheduler,
+    fake_gateway,
+    http_client,
+    openai_client,
+    start_fake_scheduler,
+    wait_for,
+)
 
 pytestmark = pytest.mark.anyio
 

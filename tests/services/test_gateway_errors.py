@@ -16,9 +16,14 @@ import httpx
 import openai
 import pytest
 
-from tests.services.fake_scheduler import (FakeScheduler, fake_gateway, http_client, openai_client,
-                                           wait_for)
 from services.gateway.tokenizer import Tokenizer
+from tests.services.fake_scheduler import (
+    FakeScheduler,
+    fake_gateway,
+    http_client,
+    openai_client,
+    wait_for,
+)
 
 pytestmark = pytest.mark.anyio
 

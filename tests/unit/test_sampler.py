@@ -12,6 +12,7 @@ VOCAB = 16
 
 def make_row(prompt=(1, 2, 3), output=(), eos=(0,), position=None, **params) -> SamplingRequest:
     params.setdefault("logprobs", -1)
+    params.setdefault("max_tokens", 16)  # the sampler never reads it
     prompt, output = list(prompt), list(output)
     return SamplingRequest(
         params=SamplingParams(**params),

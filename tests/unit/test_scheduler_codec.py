@@ -1,5 +1,5 @@
-"""The gateway <-> scheduler codec: dataclasses -> protobuf -> dataclasses, and the wire fields
-each dataclass field lands in. No servers."""
+"""The gateway <-> scheduler codec (protos/scheduler_codec.py): dataclasses -> protobuf ->
+dataclasses, and the wire fields each dataclass field lands in. No servers."""
 
 from __future__ import annotations
 
@@ -7,19 +7,21 @@ import dataclasses
 
 import pytest
 
-from protos import scheduler_pb2
-from services.gateway.codec import (
+from common.sampling_params import (
     GenerateOutput,
     GenerateRequest,
     SamplingParams,
     TokenLogprobs,
     TopLogprob,
-    decode_output,
-    decode_request,
-    decode_sampling,
-    encode_output,
-    encode_request,
-    encode_sampling,
+)
+from protos import scheduler_pb2
+from protos.scheduler_codec import (
+    output_from_pb,
+    output_to_pb,
+    request_from_pb,
+    request_to_pb,
+    sampling_from_pb,
+    sampling_to_pb,
 )
 
 # Every float is exact in float32, the wire's float type, so round trips compare with ==.
@@ -36,22 +38,22 @@ EDGE_SAMPLING = [
 
 @pytest.mark.parametrize("params", EDGE_SAMPLING)
 def test_sampling_params_round_trip(params: SamplingParams) -> None:
-    assert decode_sampling(encode_sampling(params)) == params
+    assert sampling_from_pb(sampling_to_pb(params)) == params
 
 
 def test_sampling_defaults_reach_the_wire_explicitly() -> None:
     """proto3 zero values mean other things (temperature 0 is greedy, logprobs 0 asks for the
     sampled token's): the dataclass defaults must be written, and no seed must stay unset."""
-    message = encode_sampling(SamplingParams(max_tokens=5))
+    message = sampling_to_pb(SamplingParams(max_tokens=5, temperature=1.0))
     assert (message.temperature, message.top_p, message.repetition_penalty) == (1.0, 1.0, 1.0)
     assert (message.top_k, message.min_p, message.logprobs, message.max_tokens) == (0, 0.0, -1, 5)
     assert not message.HasField("seed")
-    assert encode_sampling(SamplingParams(max_tokens=5, seed=0)).HasField("seed")
+    assert sampling_to_pb(SamplingParams(max_tokens=5, seed=0)).HasField("seed")
 
 
 def test_float_fields_come_back_as_float32() -> None:
     params = SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, min_p=0.1)
-    back = decode_sampling(encode_sampling(params))
+    back = sampling_from_pb(sampling_to_pb(params))
     assert back.temperature == pytest.approx(0.7) and back.temperature != 0.7
     assert (back.top_p, back.min_p) == (pytest.approx(0.9), pytest.approx(0.1))
 
@@ -68,12 +70,12 @@ def test_generate_request_round_trip() -> None:
         request_id="cmpl-1-0", prompt_token_ids=(1, 2, 3), sampling=EDGE_SAMPLING[2],
         eos_token_ids=(2, 7), priority=-3, cache_salt="salt", sample_ids=("cmpl-1-1",),
     )
-    message = encode_request(request)
+    message = request_to_pb(request)
     assert list(message.sample_ids) == ["cmpl-1-1"] and message.sampling.seed == 2**64 - 1
-    assert decode_request(message) == request
+    assert request_from_pb(message) == request
     assert request.request_ids == ("cmpl-1-0", "cmpl-1-1")
     bare = GenerateRequest("r", (5,), SamplingParams(max_tokens=1))
-    assert decode_request(encode_request(bare)) == bare and bare.request_ids == ("r",)
+    assert request_from_pb(request_to_pb(bare)) == bare and bare.request_ids == ("r",)
 
 
 STREAMED = [
@@ -96,7 +98,7 @@ STREAMED = [
 
 @pytest.mark.parametrize("output", STREAMED)
 def test_streamed_output_round_trip(output: GenerateOutput) -> None:
-    assert decode_output(encode_output(output)) == output
+    assert output_from_pb(output_to_pb(output)) == output
 
 
 def test_output_decoded_from_the_wire() -> None:
@@ -111,7 +113,7 @@ def test_output_decoded_from_the_wire() -> None:
             scheduler_pb2.TokenLogprobs(logprob=-2.0),
         ],
     )
-    assert decode_output(message) == GenerateOutput(
+    assert output_from_pb(message) == GenerateOutput(
         token_ids=(5, 6),
         logprobs=(TokenLogprobs(-0.5, (TopLogprob(5, -0.5),)), TokenLogprobs(-2.0)),
         finish_reason="length", num_prompt_tokens=3, num_cached_tokens=1, stop_token_id=-1,
