@@ -27,8 +27,15 @@ from common.kv_transfer.base import (
     KVTransferError,
     TransferConfig,
 )
-from common.kv_transfer.frames import MAX_HEADER_BYTES, auth_tag, authentic, check_frame
-from protos import kv_transfer_pb2
+from common.kv_transfer.frames import (
+    MAX_HEADER_BYTES,
+    FrameHeader,
+    MalformedFrame,
+    authentic,
+    check_frame,
+    decode_header,
+    encode_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +122,12 @@ class NcclSender(KVSender):
             layers = cache.tensor[layer_start:layer_end]
             payload = self._staging(layers, len(src_block_ids))
             copy_blocks(payload, range(len(src_block_ids)), layers, src_block_ids)
-            header = kv_transfer_pb2.KVFrameHeader(
-                transfer_id=transfer_id, dst_block_ids=dst_block_ids, layer_start=layer_start,
-                layer_end=layer_end, dtype=self.layout.dtype, shape=list(payload.shape),
-                payload_bytes=payload.numel() * payload.element_size(), last=last)
-            if self.cfg.secret:
-                header.auth_tag = auth_tag(self.cfg.secret, header)
-            store.set(f"{pair}hdr/{seq}", header.SerializeToString(deterministic=True))
+            header = FrameHeader(
+                transfer_id=transfer_id, dst_block_ids=tuple(dst_block_ids),
+                layer_start=layer_start, layer_end=layer_end, dtype=self.layout.dtype,
+                shape=tuple(payload.shape), payload_bytes=payload.numel() * payload.element_size(),
+                last=last)
+            store.set(f"{pair}hdr/{seq}", encode_header(header, self.cfg.secret))
             refusal = _wait_key(store, f"{pair}go/{seq}", deadline).decode()
             if refusal:
                 raise KVTransferError(f"refused: {refusal}")
@@ -235,7 +241,11 @@ class NcclListener(KVListener):
         if len(raw) > MAX_HEADER_BYTES:
             store.set(f"{pair}go/{seq}", b"header too large")
             return
-        h = kv_transfer_pb2.KVFrameHeader.FromString(raw)
+        try:
+            h = decode_header(raw)
+        except MalformedFrame as e:
+            store.set(f"{pair}go/{seq}", str(e).encode())
+            return
         refusal, shape = self._check(h)
         store.set(f"{pair}go/{seq}", refusal.encode())
         if refusal:
@@ -253,7 +263,7 @@ class NcclListener(KVListener):
                 self.receiver.mark_received(h.transfer_id)
             store.set(f"{pair}ack/{seq}", b"" if complete else b"not every layer was sent")
 
-    def _check(self, h) -> tuple[str, tuple]:
+    def _check(self, h: FrameHeader) -> tuple[str, tuple]:
         if not authentic(self.cfg.secret, h):
             return "bad authentication tag", ()
         deadline = time.monotonic() + self.cfg.timeout_s / 2  # answer before the sender gives up

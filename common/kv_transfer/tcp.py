@@ -29,8 +29,17 @@ from common.kv_transfer.base import (
     KVTransferError,
     TransferConfig,
 )
-from common.kv_transfer.frames import MAX_HEADER_BYTES, auth_tag, authentic, check_frame
-from protos import kv_transfer_pb2
+from common.kv_transfer.frames import (
+    MAX_HEADER_BYTES,
+    FrameHeader,
+    MalformedFrame,
+    authentic,
+    check_frame,
+    decode_ack,
+    decode_header,
+    encode_ack,
+    encode_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +80,14 @@ class TcpSender(KVSender):
             if not last:
                 return moved
             del self._deadlines[transfer_id]
-            ack = kv_transfer_pb2.KVTransferAck.FromString(_recv_msg(sock, deadline))
+            acked, error = decode_ack(_recv_msg(sock, deadline))
         except (OSError, ValueError, KVTransferError) as e:
             self._deadlines.pop(transfer_id, None)
             self._drop(dst_endpoint)
             raise KVTransferError(f"transfer {transfer_id} to {dst_endpoint}: {e}") from e
-        if ack.transfer_id != transfer_id or ack.error:
+        if acked != transfer_id or error:
             self._drop(dst_endpoint)
-            raise KVTransferError(f"transfer {transfer_id} refused: {ack.error or 'wrong ack'}")
+            raise KVTransferError(f"transfer {transfer_id} refused: {error or 'wrong ack'}")
         return moved
 
     def _send_frames(self, sock, transfer_id, cache, src_block_ids, dst_block_ids, deadline,
@@ -92,13 +101,10 @@ class TcpSender(KVSender):
             payload = self._staging(layers.shape[:2] + (len(src_block_ids),) + layers.shape[3:])
             copy_blocks(payload, range(len(src_block_ids)), layers, src_block_ids)
             data = payload.view(torch.uint8).numpy().data  # raw bytes, no copy
-            header = kv_transfer_pb2.KVFrameHeader(
-                transfer_id=transfer_id, dst_block_ids=dst_block_ids, layer_start=l0,
-                layer_end=l1, dtype=self.layout.dtype, shape=list(payload.shape),
-                payload_bytes=data.nbytes, last=last and l1 == layer_end)
-            if self.cfg.secret:
-                header.auth_tag = auth_tag(self.cfg.secret, header)
-            raw = header.SerializeToString(deterministic=True)
+            raw = encode_header(FrameHeader(
+                transfer_id=transfer_id, dst_block_ids=tuple(dst_block_ids), layer_start=l0,
+                layer_end=l1, dtype=self.layout.dtype, shape=tuple(payload.shape),
+                payload_bytes=data.nbytes, last=last and l1 == layer_end), self.cfg.secret)
             _settimeout(sock, deadline)
             sock.sendall(LEN.pack(len(raw)) + raw)
             _settimeout(sock, deadline)
@@ -270,7 +276,10 @@ class TcpListener(KVListener):
     async def _frame(self, conn: _Conn, header_len: int) -> None:
         if header_len > MAX_HEADER_BYTES:
             raise FrameRejected(f"header of {header_len} bytes")
-        header = kv_transfer_pb2.KVFrameHeader.FromString(bytes(await conn.read(header_len)))
+        try:
+            header = decode_header(bytes(await conn.read(header_len)))
+        except MalformedFrame as e:
+            raise FrameRejected(str(e)) from e
         try:
             blocks, shape = await self._check(header)
         except FrameRejected as e:
@@ -291,7 +300,7 @@ class TcpListener(KVListener):
             self.receiver.mark_received(header.transfer_id)
             await self._ack(conn, header.transfer_id, "")
 
-    async def _check(self, h: kv_transfer_pb2.KVFrameHeader) -> tuple[tuple[int, ...], tuple]:
+    async def _check(self, h: FrameHeader) -> tuple[tuple[int, ...], tuple]:
         if not authentic(self.cfg.secret, h):
             raise FrameRejected("bad authentication tag")
         blocks = await self._wait_expected(h.transfer_id)
@@ -311,6 +320,5 @@ class TcpListener(KVListener):
         return blocks
 
     async def _ack(self, conn: _Conn, transfer_id: str, error: str) -> None:
-        ack = kv_transfer_pb2.KVTransferAck(transfer_id=transfer_id, error=error)
-        raw = ack.SerializeToString()
+        raw = encode_ack(transfer_id, error)
         await conn.write(LEN.pack(len(raw)) + raw)

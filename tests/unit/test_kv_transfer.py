@@ -1,17 +1,27 @@
 """KV transports moving real blocks between two caches: exact bytes, validation, deadlines."""
 import asyncio
 import os
-from pathlib import Path
 import socket
 import struct
 import threading
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from common.kv_layout import KVLayout
 from common.kv_cache import PagedKVCache
+from common.kv_layout import KVLayout
 from common.kv_transfer.base import KVReceiver, KVTransferError, TransferConfig
+from common.kv_transfer.frames import (
+    FrameHeader,
+    MalformedFrame,
+    authentic,
+    decode_ack,
+    decode_header,
+    encode_ack,
+    encode_header,
+)
 from common.kv_transfer.registry import create_listener, create_sender
 from common.kv_transfer.shm import ShmListener, ShmSender
 from common.kv_transfer.tcp import TcpSender
@@ -176,6 +186,7 @@ def test_segments_of_dead_workers_are_swept(tmp_path):
     """A segment's owner holds a lock on it for life; a crashed owner's segment is removed."""
     import subprocess
     import sys
+
     from common.kv_cache import create_segment, sweep_stale_segments
     live_fd = create_segment(tmp_path / "pdserve-kv-live", 4096)
     code = ("import os, sys; sys.path.insert(0, %r); from pathlib import Path;"
@@ -214,3 +225,27 @@ def test_nccl_transport_refuses_what_was_not_reserved(nccl):
     with pytest.raises(KVTransferError, match="reservation"):
         sender.send("t1", src, [1, 2], listener.endpoint(), [3, 4])
     assert torch.equal(dst.tensor, before)
+
+
+def test_frame_headers_round_trip_and_a_tampered_one_is_not_authentic():
+    h = FrameHeader("t", (1, 5), 0, 2, "bfloat16", (2, 2, 2, 16, 4, 64), 65536, last=True)
+    back = decode_header(encode_header(h, b"key"))
+    assert replace(back, auth_tag=b"") == h and authentic(b"key", back)
+    assert not authentic(b"other", back)
+    assert not authentic(b"key", replace(back, dst_block_ids=(1, 6)))
+    assert decode_header(encode_header(h, b"")) == h  # no secret: no tag
+    with pytest.raises(MalformedFrame):
+        decode_header(b"\xff" * 10)
+    assert decode_ack(encode_ack("t", "refused")) == ("t", "refused")
+
+
+def test_tcp_drops_a_connection_whose_header_is_garbage_and_serves_the_next(tcp):
+    src, dst, receiver, listener, sender = tcp()
+    raw = b"\xff" * 10
+    host, port = listener.endpoint()[len("tcp://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(struct.pack("!I", len(raw)) + raw)
+        assert s.recv(4) == b""  # closed, nothing read into the cache
+    receiver.expect("t2", "r2", [1], transport="tcp")
+    sender.send("t2", src, [1], listener.endpoint(), [1])
+    assert torch.equal(dst.tensor[:, :, 1], src.tensor[:, :, 1])
