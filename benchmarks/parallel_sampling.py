@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import launch  # noqa: E402
+from loadgen import launch  # noqa: E402
 
 
 def counters(sched: str) -> dict[str, int]:

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import launch, print_table, run_load, summarize  # noqa: E402
+from loadgen import launch, run_load, summarize  # noqa: E402
+from serve import print_table  # noqa: E402
 
 SHAPES = {
     "prefix caching on": [],
@@ -54,7 +55,7 @@ def main() -> int:
     print(f"{len(prompts)} requests: a {args.system_len}-token system prompt + {args.question} "
           f"question tokens ({total} prompt tokens in all), {args.max_tokens} output tokens, "
           f"{args.rate} req/s")
-    rows = []
+    rows = {}
     for name, shape in SHAPES.items():
         log = Path(f"/tmp/pdserve-bench-prefix-{name.split()[-1]}.log")
         proc, url, sched = launch(args.model, shape, log)
@@ -66,9 +67,9 @@ def main() -> int:
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(30)
-        row = summarize(name, results, wall)
+        row = summarize(results, wall, slo_ttft_s=2.0, slo_tpot_s=0.1)
         row["prefill tokens"] = computed
-        rows.append(row)
+        rows[name] = row
     print_table(rows)
     print("(prefill tokens: prompt tokens the workers computed, warm-up request included)")
     return 0

@@ -1,0 +1,22 @@
+"""benchmarks/serve.py in a tiny form: it launches a stack, loads it and writes its files (the
+figures are measured by hand, never in tests)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_serving_benchmark_writes_its_files(tiny_llama, tmp_path):
+    out = tmp_path / "bench"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--model", str(tiny_llama),
+         "--workload", "mixed", "--num-requests", "3", "--rates", "4", "8", "--max-tokens", "3",
+         "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for name in ("requests.json", "summary.json", "ttft_tpot_cdf.png", "timeline.png",
+                 "goodput.png"):
+        assert (out / name).stat().st_size > 0, name
+    summary = json.loads((out / "summary.json").read_text())["targets"]["pdserve (defaults)"]
+    assert set(summary) == {"4.0", "8.0"} and summary["4.0"]["failed"] == 0
