@@ -25,7 +25,7 @@ def cdfs(runs: dict[str, list[Record]], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -46,7 +46,7 @@ def timeline(runs: dict[str, list[Record]], path: Path, title: str, long_at: int
         ax.invert_yaxis()
     axes[-1, 0].set_xlabel("seconds since the first request")
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -10,6 +10,7 @@ Workloads (loadgen.py): random, bimodal, mixed, shared-prefix. Each target gets 
 at the same Poisson arrival times. Writes to --out: requests.json (every request's timings, per
 target and rate), summary.json, ttft_tpot_cdf.png, timeline.png and, with several rates,
 goodput.png; prints a table with each target's ratio to the first one (the baseline, if given).
+`--replot DIR` redraws a run's figures and table from its JSON files.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import json
 import shlex
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,6 +58,42 @@ def print_table(rows: dict[str, dict[str, float]]) -> None:
           f"{', '.join(sorted(HIGHER_IS_BETTER))}: higher is better, the rest lower)")
 
 
+def load(out: Path) -> tuple[dict, dict[str, dict[float, list[Record]]],
+                             dict[str, dict[float, dict[str, float]]]]:
+    """A run's metadata, records and summaries, as serve.py wrote them."""
+    summary = json.loads((out / "summary.json").read_text())
+    raw = json.loads((out / "requests.json").read_text())
+    fields = {f for f in Record.__dataclass_fields__}
+    records = {n: {float(r): [Record(**{k: v for k, v in rec.items() if k in fields})
+                              for rec in recs] for r, recs in by.items()}
+               for n, by in raw.items()}
+    summaries = {n: {float(r): s for r, s in by.items()}
+                 for n, by in summary.pop("targets").items()}
+    return summary, records, summaries
+
+
+def report(out: Path, meta: dict, records: dict[str, dict[float, list[Record]]],
+           summaries: dict[str, dict[float, dict[str, float]]]) -> None:
+    """The figures and the table of one run."""
+    rates = list(next(iter(records.values())))
+    first = rates[0]
+    title = f"{meta['workload']}, {meta['requests']} requests {_at(first)}"
+    plots.cdfs({n: by[first] for n, by in records.items()}, out / "ttft_tpot_cdf.png", title)
+    plots.timeline({n: by[first] for n, by in records.items()}, out / "timeline.png", title)
+    if len(rates) > 1:
+        plots.goodput({n: [(r, s["goodput req/s"]) for r, s in by.items()]
+                       for n, by in summaries.items()}, out / "goodput.png",
+                      f"{meta['workload']}: TTFT <= {meta['slo_ttft_ms']:.0f} ms and TPOT <= "
+                      f"{meta['slo_tpot_ms']:.0f} ms")
+    for rate in rates:
+        print(f"\n{meta['workload']} {_at(rate)}")
+        print_table({n: by[rate] for n, by in summaries.items()})
+
+
+def _at(rate: float) -> str:
+    return f"at {rate} req/s" if rate > 0 else "all at once"
+
+
 def targets(args) -> list[tuple[str, str | None, list[str]]]:
     """(row name, URL of a running server or None to launch, `pdserve up` flags)."""
     out: list[tuple[str, str | None, list[str]]] = []
@@ -86,7 +124,11 @@ def main() -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--out", default="benchmarks/results/serve", help="directory for the files")
+    p.add_argument("--replot", metavar="DIR", help="redraw DIR's figures from its JSON files")
     args = p.parse_args()
+    if args.replot:
+        report(Path(args.replot), *load(Path(args.replot)))
+        return 0
     rates = args.rates or [args.rate]
     prompts = workload(args.workload, args.num_requests, args.seed)
     out = Path(args.out)
@@ -104,7 +146,8 @@ def main() -> int:
     for name, url, flags in targets(args):
         proc = None
         if url is None:
-            proc, url, _ = launch(args.model, flags, out / f"{name.replace(' ', '_')}.log")
+            log = Path(tempfile.gettempdir()) / f"pdserve-bench-{name.replace(' ', '_')}.log"
+            proc, url, _ = launch(args.model, flags, log)
         try:
             for rate in rates:
                 recs, wall = asyncio.run(run_load(url, prompts, rate, args.max_tokens, args.seed))
@@ -115,25 +158,14 @@ def main() -> int:
             if proc is not None:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(60)
-    first = rates[0]
     (out / "requests.json").write_text(json.dumps(
         {n: {str(r): records_json(v) for r, v in by.items()} for n, by in records.items()}))
+    meta = {"workload": args.workload, "requests": len(prompts), "max_tokens": args.max_tokens,
+            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
     (out / "summary.json").write_text(json.dumps(
-        {"workload": args.workload, "requests": len(prompts), "max_tokens": args.max_tokens,
-         "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
-         "targets": {n: {str(r): s for r, s in by.items()} for n, by in summaries.items()}},
-        indent=1))
-    title = f"{args.workload}, {len(prompts)} requests at {first} req/s"
-    plots.cdfs({n: by[first] for n, by in records.items()}, out / "ttft_tpot_cdf.png", title)
-    plots.timeline({n: by[first] for n, by in records.items()}, out / "timeline.png", title)
-    if len(rates) > 1:
-        plots.goodput({n: [(r, s["goodput req/s"]) for r, s in by.items()]
-                       for n, by in summaries.items()}, out / "goodput.png",
-                      f"{args.workload}: TTFT <= {args.slo_ttft_ms:.0f} ms and TPOT <= "
-                      f"{args.slo_tpot_ms:.0f} ms")
-    for rate in rates:
-        print(f"\n{args.workload} at {rate} req/s")
-        print_table({n: by[rate] for n, by in summaries.items()})
+        {**meta, "targets": {n: {str(r): s for r, s in by.items()}
+                             for n, by in summaries.items()}}, indent=1))
+    report(out, meta, records, summaries)
     print(f"\nwrote {out}/")
     return 0
 
