@@ -63,10 +63,7 @@ class AttentionMetadata:
               prefills: list[tuple[int, int, list[int]]], block_size: int) -> AttentionMetadata:
         """decodes: (num_computed, block_ids) per sequence, one new token each.
         prefills: (num_computed, num_new, block_ids) per sequence."""
-        slots: list[int] = []
-        for num_computed, block_ids in decodes:
-            slots.append(block_ids[num_computed // block_size] * block_size
-                         + num_computed % block_size)
+        slots = [slot_of(block_ids, n, block_size) for n, block_ids in decodes]
         max_blocks = max((len(b) for _, b in decodes), default=0)
         tables = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
         for i, (_, block_ids) in enumerate(decodes):
@@ -98,6 +95,11 @@ class AttentionMetadata:
             query_start_loc=move(self.query_start_loc),
             prefill_num_cached=move(self.prefill_num_cached),
             prefill_block_tables=move(self.prefill_block_tables))
+
+
+def slot_of(block_ids: list[int], position: int, block_size: int) -> int:
+    """The cache slot of a sequence's token at `position`."""
+    return block_ids[position // block_size] * block_size + position % block_size
 
 
 def _varlen_prefills(chunks: list[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor,

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from common.models.attention import AttentionMetadata
+from common.models.attention import AttentionMetadata, slot_of
 from common.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -85,17 +85,19 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.graphs),
                  self.buckets[-1], time.monotonic() - start)
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
-        """Hidden states [len(ids), hidden] of one decode token per sequence."""
+    def run(self, ids: list[int], decodes: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Hidden states [len(ids), hidden] of one decode token per sequence; decodes as
+        AttentionMetadata.build takes them: (num_computed, block_ids) per sequence."""
         n = len(ids)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         # only the columns this step's rows use: a row's columns past its own length are never
         # read (its length bounds the kernel), nor are a padding row's (length 0)
-        width = max(len(row) for row in block_tables)
+        width = max(len(row) for _, row in decodes)
         table = np.zeros((bucket, width), dtype=np.int64)
-        for i, row in enumerate(block_tables):
+        for i, (_, row) in enumerate(decodes):
             table[i, :len(row)] = row
+        positions = [p for p, _ in decodes]
+        slots = [slot_of(row, p, self.block_size) for p, row in decodes]
         pad = bucket - n
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
                              [p + 1 for p in positions] + [0] * pad], dtype=torch.long)

@@ -79,15 +79,14 @@ class ModelRunner:
             positions.extend(range(start, start + n))
         device = self.cache.tensor.device
         graphs = self.decode_graphs
+        decoding = [(r.num_computed_tokens, r.block_ids) for r, _ in decodes]
         if (graphs is not None and not prefills and on_layer is None
-                and graphs.fits(len(decodes), max(len(r.block_ids) for r, _ in decodes))):
-            bs = self.block_size
-            slots = [r.block_ids[p // bs] * bs + p % bs for (r, _), p in zip(decodes, positions)]
-            hidden = graphs.run(ids, positions, slots, [r.block_ids for r, _ in decodes])
+                and graphs.fits(len(decodes), max(len(b) for _, b in decoding))):
+            hidden = graphs.run(ids, decoding)
         else:
             meta = AttentionMetadata.build(
-                [(r.num_computed_tokens, r.block_ids) for r, _ in decodes],
-                [(r.num_computed_tokens, n, r.block_ids) for r, n in prefills], self.block_size)
+                decoding, [(r.num_computed_tokens, n, r.block_ids) for r, n in prefills],
+                self.block_size)
             if device.type != "cpu":
                 meta = meta.to(device)
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=device),
