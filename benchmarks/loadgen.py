@@ -39,10 +39,18 @@ def workload(name: str, n: int, seed: int) -> list[list[int]]:
     if name == "random":
         return [tokens(256) for _ in range(n)]
     if name == "shared-prefix":
-        system = tokens(1024)
-        return [system + tokens(rng.randint(20, 80)) for _ in range(n)]
+        return shared_prefix(n, 1024, (20, 80), seed)
     long_frac, long = {"bimodal": (0.2, (2000, 3800)), "mixed": (0.1, (2000, 3000))}[name]
     return [tokens(rng.randint(*long) if rng.random() < long_frac else rng.randint(50, 200))
+            for _ in range(n)]
+
+
+def shared_prefix(n: int, system_len: int, question: tuple[int, int],
+                  seed: int) -> list[list[int]]:
+    """One system prompt of system_len tokens, then a question of `question` tokens each."""
+    rng = random.Random(seed)
+    system = [rng.randrange(0, VOCAB) for _ in range(system_len)]
+    return [system + [rng.randrange(0, VOCAB) for _ in range(rng.randint(*question))]
             for _ in range(n)]
 
 

@@ -8,27 +8,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import launch, run_load, summarize  # noqa: E402
+from loadgen import launch, run_load, shared_prefix, summarize  # noqa: E402
 from serve import print_table  # noqa: E402
 
 SHAPES = {
     "prefix caching on": [],
     "prefix caching off": ["--scheduler-args=--no-enable-prefix-caching"],
 }
-
-
-def workload(n: int, system_len: int, question: tuple[int, int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    system = [rng.randrange(0, 2000) for _ in range(system_len)]
-    return [system + [rng.randrange(0, 2000) for _ in range(rng.randint(*question))]
-            for _ in range(n)]
 
 
 def prefill_tokens(sched: str) -> int:
@@ -50,7 +42,7 @@ def main() -> int:
     if not Path(args.model, "config.json").exists():
         from common.models.tiny import make_tiny_model
         make_tiny_model(args.model)
-    prompts = workload(args.num_requests, args.system_len, tuple(args.question), args.seed)
+    prompts = shared_prefix(args.num_requests, args.system_len, tuple(args.question), args.seed)
     total = sum(map(len, prompts))
     print(f"{len(prompts)} requests: a {args.system_len}-token system prompt + {args.question} "
           f"question tokens ({total} prompt tokens in all), {args.max_tokens} output tokens, "
