@@ -25,6 +25,7 @@ class Registration:
     kv_endpoints: dict[str, str]   # transport -> address peers send to
     host_id: str = ""
     max_model_len: int = 0
+    cpu_cores: tuple[int, ...] = ()  # a CPU worker's cores (its affinity); () on a GPU
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class StepPlan:
     recvs: list[KVRecv] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)    # drop their state
     copies: list[BlockCopy] = field(default_factory=list)
+    num_threads: int = 0  # CPU threads for this step (cores lent and taken back); 0: as before
 
     def is_empty(self) -> bool:
         return not (self.scheduled or self.finished_request_ids or self.recvs

@@ -45,7 +45,7 @@ def registration_to_pb(r: Registration) -> worker_pb2.Register:
         worker_id=r.worker_id, role=r.role, model_fingerprint=r.model_fingerprint,
         num_blocks=r.num_blocks, layout=layout_to_pb(r.layout), kv_endpoint=first,
         transports=r.transports, host_id=r.host_id, max_model_len=r.max_model_len,
-        kv_endpoints=r.kv_endpoints)
+        kv_endpoints=r.kv_endpoints, cpu_cores=r.cpu_cores)
 
 
 def registration_from_pb(pb: worker_pb2.Register) -> Registration:
@@ -55,11 +55,11 @@ def registration_from_pb(pb: worker_pb2.Register) -> Registration:
         worker_id=pb.worker_id, role=pb.role, model_fingerprint=pb.model_fingerprint,
         num_blocks=pb.num_blocks, layout=layout_from_pb(pb.layout),
         transports=tuple(pb.transports), kv_endpoints=endpoints, host_id=pb.host_id,
-        max_model_len=pb.max_model_len)
+        max_model_len=pb.max_model_len, cpu_cores=tuple(pb.cpu_cores))
 
 
 def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
-    pb = worker_pb2.StepPlan(step_id=plan.step_id,
+    pb = worker_pb2.StepPlan(step_id=plan.step_id, num_threads=plan.num_threads,
                              finished_request_ids=plan.finished_request_ids)
     for n in plan.new_requests:
         pb.new_requests.add(
@@ -105,7 +105,8 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> StepPlan:
         recvs=[KVRecv(r.transfer_id, r.request_id, tuple(r.block_ids), r.transport)
                for r in pb.recvs],
         finished_request_ids=list(pb.finished_request_ids),
-        copies=[BlockCopy(b.src, b.dst, b.request_id, b.leader_id) for b in pb.copies])
+        copies=[BlockCopy(b.src, b.dst, b.request_id, b.leader_id) for b in pb.copies],
+        num_threads=pb.num_threads)
 
 
 def counters_to_pb(c: WorkerCounters) -> worker_pb2.WorkerCounters:

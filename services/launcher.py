@@ -18,6 +18,7 @@ from pathlib import Path
 
 DEFAULT_MODEL = "models/tiny-llama"
 GPU_MEMORY_SHARE = 0.9  # of one GPU's memory, split between the workers `pdserve up` puts on it
+PREFILL_NICE = 19       # the lowest CPU priority: prefill takes only what decoding leaves
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-workers", type=int, default=1, help="prefill-worker processes")
     p.add_argument("--decode-workers", type=int, default=1, help="decode-worker processes")
     p.add_argument("--cpu-threads", type=int, default=0,
-                   help="torch threads per worker; 0 splits this host's cores between workers")
+                   help="torch threads per worker at start; 0: every core when the workers share "
+                        "them (the scheduler then sets each step's threads), else each worker's "
+                        "part")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=0,
                    help="KV blocks per worker; 0 sizes them from the workers' default memory")
@@ -46,9 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu",
                    help="where the workers keep the model and KV cache: cpu | cuda | auto; on a "
                         "GPU the workers split 90%% of its memory and send KV over cuda_ipc")
-    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
-                   help="give each worker its own cores (when there are enough), so prefill and "
-                        "decode do not fight over them")
+    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=False,
+                   help="give each worker its own cores (when there are enough): a static split, "
+                        "where the cores of an idle phase idle. Default: CPU workers share every "
+                        "core; each step's threads follow who is busy, and prefill workers run at "
+                        "the lowest CPU priority so that decoding never waits for them")
     p.add_argument("--prefill-worker-args", default="",
                    help="more `pdserve prefill-worker` flags, as one string")
     p.add_argument("--decode-worker-args", default="",
@@ -91,7 +96,10 @@ def commands(args) -> list[list[str]]:
     if args.mode == "colocated":
         args.prefill_workers = 0
     num_workers = args.prefill_workers + args.decode_workers
-    threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
+    shared = not args.pin_cpus and args.device == "cpu"
+    num_cores = len(os.sched_getaffinity(0))
+    threads = args.cpu_threads or \
+        (num_cores if shared else max(1, num_cores // max(1, num_workers)))
     worker = ["--model", args.model, "--scheduler", sched, "--block-size", str(args.block_size),
               "--cpu-threads", str(threads), "--device", args.device,
               # the largest step, profiled by a GPU worker before it sizes its KV cache
@@ -114,7 +122,9 @@ def commands(args) -> list[list[str]]:
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--max-model-len", str(args.max_model_len), "--mode", args.mode,
                    *metrics[0], *tracing, *shlex.split(args.scheduler_args)]]
-    cmds += [exe + ["prefill-worker"] + worker + metrics[1 + i] + cores[i]
+    # sharing cores, a prefill step yields them to a decode step that wants them
+    yields = ["--cpu-nice", str(PREFILL_NICE)] if shared else []
+    cmds += [exe + ["prefill-worker"] + worker + metrics[1 + i] + cores[i] + yields
              + shlex.split(args.prefill_worker_args) for i in range(args.prefill_workers)]
     cmds += [exe + ["decode-worker"] + worker + metrics[1 + args.prefill_workers + i]
              + cores[args.prefill_workers + i] + shlex.split(args.decode_worker_args)
@@ -124,6 +134,15 @@ def commands(args) -> list[list[str]]:
     if args.max_model_len:
         gateway += ["--max-model-len", str(args.max_model_len)]
     return cmds + [gateway]
+
+
+def environment(cmd: list[str]) -> dict[str, str]:
+    """A worker running at a lower priority sleeps while it waits between parallel regions
+    instead of spinning on cores that a decode worker wants (OpenMP reads this at start-up)."""
+    env = dict(os.environ)
+    if "--cpu-nice" in cmd:
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 def _metrics_ports(first: int, n: int) -> list[int]:
@@ -207,7 +226,7 @@ def run(args) -> int:
     procs = [subprocess.Popen(cmds[0])]
     try:
         time.sleep(0.5)
-        procs += [subprocess.Popen(c) for c in cmds[1:]]
+        procs += [subprocess.Popen(c, env=environment(c)) for c in cmds[1:]]
         if not _wait_ready(args, procs, time.monotonic() + args.ready_timeout, lambda: stopping):
             if stopping:
                 return 0
@@ -234,7 +253,7 @@ def run(args) -> int:
                       f"({restarts}/{args.max_worker_restarts})", file=sys.stderr, flush=True)
                 from common.kv_cache import sweep_stale_segments
                 sweep_stale_segments()
-                procs[i] = subprocess.Popen(c)
+                procs[i] = subprocess.Popen(c, env=environment(c))
             time.sleep(0.5)
         return 0
     finally:

@@ -26,6 +26,7 @@ class WorkerConfig:
     max_model_len: int = 0           # 0: the model's max_position_embeddings
     cpu_threads: int = 0             # 0: torch's default (or one per core of cpu_cores)
     cpu_cores: tuple[int, ...] = ()  # pin the worker to these cores; (): no pinning
+    cpu_nice: int = 0                # lower CPU priority (0-19): yields shared cores to others
     kv_transports: tuple[str, ...] = ("shm", "tcp")
     kv_host: str = "127.0.0.1"       # where the tcp KV listener binds
     kv_port: int = 0
@@ -61,6 +62,8 @@ class WorkerConfig:
             raise ValueError("--max-cudagraph-capture-size must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1")
+        if not 0 <= self.cpu_nice <= 19:
+            raise ValueError("--cpu-nice must be in 0..19")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, not {self.device!r}")
         if self.resolved_device() != "cpu" and self.kv_transports == ("shm", "tcp"):
@@ -132,7 +135,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pin this worker to these cores, e.g. 0-3,8 (workers sharing a host keep "
                         "off each other's cores); default: no pinning")
     p.add_argument("--cpu-threads", type=int, default=int(env("PDSERVE_CPU_THREADS", 0)),
-                   help="torch threads for this worker; 0 keeps torch's default")
+                   help="torch threads for this worker; 0 keeps torch's default (a scheduler "
+                        "whose workers share cores sets them per step)")
+    p.add_argument("--cpu-nice", type=int, default=int(env("PDSERVE_CPU_NICE", 0)),
+                   help="lower this worker's CPU priority by this much (0-19), so that a worker "
+                        "sharing its cores at priority 0 (a decode worker) always gets them first "
+                        "(env PDSERVE_CPU_NICE)")
     p.add_argument("--kv-transports", nargs="+", default=list(d.kv_transports),
                    help=f"KV transports offered, preferred first; known: {KNOWN_TRANSPORTS}")
     p.add_argument("--kv-host", default=env("PDSERVE_KV_HOST", d.kv_host),
@@ -179,7 +187,7 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, cpu_threads=args.cpu_threads,
-                        cpu_cores=args.cpu_cores,
+                        cpu_cores=args.cpu_cores, cpu_nice=args.cpu_nice,
                         kv_transports=tuple(args.kv_transports), kv_host=args.kv_host,
                         kv_port=args.kv_port, kv_advertise_host=args.kv_advertise_host,
                         kv_advertise_port=args.kv_advertise_port,

@@ -46,6 +46,8 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
         log.info("removed KV segments of dead workers: %s", ", ".join(stale))
     if cfg.cpu_cores:
         os.sched_setaffinity(0, cfg.cpu_cores)
+    if cfg.cpu_nice:
+        lower_priority(cfg.cpu_nice)
     if cfg.cpu_threads or cfg.cpu_cores:
         torch.set_num_threads(cfg.cpu_threads or len(cfg.cpu_cores))
     dtype = getattr(torch, cfg.dtype)
@@ -86,8 +88,19 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     reg = Registration(
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
         num_blocks=num_blocks, layout=layout, transports=cfg.kv_transports, kv_endpoints={},
-        host_id=cfg.host_id or default_host_id(), max_model_len=max_len)
+        host_id=cfg.host_id or default_host_id(), max_model_len=max_len,
+        cpu_cores=tuple(sorted(os.sched_getaffinity(0))) if device.type == "cpu" else ())
     return worker, reg
+
+
+def lower_priority(nice: int) -> None:
+    """Every thread of this process, and those it starts later (they inherit it), runs at
+    `nice`: on Linux a nice value belongs to a thread, not to the process."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile, or a value this process may not set
 
 
 async def start_listeners(worker: Worker, reg: Registration) -> None:

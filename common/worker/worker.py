@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from common.kv_cache import PagedKVCache, copy_blocks, on_device
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, KVTransferError
 from common.plans import (
@@ -67,6 +69,9 @@ class Worker:
                               c.steps)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        # per step and on the thread that runs it: torch's thread count is per calling thread
+        if plan.num_threads and plan.num_threads != torch.get_num_threads():
+            torch.set_num_threads(plan.num_threads)
         with on_device(self.cache.tensor.device):
             return self._execute(plan)
 

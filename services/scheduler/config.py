@@ -15,8 +15,9 @@ class SchedulerConfig:
     placement: str = "prefix-aware"
     mode: str = "disaggregated"        # or "colocated": decode workers only, each does both
     enable_prefix_caching: bool = True
-    prefill_bypass_threshold: int = 0  # prompts with at most this many uncached tokens skip P
-    saturated_prefill_bypass: bool = False  # a decode worker with room prefills what P cannot start
+    prefill_bypass_threshold: int = 256  # short prompts: their decode worker may prefill them
+    saturated_prefill_bypass: bool = True  # ... and long ones while every prefill worker is busy
+    decode_prefill_tokens: int = 256   # most prompt tokens a decode worker computes in a step
     max_num_partial_prefills: int = 2  # a short prompt's fast lane beside one long prompt
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: half the step budget when partials > 1
@@ -42,6 +43,8 @@ class SchedulerConfig:
         if self.max_long_partial_prefills > self.max_num_partial_prefills:
             raise ValueError("--max-long-partial-prefills cannot exceed "
                              "--max-num-partial-prefills")
+        if self.decode_prefill_tokens < 1:
+            raise ValueError("--decode-prefill-tokens must be >= 1")
         for name in ("prefill_bypass_threshold", "long_prefill_token_threshold",
                      "max_waiting_requests"):
             if getattr(self, name) < 0:

@@ -39,12 +39,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=d.enable_prefix_caching,
                    help="reuse the KV of full blocks already computed for the same prefix")
     p.add_argument("--prefill-bypass-threshold", type=int, default=d.prefill_bypass_threshold,
-                   help="prompts with at most this many uncached tokens are prefilled by their "
-                        "decode worker; 0 never bypasses the prefill pool")
+                   help="a prompt with at most this many uncached tokens is prefilled by its "
+                        "decode worker when no prefill worker is free to start it now, or when "
+                        "the decode worker caches more of it; 0: only by prefill workers")
     p.add_argument("--saturated-prefill-bypass", action=argparse.BooleanOptionalAction,
                    default=d.saturated_prefill_bypass,
-                   help="when no prefill worker can start a prompt now, a decode worker with "
-                        "room prefills it itself (trades its decodes' TPOT for the prompt's TTFT)")
+                   help="when every prefill worker is busy, a decode worker with room prefills "
+                        "a longer prompt too, one at a time (trades its decodes' TPOT, within "
+                        "--decode-prefill-tokens a step, for the prompt's TTFT)")
+    p.add_argument("--decode-prefill-tokens", type=int, default=d.decode_prefill_tokens,
+                   help="with prefill workers, the most prompt tokens a decode worker computes "
+                        "in one step beside its batch: bounds what a prefill there adds to "
+                        "the step time of every request it decodes")
     p.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
                    help="prompts a worker may have started and not finished prefilling at once")
     p.add_argument("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
@@ -74,6 +80,7 @@ def config_from_args(args) -> SchedulerConfig:
                            enable_prefix_caching=args.enable_prefix_caching,
                            prefill_bypass_threshold=args.prefill_bypass_threshold,
                            saturated_prefill_bypass=args.saturated_prefill_bypass,
+                           decode_prefill_tokens=args.decode_prefill_tokens,
                            max_num_partial_prefills=args.max_num_partial_prefills,
                            max_long_partial_prefills=args.max_long_partial_prefills,
                            long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -9,14 +9,22 @@ may always start, so short prompts pass long ones.
 Who prefills a prompt:
 
     prefill workers exist?  no  -> its decode worker
-                            yes -> a prefill worker, unless
-                                   - its uncached tail is at most --prefill-bypass-threshold
-                                     tokens (judged by what the decode workers cache), or
-                                   - its KV transfer failed once (prefill_locally), or
-                                   - --saturated-prefill-bypass and no prefill worker can start
-                                     it while a decode worker has room
+                            yes -> a prefill worker, unless its decode worker takes it beside
+                                   its batch (at most --decode-prefill-tokens a step):
+                                   - its uncached tail there is at most
+                                     --prefill-bypass-threshold tokens and no prefill worker is
+                                     free to start it now, or that decode worker caches more of
+                                     it than any prefill worker (no recompute, no KV hop), or
+                                   - it is longer, every prefill worker is busy
+                                     (--saturated-prefill-bypass), and the decode worker has no
+                                     long prompt of its own and a quarter of its blocks free, or
+                                   - its KV transfer failed once (prefill_locally)
                                    and, among prefill workers, the one caching most of its
                                    prefix
+
+So a free prefill worker takes every prompt (no interference with decoding); while prefill
+workers are busy, short prompts do not queue behind long ones and long ones do not queue behind
+each other: the decode worker lends the cycles its batch leaves.
 """
 from __future__ import annotations
 
@@ -85,12 +93,12 @@ class Prefill:
         hashes = req.hashes(w.kv.block_size)
         prefix = w.kv.find_prefix(hashes, n)
         todo = n - len(prefix) * w.kv.block_size
-        short = todo <= self.config.prefill_bypass_threshold or req.prefill_locally
-        if w.role == "decode" and not short and self.workers.has_prefill and \
-                not self._decode_may_relieve(w, req, todo):
+        if w.role == "decode" and self.workers.has_prefill and not req.prefill_locally and \
+                not self._decode_takes(w, req, hashes, todo):
             return 0  # a prefill worker takes it
-        if w.role == "prefill" and (req.prefill_locally or self._short_for_a_decoder(req, hashes)):
-            return 0  # its decode worker prefills it: no KV hop for a short prompt
+        if w.role == "prefill" and (req.prefill_locally or self._decoder_holds_more(req, hashes,
+                                                                                   todo)):
+            return 0  # its decode worker prefills it: no recompute, no KV hop
         if w.role == "prefill" and self._better_prefill(w, req, hashes, len(prefix)):
             return 0  # another prefill worker holds more of its prefix: leave it to that one
         if todo > min(budget, self._chunk_cap()) and not self._may_start_partial(w, req):
@@ -119,13 +127,17 @@ class Prefill:
         w.introduce(plan, req)
         return self._schedule_chunk(w, plan, req, budget)
 
-    def _short_for_a_decoder(self, req: Request, hashes: list[bytes]) -> bool:
-        """Whether a decode worker would prefill req itself: shortness is judged by what the
-        decode workers hold, so that the one a prefill worker leaves a prompt to takes it."""
+    def _decoder_holds_more(self, req: Request, hashes: list[bytes], todo: int) -> bool:
+        """Whether a decode worker caches more of req than this prefill worker, leaving a
+        short tail there: it prefills that tail itself."""
         t = self.config.prefill_bypass_threshold
+        return any(self._todo(d, req, hashes) <= t and self._todo(d, req, hashes) < todo
+                   for d in self.workers.of_role("decode"))
+
+    def _todo(self, w: WorkerState, req: Request, hashes: list[bytes]) -> int:
+        """Tokens of req that w would compute: those past its cached prefix."""
         n = req.num_tokens
-        return t > 0 and any(n - len(d.kv.find_prefix(hashes, n)) * d.kv.block_size <= t
-                             for d in self.workers.of_role("decode"))
+        return n - len(w.kv.find_prefix(hashes, n)) * w.kv.block_size
 
     @property
     def long_prefill_token_threshold(self) -> int:
@@ -135,16 +147,28 @@ class Prefill:
             t = max(1, self.config.max_num_batched_tokens // 2)
         return t
 
-    def _decode_may_relieve(self, w: WorkerState, req: Request, todo: int) -> bool:
-        """--saturated-prefill-bypass: no prefill worker can start req now, and w has room to
-        prefill it itself (no prefill of its own running, a quarter of its blocks left)."""
-        if not self.config.saturated_prefill_bypass:
+    def _decode_takes(self, w: WorkerState, req: Request, hashes: list[bytes],
+                      todo: int) -> bool:
+        """Whether decode worker w prefills req beside its batch (see the module's doc)."""
+        partial = [r for r in w.prefilling
+                   if r.status is Status.PREFILLING and r.num_computed_tokens < r.num_tokens]
+        if todo <= self.config.prefill_bypass_threshold:
+            pending = sum(r.num_tokens - r.num_computed_tokens for r in partial
+                          if not self._is_long(r))
+            if pending and pending + todo > self.config.decode_prefill_tokens:
+                return False  # a step's worth is pending here already: a prefill worker may
+                              # be free sooner
+            best_p = min((self._todo(p, req, hashes) for p in self.workers.of_role("prefill")),
+                         default=todo + 1)
+            return todo < best_p or not any(map(self._free, self.workers.of_role("prefill")))
+        if not self.config.saturated_prefill_bypass or any(map(self._is_long, partial)):
             return False
-        saturated = all(p.num_seqs >= self.config.max_num_seqs
-                        or not self._may_start_partial(p, req)
-                        for p in self.workers.of_role("prefill"))
         room = w.kv.num_free_blocks - w.kv.blocks_for(todo + 1) >= w.kv.num_blocks // 4
-        return saturated and not self.has_partial(w) and room
+        return room and not any(map(self._free, self.workers.of_role("prefill")))
+
+    def _free(self, p: WorkerState) -> bool:
+        """A prefill worker that could start a prompt now: no step running, none partial."""
+        return p.is_idle and p.num_seqs < self.config.max_num_seqs and not self.has_partial(p)
 
     def _better_prefill(self, w: WorkerState, req: Request, hashes: list[bytes],
                         hit: int) -> bool:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from common.plans import Registration, SampledToken, StepPlan, StepResult, TransfersDone
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.cores import threads_for
 from services.scheduler.decode import Decode
 from services.scheduler.forks import Forks
 from services.scheduler.lifecycle import Lifecycle, QueueFull
@@ -115,6 +116,8 @@ class Scheduler:
             self.transfers.order(plan, t)
         if w.role == "decode":
             budget -= self.decode.schedule(w, plan)
+            if self.workers.has_prefill:  # its prefills are lent cycles: bounded per step
+                budget = min(budget, self.config.decode_prefill_tokens)
         self.prefill.schedule(w, plan, budget)
         # last: planning above may preempt; the worker drops before it adds
         plan.finished_request_ids.extend(w.to_drop)
@@ -128,6 +131,7 @@ class Scheduler:
         w.recvs.clear()
         if plan.is_empty():
             return None
+        plan.num_threads = self._threads(w)
         step.request_ids = {s.request_id for s in plan.scheduled}
         step.decodes_only = bool(
             plan.scheduled and not (plan.new_requests or plan.sends or plan.recvs or plan.copies)
@@ -145,7 +149,22 @@ class Scheduler:
         if not self.config.async_scheduling or w is None or len(w.steps) != 1 or \
                 not w.steps[0].decodes_only or self._has_other_work(w):
             return None
-        return self.decode.plan_ahead(w)
+        plan = self.decode.plan_ahead(w)
+        if plan is not None:
+            plan.num_threads = self._threads(w)
+        return plan
+
+    def _threads(self, w: WorkerState) -> int:
+        """Threads for w's step, from the cores it shares with busy peers (cores.py)."""
+        return threads_for(w, self.workers.values(), self._computes)
+
+    def _computes(self, w: WorkerState) -> bool:
+        """Whether w computes tokens now or has tokens to compute: a step of requests running,
+        a batch to decode, a prefill under way, or (the default prefiller) prompts waiting.
+        Steps that only register or send transfers do not count."""
+        queued = len(self.waiting) > 0 and (w.role == "prefill" or not self.workers.has_prefill)
+        return bool(any(s.request_ids for s in w.steps) or w.decoding or w.arrivals or queued
+                    or self.prefill.has_partial(w))
 
     def _has_other_work(self, w: WorkerState) -> bool:
         """Whether w has something to do besides decoding its running batch."""

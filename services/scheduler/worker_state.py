@@ -23,6 +23,7 @@ class WorkerState:
     transports: tuple[str, ...]     # preferred first
     kv: KVCacheManager
     host_id: str = ""
+    cpu_cores: tuple[int, ...] = ()  # a CPU worker's cores; peers of its host may share them
     endpoints: dict[str, str] = field(default_factory=dict)  # transport -> address
     prefilling: list[Request] = field(default_factory=list)
     decoding: list[Request] = field(default_factory=list)

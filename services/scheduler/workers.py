@@ -59,6 +59,7 @@ class Workers(Mapping[str, WorkerState]):
         w = WorkerState(worker_id=reg.worker_id, role=reg.role, fingerprint=reg.model_fingerprint,
                         layout=reg.layout, max_model_len=reg.max_model_len,
                         transports=reg.transports, host_id=reg.host_id,
+                        cpu_cores=reg.cpu_cores,
                         endpoints=dict(reg.kv_endpoints),
                         kv=KVCacheManager(reg.num_blocks, reg.layout.block_size,
                                           self.config.enable_prefix_caching))

@@ -107,9 +107,10 @@ class FakeWorker:
 
 class Cluster:
     """roles: worker ids, each starting with its role's letter (p0, d1, ...), with their block
-    counts. Steps every worker that has work, as server.py does, plans ahead included."""
+    counts. Steps every worker that has work, as server.py does, plans ahead included.
+    cpu_cores: the cores every worker registers (all on one host), () for none."""
 
-    def __init__(self, workers: dict[str, int], **config):
+    def __init__(self, workers: dict[str, int], cpu_cores: tuple[int, ...] = (), **config):
         self.sched = Scheduler(SchedulerConfig(**config))
         self.workers: dict[str, FakeWorker] = {}
         for wid, blocks in workers.items():
@@ -117,7 +118,8 @@ class Cluster:
             self.sched.add_worker(Registration(
                 worker_id=wid, role=role, model_fingerprint="m", num_blocks=blocks,
                 layout=LAYOUT, transports=("shm", "tcp"),
-                kv_endpoints={"shm": f"shm://{wid}", "tcp": f"tcp://{wid}"}, host_id="h"))
+                kv_endpoints={"shm": f"shm://{wid}", "tcp": f"tcp://{wid}"}, host_id="h",
+                cpu_cores=cpu_cores))
             self.workers[wid] = FakeWorker(wid)
         self.outputs: dict[str, list[Output]] = collections.defaultdict(list)
         self.plans: dict[str, list[StepPlan]] = collections.defaultdict(list)  # as run

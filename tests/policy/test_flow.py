@@ -61,14 +61,95 @@ def test_prefix_hits_on_both_pools_skip_compute_and_transfer():
     c.assert_all_free()
 
 
-def test_a_short_prompt_bypasses_the_prefill_pool():
+def _scheduled(plan):
+    return [(s.request_id, s.num_tokens) for s in plan.scheduled] if plan else []
+
+
+def test_a_free_prefill_worker_takes_short_prompts_too():
+    """Nothing is busy: the short prompt goes the disaggregated way, sparing the decode batch."""
     c = Cluster({"p0": 16, "d0": 16}, prefill_bypass_threshold=8)
     c.submit("short", list(range(6)), max_tokens=2)
+    assert c.plan("d0") is None
+    assert _scheduled(c.plan("p0")) == [("short", 6)]
+    c.run()
+    assert c.workers["d0"].prompt_tokens == 0 and c.workers["p0"].prompt_tokens == 6
+    c.assert_all_free()
+
+
+def test_a_short_prompt_does_not_wait_for_a_busy_prefill_worker():
+    c = Cluster({"p0": 16, "d0": 16}, prefill_bypass_threshold=8)
     c.submit("long", list(range(100, 120)), max_tokens=2)
-    d_plan, p_plan = c.plan("d0"), c.plan("p0")
-    assert [(s.request_id, s.num_tokens) for s in d_plan.scheduled] == [("short", 6)]
-    assert [(s.request_id, s.num_tokens) for s in p_plan.scheduled] == [("long", 20)]
+    assert _scheduled(c.plan("p0")) == [("long", 20)]  # p0's step runs: p0 is busy
+    c.submit("short", list(range(6)), max_tokens=2)
+    d_plan = c.plan("d0")
+    assert _scheduled(d_plan) == [("short", 6)]
+    # blocks 0-4 wait for long's KV
+    assert [(n.request_id, n.block_ids) for n in d_plan.new_requests] == [("short", (5, 6))]
     assert [t.request.request_id for t in c.sched.transfers.by_id.values()] == ["long"]
     c.run()
     assert c.workers["d0"].prompt_tokens == 6 and c.workers["p0"].prompt_tokens == 20
+    assert c.tokens("short") == [token_at(6), token_at(7)]
     c.assert_all_free()
+
+
+def test_a_follow_up_prefills_where_its_conversation_is_cached():
+    """The decode worker holds the first turn's blocks: the second turn's short tail is
+    computed there, though the prefill worker is free (no recompute of 12 tokens, no KV hop)."""
+    c = Cluster({"p0": 16, "d0": 16}, prefill_bypass_threshold=8)
+    first = list(range(13))
+    c.submit("turn1", first, max_tokens=8)
+    c.run()
+    assert c.workers["p0"].prompt_tokens == 13
+    reply = c.tokens("turn1")
+    # 22 tokens: 16 cached on d0 (prompt and reply), 12 on p0 (the prompt's full blocks)
+    c.submit("turn2", first + reply[:7] + [500, 501], max_tokens=2)
+    assert c.plan("p0") is None
+    d_plan = c.plan("d0")
+    assert [(n.request_id, n.num_computed_tokens) for n in d_plan.new_requests] == [("turn2", 16)]
+    assert _scheduled(d_plan) == [("turn2", 6)]
+    c.run()
+    assert c.workers["p0"].prompt_tokens == 13 and c.workers["d0"].prompt_tokens == 6
+    c.assert_all_free()
+
+
+def test_a_decode_worker_prefills_at_most_its_step_share():
+    """Busy prefill worker, short prompts: the decode worker's steps carry at most its step
+    share (8 prompt tokens) beside its decodes, filled in arrival order."""
+    c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=8, decode_prefill_tokens=8)
+    c.submit("long", list(range(100, 140)), max_tokens=1)
+    c.plan("p0")
+    for rid, first in (("a", 0), ("b", 200), ("c", 300), ("d", 400), ("e", 500)):
+        c.submit(rid, list(range(first, first + 7)), max_tokens=2)
+    steps = []
+    for _ in range(5):
+        steps.append(_scheduled(c.plan("d0")))
+        c.run_step("d0")
+    assert steps == [[("a", 7), ("b", 1)],
+                     [("a", 1), ("b", 6), ("c", 2)],
+                     [("b", 1), ("c", 5), ("d", 3)],
+                     [("c", 1), ("d", 4), ("e", 4)],
+                     [("d", 1), ("e", 3)]]
+    c.run()
+    assert c.workers["d0"].prompt_tokens == 35 and c.workers["p0"].prompt_tokens == 40
+    c.assert_all_free()
+
+
+def test_a_long_prompt_behind_a_busy_prefill_worker_is_chunked_on_the_decode_worker():
+    """Every prefill worker busy: the decode worker takes the second long prompt in chunks of
+    its step share, one long prompt at a time; without --saturated-prefill-bypass it waits."""
+    for bypass in (True, False):
+        c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
+                    saturated_prefill_bypass=bypass)
+        c.submit("long1", list(range(100, 120)), max_tokens=1)
+        c.plan("p0")
+        c.submit("long2", list(range(200, 220)), max_tokens=1)
+        c.submit("long3", list(range(300, 320)), max_tokens=1)
+        if not bypass:
+            assert _scheduled(c.plan("d0")) == []  # it only expects long1's KV
+            continue
+        assert _scheduled(c.plan("d0")) == [("long2", 8)]
+        c.run_step("d0")
+        assert _scheduled(c.plan("d0")) == [("long2", 8)]  # long3 is not started beside it
+        c.run()
+        assert c.workers["d0"].prompt_tokens == 20 and c.workers["p0"].prompt_tokens == 40
+        c.assert_all_free()

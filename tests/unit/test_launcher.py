@@ -21,14 +21,29 @@ def _commands(*argv):
     return {f"{c[role]}{i}": c for i, c in enumerate(launcher.commands(p.parse_args(argv)))}
 
 
-def test_workers_get_disjoint_cores_when_there_are_enough():
-    cmds = _commands("--prefill-workers", "1", "--decode-workers", "1")
+def test_workers_share_every_core_and_prefill_yields_them_by_default():
+    cmds = _commands("--prefill-workers", "1", "--decode-workers", "2")
+    workers = {n: c for n, c in cmds.items() if "worker" in n}
+    assert len(workers) == 3
+    cores = str(len(os.sched_getaffinity(0)))
+    for name, c in workers.items():
+        assert "--cpu-cores" not in c
+        assert c[c.index("--cpu-threads") + 1] == cores
+        nice = c[c.index("--cpu-nice") + 1] if "--cpu-nice" in c else None
+        assert nice == ("19" if name.startswith("prefill") else None)
+        passive = launcher.environment(c).get("OMP_WAIT_POLICY")
+        assert passive == ("PASSIVE" if name.startswith("prefill") else os.environ.get(
+            "OMP_WAIT_POLICY"))
+
+
+def test_pinned_workers_get_disjoint_cores_when_there_are_enough():
+    cmds = _commands("--prefill-workers", "1", "--decode-workers", "1", "--pin-cpus")
     pinned = [c[c.index("--cpu-cores") + 1] for c in cmds.values() if "--cpu-cores" in c]
+    assert not any("--cpu-nice" in c for c in cmds.values())
     if len(os.sched_getaffinity(0)) >= 2:
         assert len(pinned) == 2
         sets = [set(parse_cores(p)) for p in pinned]
         assert not sets[0] & sets[1]
-    assert not any("--cpu-cores" in c for c in _commands("--no-pin-cpus").values())
 
 
 def test_colocated_mode_starts_no_prefill_worker():

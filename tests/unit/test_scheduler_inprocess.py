@@ -2,6 +2,7 @@
 greedy ones, and every block comes back through finishes, aborts, preemptions and lost workers.
 KV moves over the real transports (shm by default, tcp on loopback where a test asks)."""
 import asyncio
+import os
 import collections
 import threading
 from dataclasses import replace
@@ -23,6 +24,7 @@ class Cluster:
     def __init__(self, model_dir, roles_blocks, worker_kw=None, **sched_kw):
         self.sched = Scheduler(SchedulerConfig(**sched_kw))
         self.workers = {}
+        self.threads = torch.get_num_threads()  # plans of workers sharing cores change it
         self.loop = asyncio.new_event_loop()  # the workers' listeners run here
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         for i, (role, blocks) in enumerate(roles_blocks):
@@ -50,6 +52,7 @@ class Cluster:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
 
     def close(self):
+        torch.set_num_threads(self.threads)
         for w in self.workers.values():
             w.cache.close()
             for s in w.senders.values():
@@ -373,13 +376,15 @@ def test_one_partial_prefill_at_a_time_when_asked(cluster):
     c.assert_all_free()
 
 
-def test_short_prompts_bypass_the_prefill_pool(cluster, hf):
+def test_short_prompts_bypass_a_busy_prefill_pool(cluster, hf):
     c = cluster([("prefill", 64), ("decode", 64)], prefill_bypass_threshold=8)
     short, long = _prompt(6, 50), _prompt(30, 51)
-    c.submit("short", short, max_tokens=5)
     c.submit("long", long, max_tokens=5)
-    c.run()
     p, d = _by_role(c, "prefill"), _by_role(c, "decode")
+    c.sent[p.worker_id] = collections.deque([c.sched.schedule(p.worker_id)])
+    c.submit("short", short, max_tokens=5)  # p runs a step: busy
+    c.sent[d.worker_id] = collections.deque([c.sched.schedule(d.worker_id)])
+    c.run()
     assert d.counters.prompt_tokens_computed == 6
     assert p.counters.prompt_tokens_computed == 30
     assert c.tokens("short") == _greedy(hf, short, 5)
@@ -467,7 +472,7 @@ def test_the_prefill_worker_holding_the_prefix_takes_the_request(cluster, hf):
 @pytest.mark.parametrize("bypass", [False, True])
 def test_saturated_prefill_pool_sends_prompts_to_a_decode_worker_with_room(cluster, hf, bypass):
     c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=8,
-                saturated_prefill_bypass=bypass)
+                prefill_bypass_threshold=8, saturated_prefill_bypass=bypass)
     long, other = _prompt(40, 700), _prompt(20, 701)
     c.submit("long", long, max_tokens=3)
     p = _by_role(c, "prefill")
@@ -717,3 +722,27 @@ def test_receivers_forget_transfers_whose_request_went_away(cluster):
     c.sched.abort("a")
     c.run()
     c.assert_all_free()  # includes: no receiver expects a transfer any more
+
+
+def test_workers_sharing_cores_run_each_step_with_the_threads_its_plan_gives(cluster, hf):
+    """Both workers register this process's cores: the scheduler splits them while both
+    compute and lends them all to the one that does; each step runs with its plan's count."""
+    c = cluster([("prefill", 64), ("decode", 64)])
+    assert all(r.cpu_cores == tuple(sorted(os.sched_getaffinity(0))) for r in c.registrations)
+    seen = []
+    for wid, worker in c.workers.items():
+        def execute(plan, run=worker.execute, wid=wid):
+            result = run(plan)
+            seen.append((wid.split("-")[1], plan.num_threads, torch.get_num_threads()))
+            return result
+        worker.execute = execute
+    prompt = _prompt(12, 800)
+    c.submit("a", prompt, max_tokens=4)
+    c.run()
+    assert c.tokens("a") == _greedy(hf, prompt, 4)
+    assert all(asked == ran for _, asked, ran in seen if asked)
+    cores = len(os.sched_getaffinity(0))
+    if cores > 1:
+        assert ("prefill", cores, cores) in seen  # the prompt alone: every core
+        assert {n for role, n, _ in seen if role == "decode"} >= {cores}
+    c.assert_all_free()

@@ -30,7 +30,8 @@ def test_a_full_plan_round_trips():
         sends=[KVSend("t", "a", (7, 8), (1, 2), "tcp://h:1", "tcp")],
         recvs=[KVRecv("u", "e", (3, 4), "shm")],
         finished_request_ids=["x", "y"],
-        copies=[BlockCopy(src=8, dst=12, request_id="a/1", leader_id="a")])
+        copies=[BlockCopy(src=8, dst=12, request_id="a/1", leader_id="a")],
+        num_threads=3)
     back = plan_from_pb(worker_pb2.StepPlan.FromString(plan_to_pb(plan).SerializeToString()))
     assert back == plan
     assert plan_from_pb(plan_to_pb(StepPlan(0))) == StepPlan(0)
@@ -50,7 +51,8 @@ def test_results_and_transfer_reports_round_trip():
 
 def test_registrations_round_trip_and_one_endpoint_serves_every_transport():
     reg = Registration("w", "decode", "fp", 128, LAYOUT, ("shm", "tcp"),
-                       {"shm": "shm://w", "tcp": "tcp://h:2"}, host_id="h", max_model_len=4096)
+                       {"shm": "shm://w", "tcp": "tcp://h:2"}, host_id="h", max_model_len=4096,
+                       cpu_cores=(0, 2, 3))
     pb = registration_to_pb(reg)
     assert pb.kv_endpoint == "shm://w"  # the preferred transport's, for older readers
     assert registration_from_pb(pb) == reg
