@@ -1,10 +1,13 @@
-"""Model configuration read from a HuggingFace checkpoint directory."""
+"""Model configuration read from a HuggingFace checkpoint directory or a GGUF file."""
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from common.models.gguf import GGUFCheckpoint, find_gguf
 
 # HF architecture name -> (qkv bias, q/k norm)
 ARCHITECTURES = {
@@ -32,6 +35,7 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     rope_scaling: dict | None = None
+    rope_freq_factors: tuple[float, ...] = ()  # GGUF: each rope frequency is divided by its own
     eos_token_ids: tuple[int, ...] = ()
     fingerprint: str = ""
     extra: dict = field(default_factory=dict, compare=False, repr=False)
@@ -43,12 +47,27 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        """From a HF checkpoint directory, a .gguf file, or a directory holding one."""
+        gguf_file = find_gguf(model_dir)
+        if gguf_file is not None:
+            return cls.from_gguf(GGUFCheckpoint(gguf_file))
         model_dir = Path(model_dir)
         path = model_dir / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
+            raise FileNotFoundError(f"{model_dir} is not a model: no config.json or .gguf file")
         raw = path.read_bytes()
         cfg = json.loads(raw)
+        return cls.from_dict(cfg, _eos_ids(model_dir, cfg), _fingerprint(model_dir, raw))
+
+    @classmethod
+    def from_gguf(cls, checkpoint: GGUFCheckpoint) -> ModelConfig:
+        return cls.from_dict(checkpoint.config, checkpoint.eos_token_ids(),
+                             checkpoint.fingerprint())
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], eos_token_ids: tuple[int, ...],
+                  fingerprint: str) -> ModelConfig:
+        """From config.json's keys (a GGUF's config is spelled the same)."""
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -56,7 +75,7 @@ class ModelConfig:
         qkv_bias, qk_norm = ARCHITECTURES[arch]
         qkv_bias = bool(cfg.get("attention_bias", qkv_bias))
         num_heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_parameters") or {})
+        rope: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
         rope_scaling = cfg.get("rope_scaling") or None
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = rope
@@ -80,8 +99,9 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,
             rope_scaling=rope_scaling,
-            eos_token_ids=_eos_ids(model_dir, cfg),
-            fingerprint=_fingerprint(model_dir, raw),
+            rope_freq_factors=tuple(cfg.get("rope_freq_factors") or ()),
+            eos_token_ids=eos_token_ids,
+            fingerprint=fingerprint,
         )
 
 

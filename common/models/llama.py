@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -10,6 +10,7 @@ from torch import nn
 
 from common.models.attention import AttentionBackend, AttentionMetadata
 from common.models.config import ModelConfig
+from common.models.gguf import GGUFCheckpoint, find_gguf
 from common.models.ops import ModelOps
 from kernels import reference
 
@@ -105,8 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq = reference.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = reference.rope_cos_sin(inv_freq, cfg.max_position_embeddings)
+        cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -128,15 +128,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_weights(self, model_dir: str | Path) -> None:
-        state = {}
-        for f in sorted(Path(model_dir).glob("*.safetensors")):
-            state.update(load_file(str(f)))
-        if not state:
-            raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """tensors: (HF checkpoint name, tensor) pairs; source names them in errors."""
         own = dict(self.named_parameters())
         loaded = set()
-        for name, tensor in state.items():
+        for name, tensor in tensors:
             key, rows = self._fused_rows(name.removeprefix("model."))
             if key not in own:
                 continue
@@ -152,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             missing.discard("lm_head.weight")
         if missing:
-            raise ValueError(f"checkpoint {model_dir} lacks weights: {sorted(missing)[:8]}")
+            raise ValueError(f"checkpoint {source} lacks weights: {sorted(missing)[:8]}")
 
 
     def _layout(self) -> dict[str, list[tuple[str, int]]]:
@@ -181,17 +177,41 @@ class LlamaForCausalLM(nn.Module):
         return [key]
 
 
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, [max_position_embeddings, head_dim] each."""
+    inv_freq = reference.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.rope_freq_factors:
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=inv_freq.dtype)
+    return reference.rope_cos_sin(inv_freq, cfg.max_position_embeddings)
+
+
 def load_model(model_dir: str | Path, backend: AttentionBackend,
                dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    cfg = ModelConfig.from_pretrained(model_dir)
+    """From a HF checkpoint directory (*.safetensors), a .gguf file or a directory holding one
+    (dequantized to float32, then cast to `dtype`)."""
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is None:
+        cfg = ModelConfig.from_pretrained(model_dir)
+        tensors = _safetensors(Path(model_dir))
+    else:
+        checkpoint = GGUFCheckpoint(gguf_file)  # its metadata is read once, for both
+        cfg = ModelConfig.from_gguf(checkpoint)
+        tensors = ((name, torch.from_numpy(w)) for name, w in checkpoint.tensors())
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend)
     model = model.to_empty(device="cpu")
     # rope buffers are not in the checkpoint: recompute them off the meta device
-    inv_freq = reference.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    model.rope_cos, model.rope_sin = reference.rope_cos_sin(inv_freq, cfg.max_position_embeddings)
+    model.rope_cos, model.rope_sin = rope_tables(cfg)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(model_dir)
+    model.load_weights(tensors, str(model_dir))
     return model.to(device=device, dtype=dtype).train(False)  # inference mode for every module
+
+
+def _safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for f in files:
+        yield from load_file(str(f)).items()
