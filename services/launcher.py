@@ -211,8 +211,10 @@ def run(args) -> int:
     if args.model == DEFAULT_MODEL and not Path(DEFAULT_MODEL, "config.json").exists():
         from common.models.tiny import make_tiny_model
         make_tiny_model(DEFAULT_MODEL, arch="llama", seed=0)
-    if not Path(args.model, "config.json").exists():
-        print(f"pdserve up: {args.model} is not a model directory", file=sys.stderr)
+    from common.models.gguf import find_gguf
+    if not Path(args.model, "config.json").exists() and find_gguf(args.model) is None:
+        print(f"pdserve up: {args.model} is neither a model directory nor a .gguf file",
+              file=sys.stderr)
         return 2
     stopping = False
 

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.models.gguf import find_gguf, gguf_info
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -30,8 +32,8 @@ class GatewayConfig:
         if not self.model:
             raise ValueError("a model directory is required (--model or PDSERVE_MODEL)")
         model_dir = Path(self.model)
-        if not model_dir.is_dir():
-            raise ValueError(f"model directory {self.model!r} does not exist")
+        if not model_dir.is_dir() and find_gguf(model_dir) is None:
+            raise ValueError(f"model {self.model!r} is neither a directory nor a .gguf file")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.host:
@@ -69,7 +71,11 @@ class GatewayConfig:
 
 
 def read_max_position_embeddings(model_dir: Path) -> int | None:
-    """config.json's max_position_embeddings (also under text_config), or None when absent."""
+    """config.json's max_position_embeddings (also under text_config), a GGUF's context
+    length, or None when absent."""
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        return gguf_info(gguf_file).context_length
     path = model_dir / "config.json"
     if not path.is_file():
         return None

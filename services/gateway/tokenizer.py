@@ -13,12 +13,13 @@ import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jinja2
 from tokenizers import decoders
 from transformers import AutoTokenizer
 
+from common.models.gguf import find_gguf, gguf_info
 from services.gateway.errors import bad_request
 
 T = TypeVar("T")
@@ -33,21 +34,30 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 
 class Tokenizer:
-    """Invariants: `eos_token_ids` comes from generation_config.json (int or list), else the
-    tokenizer's eos; `vocab_size` bounds every token id the gateway accepts from a client."""
+    """Invariants: `eos_token_ids` comes from generation_config.json (int or list), else a
+    GGUF's end-of-sequence/turn ids, else the tokenizer's eos; `vocab_size` bounds every token
+    id the gateway accepts from a client.
+
+    A GGUF model's tokenizer is tokenizer.json + tokenizer_config.json beside the file when
+    they are there (`pdserve fetch-model` writes them, converted once from the same file),
+    else the one its metadata describes, converted by transformers at start-up.
+    """
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        gguf_file = find_gguf(model_dir)
+        self.hf = _load_hf_tokenizer(model_dir, gguf_file)
         generation_config = _read_json(model_dir / "generation_config.json")
-        self.eos_token_ids = _eos_token_ids(generation_config, self.hf.eos_token_id)
+        model_eos = gguf_info(gguf_file).eos_token_ids if gguf_file else ()
+        self.eos_token_ids = _eos_token_ids(generation_config, model_eos or self.hf.eos_token_id)
         self.sampling_defaults = {
             key: generation_config[key]
             for key in SAMPLING_DEFAULT_KEYS
             if isinstance(generation_config.get(key), int | float)
         }
         self.vocab_size = len(self.hf)
-        model_vocab = _read_json(model_dir / "config.json").get("vocab_size")
+        model_vocab = (gguf_info(gguf_file).vocab_size if gguf_file else
+                       _read_json(model_dir / "config.json").get("vocab_size"))
         if isinstance(model_vocab, int) and 0 < model_vocab < self.vocab_size:
             self.vocab_size = model_vocab
         self._added_ids = set(self.hf.added_tokens_decoder)
@@ -156,6 +166,15 @@ class Tokenizer:
                 )
 
 
+def _load_hf_tokenizer(model_dir: Path, gguf_file: Path | None) -> Any:
+    if gguf_file is None:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    beside = gguf_file.parent
+    if (beside / "tokenizer.json").is_file() and (beside / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(beside))
+    return AutoTokenizer.from_pretrained(str(beside), gguf_file=gguf_file.name)
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte -> printable character table, inverted."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
@@ -180,10 +199,14 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _eos_token_ids(generation_config: dict, tokenizer_eos: int | None) -> list[int]:
+def _eos_token_ids(
+    generation_config: dict, fallback: int | Sequence[int] | None
+) -> list[int]:
     eos = generation_config.get("eos_token_id")
     if isinstance(eos, int):
         return [eos]
     if isinstance(eos, list) and eos and all(isinstance(t, int) for t in eos):
         return list(eos)
-    return [tokenizer_eos] if tokenizer_eos is not None else []
+    if fallback is None:
+        return []
+    return [fallback] if isinstance(fallback, int) else list(fallback)
