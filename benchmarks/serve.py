@@ -30,6 +30,9 @@ from loadgen import WORKLOADS, Record, launch, records_json, run_load, summarize
 SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
     "default": ("pdserve (defaults)", []),
     "disagg": ("pdserve 1P+1D", ["--prefill-workers", "1", "--decode-workers", "1"]),
+    "static": ("pdserve 1P+1D static split",  # one core each, every prompt through P
+               ["--prefill-workers", "1", "--decode-workers", "1", "--pin-cpus",
+                "--scheduler-args=--prefill-bypass-threshold 0 --no-saturated-prefill-bypass"]),
     "colocated": ("pdserve colocated 0P+2D", ["--mode", "colocated", "--decode-workers", "2"]),
     "disagg-sync": ("pdserve 1P+1D, no async sched.",
                     ["--prefill-workers", "1", "--decode-workers", "1",

@@ -20,7 +20,7 @@ class WorkerConfig:
     dtype: str = "float32"
     block_size: int = 16
     num_kv_blocks: int = 0           # 0: from kv_cache_memory_mib
-    kv_cache_memory_mib: int = 0     # 0: 256 on CPU, from gpu_memory_utilization on a GPU
+    kv_cache_memory_mib: int = 0     # 0: 1024 on CPU, from gpu_memory_utilization on a GPU
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048  # the largest step, profiled to size a GPU's KV cache
     max_model_len: int = 0           # 0: the model's max_position_embeddings
@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                    help="KV cache blocks; 0 sizes the cache from the memory flags")
     p.add_argument("--kv-cache-memory-mib", type=int, default=d.kv_cache_memory_mib,
-                   help="memory for the KV cache when --num-kv-blocks is 0; 0: 256 MiB on CPU, "
+                   help="memory for the KV cache when --num-kv-blocks is 0; 0: 1 GiB on CPU, "
                         "from --gpu-memory-utilization on a GPU")
     p.add_argument("--gpu-memory-utilization", type=float,
                    default=float(env("PDSERVE_GPU_MEMORY_UTILIZATION", d.gpu_memory_utilization)),

@@ -2,7 +2,7 @@
 
     --num-kv-blocks N          exactly N
     --kv-cache-memory-mib M    M MiB of blocks
-    neither, on CPU            256 MiB of blocks (shared memory)
+    neither, on CPU            1 GiB of blocks (shared memory)
     neither, on a GPU          --gpu-memory-utilization x the device's memory, less what the
                                weights and the activations of the largest step take (measured by
                                running one step of --max-num-batched-tokens tokens)
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 GIB = 1 << 30
-CPU_KV_CACHE_MIB = 256
+CPU_KV_CACHE_MIB = 1024
 SAMPLED_ROWS = 256  # the scheduler's default --max-num-seqs
 
 

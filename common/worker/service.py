@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -137,20 +138,33 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
         log.info("worker %s registered with %s (%d KV blocks)", cfg.worker_id, cfg.scheduler,
                  reg.num_blocks)
         print(f"pdserve {cfg.role}-worker {cfg.worker_id} attached to {cfg.scheduler}", flush=True)
-        while True:
-            msg = await call.read()
-            if msg is grpc.aio.EOF:
-                return
-            plan = plan_from_pb(msg.plan)
-            if traced is not None:
-                traced.before_step(plan)
-            result = await asyncio.to_thread(worker.execute, plan)
-            if traced is not None:
-                traced.after_step(plan, result)
-            await call.write(worker_pb2.WorkerMessage(result=result_to_pb(result)))
-            if plan.sends:
-                done = await asyncio.to_thread(worker.send_kv, plan.sends)
-                await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
+        with ThreadPoolExecutor(1, thread_name_prefix="step") as steps:
+            await _run_plans(call, worker, steps, traced)
+
+
+async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
+                     traced: WorkerTelemetry | None) -> None:
+    """Every step and send on one thread: torch's thread count and OpenMP's thread team belong
+    to the thread that runs them, and a second team would spin beside the first."""
+    loop = asyncio.get_running_loop()
+    while True:
+        msg = await call.read()
+        if msg is grpc.aio.EOF:
+            return
+        plan = plan_from_pb(msg.plan)
+        ready = worker.ready_sends(plan)
+        if ready:  # KV computed by earlier steps leaves now, not after this step's forward
+            done = await loop.run_in_executor(steps, worker.send_kv, ready)
+            await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
+        if traced is not None:
+            traced.before_step(plan)
+        result = await loop.run_in_executor(steps, worker.execute, plan)
+        if traced is not None:
+            traced.after_step(plan, result)
+        await call.write(worker_pb2.WorkerMessage(result=result_to_pb(result)))
+        if plan.sends:
+            done = await loop.run_in_executor(steps, worker.send_kv, plan.sends)
+            await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
 
 
 async def serve(cfg: WorkerConfig) -> int:

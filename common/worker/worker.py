@@ -114,9 +114,18 @@ class Worker:
         self._counts.steps += 1
         return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters)
 
+    def ready_sends(self, plan: StepPlan) -> list[KVSend]:
+        """The plan's sends of prompts that earlier steps finished computing, taken out of it:
+        they go before its forward (send_kv), the rest once its StepResult went out."""
+        scheduled = {s.request_id for s in plan.scheduled}
+        ready = [s for s in plan.sends if s.request_id not in scheduled]
+        if ready:
+            plan.sends = [s for s in plan.sends if s.request_id in scheduled]
+        return ready
+
     def send_kv(self, sends: list[KVSend]) -> TransfersDone:
-        """Runs (or finishes, for those streamed layer by layer) a plan's KV sends; called after
-        its StepResult went out."""
+        """Runs (or finishes, for those streamed layer by layer) KV sends: a plan's ready ones
+        before its forward, the others after its StepResult went out."""
         with on_device(self.cache.tensor.device):
             return self._send_kv(sends)
 

@@ -160,10 +160,9 @@ class Scheduler:
 
     def _computes(self, w: WorkerState) -> bool:
         """Whether w computes tokens now or has tokens to compute: a step of requests running,
-        a batch to decode, a prefill under way, or (the default prefiller) prompts waiting.
-        Steps that only register or send transfers do not count."""
-        queued = len(self.waiting) > 0 and (w.role == "prefill" or not self.workers.has_prefill)
-        return bool(any(s.request_ids for s in w.steps) or w.decoding or w.arrivals or queued
+        a batch to decode, a prefill under way. Steps that only register or send transfers do
+        not count, nor prompts waiting for room on a decode worker."""
+        return bool(any(s.request_ids for s in w.steps) or w.decoding or w.arrivals
                     or self.prefill.has_partial(w))
 
     def _has_other_work(self, w: WorkerState) -> bool:

@@ -31,7 +31,7 @@ def test_explicit_flags_and_the_cpu_default(tiny_llama):
     cpu = torch.device("cpu")
     assert num_kv_blocks(7, 0, 0.9, 64, model, layout, cpu) == 7
     assert num_kv_blocks(0, 3, 0.9, 64, model, layout, cpu) == 3 * MIB // layout.block_bytes
-    assert num_kv_blocks(0, 0, 0.9, 64, model, layout, cpu) == 256 * MIB // layout.block_bytes
+    assert num_kv_blocks(0, 0, 0.9, 64, model, layout, cpu) == 1024 * MIB // layout.block_bytes
     profile_step(model, layout, 37, cpu)  # the profiling step runs on any device
 
 
