@@ -22,9 +22,10 @@ Who prefills a prompt:
                                    and, among prefill workers, the one caching most of its
                                    prefix
 
-So a free prefill worker takes every prompt (no interference with decoding); while prefill
-workers are busy, short prompts do not queue behind long ones and long ones do not queue behind
-each other: the decode worker lends the cycles its batch leaves.
+So a free prefill worker takes every prompt (no interference with decoding), and while prefill
+workers are busy short prompts do not queue behind long ones. Long prompts stay off the decode
+worker by default: every token of prefill there slows each request it decodes, and long prompts
+arriving faster than the prefill workers finish them would take most of its time.
 """
 from __future__ import annotations
 
