@@ -88,6 +88,12 @@ def test_cpu_profile_runs_the_same_stack_without_gpus(compose_bin):
     for name in ("prefill-worker-cpu", "decode-worker-cpu"):
         assert "deploy" not in services[name]
         assert services[name]["ipc"] == "host"
+    # the workers share the cores; prefill yields them, within its container and beside it
+    prefill, decode = services["prefill-worker-cpu"], services["decode-worker-cpu"]
+    assert prefill["environment"]["PDSERVE_CPU_NICE"] == "19"
+    assert prefill["environment"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert prefill["cpu_shares"] == 2 and "cpu_shares" not in decode
+    assert prefill["environment"]["PDSERVE_HOST_ID"] == decode["environment"]["PDSERVE_HOST_ID"]
 
 
 def test_every_service_is_observable_and_restarts(compose_bin):
