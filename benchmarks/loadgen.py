@@ -1,6 +1,7 @@
 """The load client the benchmarks share: named workloads, Poisson arrivals, one streaming
-OpenAI completions request per prompt against any compatible server (pdserve or a baseline such
-as vLLM, with the same code), per-request timings, and their summary.
+OpenAI request per prompt (completions for token prompts, chat completions for conversations)
+against any compatible server (pdserve or a baseline such as vLLM, with the same code),
+per-request timings, and their summary.
 
 Every request streams with greedy sampling and ignore_eos, so each server produces exactly
 max_tokens tokens. TTFT is the time to the first non-empty token chunk, TPOT the mean gap
@@ -24,13 +25,18 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 2000  # prompt token ids are drawn below this: valid for every model here
+CORPUS = ROOT / "common" / "models" / "tiny_corpus.txt"  # real English prose, in sections
+
+Message = dict[str, str]
+Prompt = list[int] | list[Message]  # token ids, or a conversation for a chat model
 
 
-def workload(name: str, n: int, seed: int) -> list[list[int]]:
+def workload(name: str, n: int, seed: int) -> list[Prompt]:
     """random:        256-token prompts (the throughput workload)
     bimodal:       80% of prompts 50-200 tokens, 20% 2000-3800 (the disaggregation lesson's)
     mixed:         90% 50-200, 10% 2000-3000
-    shared-prefix: one 1024-token system prompt and a 20-80-token question each"""
+    shared-prefix: one 1024-token system prompt and a 20-80-token question each
+    chat:          real text for a chat model (chat_conversations)"""
     rng = random.Random(seed)
 
     def tokens(k: int) -> list[int]:
@@ -40,6 +46,8 @@ def workload(name: str, n: int, seed: int) -> list[list[int]]:
         return [tokens(256) for _ in range(n)]
     if name == "shared-prefix":
         return shared_prefix(n, 1024, (20, 80), seed)
+    if name == "chat":
+        return chat_conversations(n, seed)
     long_frac, long = {"bimodal": (0.2, (2000, 3800)), "mixed": (0.1, (2000, 3000))}[name]
     return [tokens(rng.randint(*long) if rng.random() < long_frac else rng.randint(50, 200))
             for _ in range(n)]
@@ -54,7 +62,79 @@ def shared_prefix(n: int, system_len: int, question: tuple[int, int],
             for _ in range(n)]
 
 
-WORKLOADS = ("random", "bimodal", "mixed", "shared-prefix")
+SYSTEM_PROMPT = (
+    "You are a helpful assistant for a small engineering team. Answer in plain English, "
+    "briefly and accurately. When a question is about a text the user gives you, answer from "
+    "that text alone and say so when it does not hold the answer. When a question asks for a "
+    "list, give at most five items. Never invent numbers, names or quotations; if you are not "
+    "sure, say that you are not sure. Prefer short sentences, and explain any technical word "
+    "the first time you use it.")
+QUESTIONS = (
+    "What is the capital of France?",
+    "Give me three tips for baking bread at home.",
+    "Explain what a cache is in one paragraph.",
+    "Why does a server need a queue?",
+    "What should I pack for a day trip to the sea?",
+    "How do I make a simple vegetable soup?",
+    "What is the difference between weather and climate?",
+    "Write a haiku about a lighthouse.",
+    "How many minutes are there in a day?",
+    "What does a tokenizer do?",
+    "Name three things that make a good team meeting.",
+    "Why is the sky blue?",
+)
+ABOUT_TEXT = ("Summarize this text in two sentences:", "What is the main point of this text?",
+              "List the people or places this text mentions.",
+              "Write a title for this text.")
+FOLLOW_UPS = ("Can you say that more simply?", "Give me one example.",
+              "Why does that matter?", "Thanks. What should I read next about it?")
+
+
+def chat_conversations(n: int, seed: int, follow_up: float = 0.3) -> list[list[Message]]:
+    """n conversations of real text, each opened by the one shared SYSTEM_PROMPT (about 100
+    tokens). New ones ask a short question (60%), ask about one paragraph of the corpus (25%,
+    150-350 tokens in all) or about 2-5 of its sections in a row (15%, a long prompt of about
+    600-2000 tokens). A `follow_up` share instead continues an earlier
+    conversation: its messages, the assistant's answer to them (corpus text) and a follow-up
+    question, so that a chat's turns share their growing prefix as they do in a real client."""
+    rng = random.Random(seed)
+    sections = _corpus_sections()
+    paragraphs = [p for s in sections for p in s.split("\n\n")]
+    out: list[list[Message]] = []
+    for _ in range(n):
+        if out and rng.random() < follow_up:
+            earlier = rng.choice(out)
+            answer = " ".join(rng.choice(paragraphs).split(". ")[:2]).rstrip(".") + "."
+            out.append(earlier + [{"role": "assistant", "content": answer},
+                                  {"role": "user", "content": rng.choice(FOLLOW_UPS)}])
+            continue
+        kind = rng.random()
+        if kind < 0.6:
+            question = rng.choice(QUESTIONS)
+        elif kind < 0.85:
+            question = f"{rng.choice(ABOUT_TEXT)}\n\n{rng.choice(paragraphs)}"
+        else:
+            first, count = rng.randrange(len(sections)), rng.randint(2, 5)
+            text = "\n\n".join((sections * 2)[first:first + count])
+            question = f"{rng.choice(ABOUT_TEXT)}\n\n{text}"
+        out.append([{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": question}])
+    return out
+
+
+def _corpus_sections() -> list[str]:
+    """The corpus's sections (paragraphs under one title line), without their titles."""
+    sections: list[list[str]] = []
+    for block in CORPUS.read_text(encoding="utf-8").split("\n\n"):
+        block = block.strip()
+        if "\n" not in block and len(block) < 80 and not block.endswith((".", "?", "!", '"')):
+            sections.append([])  # a title
+        elif block:
+            sections[-1].append(block)
+    return ["\n\n".join(s) for s in sections if s]
+
+
+WORKLOADS = ("random", "bimodal", "mixed", "shared-prefix", "chat")
 
 
 @dataclass
@@ -77,21 +157,31 @@ class Record:
         return statistics.mean(self.gaps) if self.gaps else float("nan")
 
 
-async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
+async def _one(client: httpx.AsyncClient, model: str, prompt: Prompt, max_tokens: int,
                t0: float) -> Record:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
-    rec = Record(len(prompt), time.perf_counter() - t0)
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    if prompt and isinstance(prompt[0], dict):  # a conversation: the server's chat template
+        path, body["messages"] = "/v1/chat/completions", prompt
+        body["stream_options"] = {"include_usage": True}  # its length in tokens
+        rec = Record(0, time.perf_counter() - t0)
+    else:
+        path, body["prompt"] = "/v1/completions", prompt
+        rec = Record(len(prompt), time.perf_counter() - t0)
     times: list[float] = []
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", path, json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                for c in json.loads(line[6:]).get("choices", []):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage") and not rec.prompt_tokens:
+                    rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                for c in chunk.get("choices", []):
                     # servers that do not return token ids stream one token per chunk
-                    n = len(c.get("token_ids") or []) or int(bool(c.get("text")))
+                    text = c.get("text") or (c.get("delta") or {}).get("content")
+                    n = len(c.get("token_ids") or []) or int(bool(text))
                     times += [time.perf_counter() - t0] * n
     except httpx.HTTPError as e:
         rec.error = repr(e)
@@ -101,7 +191,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
     return rec
 
 
-async def run_load(url: str, prompts: list[list[int]], rate: float, max_tokens: int,
+async def run_load(url: str, prompts: list[Prompt], rate: float, max_tokens: int,
                    seed: int) -> tuple[list[Record], float]:
     """Sends the prompts at `rate` requests/s (Poisson; 0: all at once) after one warm-up
     request; returns their records and the wall time until the last one ended."""

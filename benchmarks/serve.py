@@ -6,8 +6,9 @@
     .venv/bin/python benchmarks/serve.py --workload random --rate 0          # saturation
     .venv/bin/python benchmarks/serve.py --rates 0.5 1 1.5 2                 # goodput sweep
 
-Workloads (loadgen.py): random, bimodal, mixed, shared-prefix. Each target gets the same prompts
-at the same Poisson arrival times. Writes to --out: requests.json (every request's timings, per
+Workloads (loadgen.py): random, bimodal, mixed, shared-prefix (token ids, any model) and chat
+(real text for a chat model, `--model smollm2`). Each target gets the same prompts at the same
+Poisson arrival times. Writes to --out: requests.json (every request's timings, per
 target and rate), summary.json, ttft_tpot_cdf.png, timeline.png and, with several rates,
 goodput.png; prints a table with each target's ratio to the first one (the baseline, if given).
 `--replot DIR` redraws a run's figures and table from its JSON files.
@@ -140,8 +141,8 @@ def main() -> int:
           f"{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, at "
           f"{', '.join(map(str, rates))} req/s; SLO TTFT <= {args.slo_ttft_ms:.0f} ms, "
           f"TPOT <= {args.slo_tpot_ms:.0f} ms")
-    if any(url is None for _, url, _ in targets(args)) and \
-            not Path(args.model, "config.json").exists():
+    if any(url is None for _, url, _ in targets(args)) and args.model == p.get_default("model") \
+            and not Path(args.model, "config.json").exists():
         from common.models.tiny import make_tiny_model
         make_tiny_model(args.model)
     records: dict[str, dict[float, list[Record]]] = {}
