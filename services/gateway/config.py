@@ -32,6 +32,8 @@ class GatewayConfig:
         if not self.model:
             raise ValueError("a model directory is required (--model or PDSERVE_MODEL)")
         model_dir = Path(self.model)
+        if not model_dir.exists():
+            raise ValueError(f"model {self.model!r} does not exist")
         if not model_dir.is_dir() and find_gguf(model_dir) is None:
             raise ValueError(f"model {self.model!r} is neither a directory nor a .gguf file")
         if not 0 <= self.port <= 65535:

@@ -51,4 +51,4 @@ def test_gateway_config_reads_the_context_length(tiny_gguf, tiny_llama):
     assert GatewayConfig(model=str(tiny_gguf)).max_model_len == \
         GatewayConfig(model=str(tiny_llama)).max_model_len == 4096
     with pytest.raises(ValueError, match="neither a directory nor a .gguf file"):
-        GatewayConfig(model=str(tiny_gguf.with_suffix(".bin")))
+        GatewayConfig(model=str(tiny_llama / "model.safetensors"))
