@@ -61,7 +61,6 @@ def find_gguf(path: str | Path) -> Path | None:
 
 @dataclass(frozen=True)
 class GGUFInfo:
-    architecture: str
     context_length: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -82,28 +81,22 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.reader = gguf.GGUFReader(self.path)
-        self.arch = ""  # the {arch} of every key below
-        self.arch = self._str("general.architecture")
+        arch = self.reader.get_field("general.architecture")
+        self.arch = arch.contents() if arch is not None else ""  # the {arch} of the keys
         if self.arch not in ARCHITECTURES:
             raise UnsupportedGGUFError(f"{self.path}: architecture {self.arch!r} is not "
                                        f"supported; known: {', '.join(ARCHITECTURES)}")
         self._tensors = {t.name: t for t in self.reader.tensors}
         self.config = self._config()
         self._check_types()
-        self.info = GGUFInfo(self.arch, self.config["max_position_embeddings"],
-                             self.config["vocab_size"], self.eos_token_ids())
+        self.info = GGUFInfo(self.config["max_position_embeddings"], self.config["vocab_size"],
+                             self.eos_token_ids())
 
     # -- metadata -------------------------------------------------------------------------------
 
     def _field(self, key: str, default: Any = None) -> Any:
         field = self.reader.get_field(key.format(arch=self.arch))
         return default if field is None else field.contents()
-
-    def _str(self, key: str) -> str:
-        value = self._field(key)
-        if not isinstance(value, str):
-            raise UnsupportedGGUFError(f"{self.path}: no {key} in the GGUF metadata")
-        return value
 
     def _int(self, key: str, default: int | None = None) -> int:
         value = self._field(key, default)
@@ -223,7 +216,8 @@ class GGUFCheckpoint:
                 w = unpermute_rows(w, heads)
             elif permuted and ".attn_k." in t.name:
                 w = unpermute_rows(w, kv_heads)
-            yield names[t.name], np.array(w, dtype=np.float32)  # a copy: the file stays read-only
+            # a writable array of its own: the file is mapped read-only
+            yield names[t.name], np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])
 
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
