@@ -135,12 +135,17 @@ def test_client_disconnect_aborts_and_frees_blocks(stack, client):
 
 
 def test_counters_show_the_disaggregated_path_and_no_block_leaks(stack, client):
+    """On an idle stack the free prefill worker takes the prompt and the decode worker only
+    decodes (counters are deltas: earlier tests of the module ran on the same stack)."""
+    before = {w["role"]: w for w in stack.wait_idle()["workers"]}
     _complete(client, stack, _prompt(50, 3))
     s = stack.wait_idle()
-    by_role = {w["role"]: w for w in s["workers"]}
-    prefill, decode = by_role["prefill"], by_role["decode"]
     for w in s["workers"]:
         assert w["num_free_blocks"] == w["num_blocks"], w
+    delta = {w["role"]: {k: v - before[w["role"]][k] for k, v in w.items()
+                         if isinstance(v, int) and k in before[w["role"]]}
+             for w in s["workers"]}
+    prefill, decode = delta["prefill"], delta["decode"]
     assert prefill["prompt_tokens_computed"] >= 50
     assert prefill["kv_blocks_sent"] > 0
     assert decode["kv_blocks_received"] == prefill["kv_blocks_sent"]
