@@ -68,11 +68,10 @@ class Prefill:
 
     def schedule(self, w: WorkerState, plan: StepPlan, budget: int) -> None:
         """Chunks of w's partial prefills, then new prompts, while the budget lasts."""
-        for req in w.prefilling:
+        for req in self._partials(w):
             if budget <= 0:
                 break
-            if req.status is Status.PREFILLING and req.num_computed_tokens < req.num_tokens:
-                budget -= self._schedule_chunk(w, plan, req, budget)
+            budget -= self._schedule_chunk(w, plan, req, budget)
         if not self.admits(w):
             return
         for req in list(itertools.islice(self.waiting, self.lookahead)):
@@ -82,6 +81,11 @@ class Prefill:
             if verdict is None:
                 return  # no room anywhere: keep the queue's order
             budget -= verdict
+
+    def _partials(self, w: WorkerState) -> list[Request]:
+        """w's prompts with tokens still to schedule."""
+        return [r for r in w.prefilling
+                if r.status is Status.PREFILLING and r.num_computed_tokens < r.num_tokens]
 
     def has_partial(self, w: WorkerState) -> bool:
         return any(r.status is Status.PREFILLING for r in w.prefilling)
@@ -131,9 +135,9 @@ class Prefill:
     def _decoder_holds_more(self, req: Request, hashes: list[bytes], todo: int) -> bool:
         """Whether a decode worker caches more of req than this prefill worker, leaving a
         short tail there: it prefills that tail itself."""
-        t = self.config.prefill_bypass_threshold
-        return any(self._todo(d, req, hashes) <= t and self._todo(d, req, hashes) < todo
-                   for d in self.workers.of_role("decode"))
+        tails = (self._todo(d, req, hashes) for d in self.workers.of_role("decode"))
+        return any(tail <= self.config.prefill_bypass_threshold and tail < todo
+                   for tail in tails)
 
     def _todo(self, w: WorkerState, req: Request, hashes: list[bytes]) -> int:
         """Tokens of req that w would compute: those past its cached prefix."""
@@ -151,8 +155,7 @@ class Prefill:
     def _decode_takes(self, w: WorkerState, req: Request, hashes: list[bytes],
                       todo: int) -> bool:
         """Whether decode worker w prefills req beside its batch (see the module's doc)."""
-        partial = [r for r in w.prefilling
-                   if r.status is Status.PREFILLING and r.num_computed_tokens < r.num_tokens]
+        partial = self._partials(w)
         if todo <= self.config.prefill_bypass_threshold:
             pending = sum(r.num_tokens - r.num_computed_tokens for r in partial
                           if not self._is_long(r))
@@ -194,8 +197,7 @@ class Prefill:
         return t > 0 and req.num_tokens > t
 
     def _may_start_partial(self, w: WorkerState, req: Request) -> bool:
-        partial = [r for r in w.prefilling
-                   if r.status is Status.PREFILLING and r.num_computed_tokens < r.num_tokens]
+        partial = self._partials(w)
         if len(partial) >= self.config.max_num_partial_prefills:
             return False
         if self._is_long(req):
