@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from common import metrics, tracing
 from common.kv_transfer.registry import KNOWN_TRANSPORTS
+from common.models import dtype as dtypes
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,7 @@ class WorkerConfig:
     model: str
     scheduler: str = "127.0.0.1:50051"
     worker_id: str = ""
-    dtype: str = "float32"
+    dtype: str = "auto"              # weights and KV cache; auto: resolved at construction
     block_size: int = 16
     num_kv_blocks: int = 0           # 0: from kv_cache_memory_mib
     kv_cache_memory_mib: int = 0     # 0: 1024 on CPU, from gpu_memory_utilization on a GPU
@@ -50,8 +51,6 @@ class WorkerConfig:
     def __post_init__(self):
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"unknown role {self.role!r}; known: prefill, decode")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"--dtype must be float32, float16 or bfloat16, not {self.dtype}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("--block-size must be a power of two")
         if self.num_kv_blocks < 0 or self.kv_cache_memory_mib < 0:
@@ -66,6 +65,7 @@ class WorkerConfig:
             raise ValueError("--cpu-nice must be in 0..19")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, not {self.device!r}")
+        self._set_dtype()
         if self.resolved_device() != "cpu" and self.kv_transports == ("shm", "tcp"):
             # the default on a GPU: device to device between workers of one host, else tcp
             object.__setattr__(self, "kv_transports", ("cuda_ipc", "tcp"))
@@ -81,6 +81,15 @@ class WorkerConfig:
         if not self.worker_id:
             object.__setattr__(self, "worker_id",
                                f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+
+    def _set_dtype(self) -> None:
+        """"auto" (and vLLM's aliases) become the dtype the model is served in, logged once."""
+        if dtypes.canonical(self.dtype) == "auto":
+            choice = dtypes.resolve_dtype("auto", self.model, self.resolved_device())
+            dtypes.log_choice(choice)
+            object.__setattr__(self, "dtype", choice.dtype)
+        else:
+            object.__setattr__(self, "dtype", dtypes.canonical(self.dtype))
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -106,7 +115,7 @@ def parse_cores(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = WorkerConfig(role="decode", model="")
+    d = WorkerConfig(role="decode", model="", dtype="float32")  # for the defaults: no probing
     env = os.environ.get
     p.add_argument("--model", default=env("PDSERVE_MODEL"), required=env("PDSERVE_MODEL") is None,
                    help="HuggingFace checkpoint directory (env PDSERVE_MODEL)")
@@ -114,7 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scheduler address host:port (env PDSERVE_SCHEDULER)")
     p.add_argument("--worker-id", default=env("PDSERVE_WORKER_ID", ""),
                    help="unique id; default role-host-random")
-    p.add_argument("--dtype", default=d.dtype, help="weights and KV cache dtype")
+    p.add_argument("--dtype", choices=dtypes.CHOICES, default="auto",
+                   help="weights and KV cache dtype; auto: the checkpoint's torch_dtype on a GPU, "
+                        "on a CPU bfloat16 where it computes bf16 natively (avx512_bf16, "
+                        "amx_bf16), else float32")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                    help="KV cache blocks; 0 sizes the cache from the memory flags")

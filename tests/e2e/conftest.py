@@ -37,8 +37,10 @@ class Stack:
         self.port, self.sched_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "stack.log"
+        # float32, as the tests' references are, whatever --dtype auto picks on this host
         cmd = [str(PDSERVE), "up", "--model", str(model_dir), "--port", str(self.port),
-               "--scheduler-port", str(self.sched_port), "--cpu-threads", "1", *extra]
+               "--scheduler-port", str(self.sched_port), "--cpu-threads", "1",
+               "--dtype", "float32", *extra]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      cwd=ROOT, start_new_session=True)
         deadline = time.monotonic() + 240

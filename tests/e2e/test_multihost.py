@@ -109,6 +109,7 @@ def test_services_on_four_hosts_match_the_single_host_run(tiny_llama, tmp_path):
         a = hosts.addr
         sched = f"{a['scheduler']}:50051"
         worker = ["--model", str(tiny_llama), "--scheduler", sched, "--cpu-threads", "1",
+                  "--dtype", "float32",
                   "--num-kv-blocks", "128", "--kv-transports", "shm", "tcp"]
         cmds = {
             "scheduler": [PDSERVE, "scheduler", "--host", a["scheduler"], "--port", "50051"],

@@ -28,7 +28,8 @@ class Cluster:
         self.loop = asyncio.new_event_loop()  # the workers' listeners run here
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         for i, (role, blocks) in enumerate(roles_blocks):
-            kw = {"kv_transports": ("shm",), **(worker_kw or {})}
+            # float32, as the references are, whatever --dtype auto would pick on this host
+            kw = {"kv_transports": ("shm",), "dtype": "float32", **(worker_kw or {})}
             worker, reg = build_worker(WorkerConfig(
                 role=role, model=str(model_dir), worker_id=f"test-{role}-{i}-{id(self)}",
                 num_kv_blocks=blocks, block_size=4, **kw))
