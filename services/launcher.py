@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.models import dtype as dtypes
+
 DEFAULT_MODEL = "models/tiny-llama"
 GPU_MEMORY_SHARE = 0.9  # of one GPU's memory, split between the workers `pdserve up` puts on it
 PREFILL_NICE = 19       # the lowest CPU priority: prefill takes only what decoding leaves
@@ -34,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads per worker at start; 0: every core when the workers share "
                         "them (the scheduler then sets each step's threads), else each worker's "
                         "part")
+    p.add_argument("--dtype", choices=dtypes.CHOICES, default="auto",
+                   help="weights and KV cache dtype of the workers; auto: the checkpoint's "
+                        "torch_dtype on a GPU, on a CPU bfloat16 where it computes bf16 natively, "
+                        "else float32 (each worker logs its choice)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=0,
                    help="KV blocks per worker; 0 sizes them from the workers' default memory")
@@ -100,7 +106,8 @@ def commands(args) -> list[list[str]]:
     num_cores = len(os.sched_getaffinity(0))
     threads = args.cpu_threads or \
         (num_cores if shared else max(1, num_cores // max(1, num_workers)))
-    worker = ["--model", args.model, "--scheduler", sched, "--block-size", str(args.block_size),
+    worker = ["--model", args.model, "--scheduler", sched, "--dtype", args.dtype,
+              "--block-size", str(args.block_size),
               "--cpu-threads", str(threads), "--device", args.device,
               # the largest step, profiled by a GPU worker before it sizes its KV cache
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]

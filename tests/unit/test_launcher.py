@@ -61,3 +61,11 @@ def test_workers_sharing_a_gpu_split_its_memory(monkeypatch):
     assert shares == {"prefill-worker1": ["0.3000"], "decode-worker2": ["0.3000", "0.5"],
                       "decode-worker3": ["0.3000", "0.5"]}  # argparse keeps the last
     assert not any("--gpu-memory-utilization" in c for c in _commands().values())
+
+
+def test_the_dtype_reaches_every_worker_auto_by_default():
+    for argv, want in [((), "auto"), (("--dtype", "float32"), "float32"),
+                       (("--dtype", "half"), "half")]:
+        dtypes = {n: c[c.index("--dtype") + 1] for n, c in _commands(*argv).items()
+                  if "--dtype" in c}
+        assert dtypes == {"prefill-worker1": want, "decode-worker2": want}
