@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.models.gguf import find_gguf, gguf_info
+from services.gateway.sampling_defaults import SamplingDefaults, load_sampling_defaults
 
 
 @dataclass(frozen=True)
@@ -14,8 +15,10 @@ class GatewayConfig:
     """Everything the gateway process needs; CLI flags map 1:1 to fields.
 
     Invariants after construction: `served_model_name` is a non-empty tuple (default: `model` as
-    given, like vLLM), `max_model_len` is set (default: config.json max_position_embeddings), and
-    an empty `api_key` means no authentication.
+    given, like vLLM), `max_model_len` is set (default: config.json max_position_embeddings),
+    an empty `api_key` means no authentication, and `sampling_defaults` holds what
+    `generation_config` names (auto: the model's generation_config.json; vllm: none; or a
+    directory holding one).
     """
 
     model: str
@@ -25,8 +28,10 @@ class GatewayConfig:
     served_model_name: tuple[str, ...] = ()
     max_model_len: int | None = None
     api_key: str | None = None
+    generation_config: str = "auto"
     request_timeout_s: float = 600.0  # deadline of every scheduler call
     connect_timeout_s: float = 5.0  # how long /health and startup wait for the scheduler channel
+    sampling_defaults: SamplingDefaults = field(init=False, default=SamplingDefaults())
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -48,6 +53,9 @@ class GatewayConfig:
         self._set_max_model_len(model_dir)
         if not self.api_key:
             object.__setattr__(self, "api_key", None)
+        object.__setattr__(
+            self, "sampling_defaults", load_sampling_defaults(self.generation_config, self.model)
+        )
 
     def _set_served_model_name(self) -> None:
         names = tuple(self.served_model_name) or (self.model,)

@@ -73,6 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="Log level of the HTTP server.",
     )
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="Sampling defaults for what a request leaves out: auto (the model's "
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, and "
+        "max_new_tokens as max_tokens), vllm (none: the API's own defaults), or a directory "
+        "holding a generation_config.json.",
+    )
     tracing.add_arguments(parser)
 
 
@@ -85,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         served_model_name=tuple(args.served_model_name or ()),
         max_model_len=args.max_model_len,
         api_key=args.api_key,
+        generation_config=args.generation_config,
         request_timeout_s=args.request_timeout,
         connect_timeout_s=args.connect_timeout,
     )
@@ -101,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"pdserve gateway: {err}", file=sys.stderr)
         return 2
+    if config.sampling_defaults.given():
+        logger.info(
+            "sampling defaults from --generation-config %s: %s (`--generation-config vllm` "
+            "drops them)", config.generation_config, config.sampling_defaults.given()
+        )
     tracing.setup_tracing("pdserve-gateway", args.otlp_traces_endpoint)
     try:
         return asyncio.run(serve(config, log_level=args.uvicorn_log_level))

@@ -10,13 +10,14 @@ from common.sampling_params import UINT64, GenerateRequest, SamplingParams
 from services.gateway.errors import bad_request
 from services.gateway.generation import OutputOptions
 from services.gateway.protocol import SamplingRequest
+from services.gateway.sampling_defaults import SamplingDefaults
 
 
 class RequestBuilder:
     """Invariant: every request it builds fits max_model_len (prompt + max_tokens)."""
 
     def __init__(
-        self, max_model_len: int, eos_token_ids: list[int], sampling_defaults: dict[str, float]
+        self, max_model_len: int, eos_token_ids: list[int], sampling_defaults: SamplingDefaults
     ) -> None:
         """sampling_defaults: generation_config.json's values, for fields the client left out."""
         self.max_model_len = max_model_len
@@ -35,10 +36,11 @@ class RequestBuilder:
             )
 
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
-        """Default: all the room left in the context, like vLLM."""
+        """Default: generation_config's max_new_tokens, else all the room left in the context
+        (and never more), like vLLM."""
         room = self.max_model_len - prompt_len
         if requested is None:
-            return room
+            return min(room, self.sampling_defaults.max_new_tokens or room)
         if requested > room:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
@@ -54,18 +56,21 @@ class RequestBuilder:
     ) -> SamplingParams:
         defaults = self.sampling_defaults
 
-        def pick(value: float | None, key: str, fallback: float) -> float:
-            return value if value is not None else defaults.get(key, fallback)
+        def pick(value: float | None, default: float | None, fallback: float) -> float:
+            """The request's value, else the model's default, else the API's."""
+            if value is not None:
+                return value
+            return default if default is not None else fallback
 
         return SamplingParams(
-            temperature=pick(req.temperature, "temperature", 1.0),
-            top_p=pick(req.top_p, "top_p", 1.0),
-            top_k=int(pick(req.top_k, "top_k", 0)),
-            min_p=pick(req.min_p, "min_p", 0.0),
+            temperature=pick(req.temperature, defaults.temperature, 1.0),
+            top_p=pick(req.top_p, defaults.top_p, 1.0),
+            top_k=int(pick(req.top_k, defaults.top_k, 0)),
+            min_p=pick(req.min_p, defaults.min_p, 0.0),
             seed=None if req.seed is None else req.seed % UINT64,  # the API's seeds are signed
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
+            repetition_penalty=pick(req.repetition_penalty, defaults.repetition_penalty, 1.0),
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop_token_ids=tuple(req.stop_token_ids or ()),

@@ -24,8 +24,6 @@ from services.gateway.errors import bad_request
 
 T = TypeVar("T")
 
-# Sampling fields a model's generation_config.json may default (vLLM's --generation-config auto).
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # chat_template_kwargs may not override what the gateway itself passes to the template.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
@@ -50,11 +48,6 @@ class Tokenizer:
         generation_config = _read_json(model_dir / "generation_config.json")
         model_eos = gguf_info(gguf_file).eos_token_ids if gguf_file else ()
         self.eos_token_ids = _eos_token_ids(generation_config, model_eos or self.hf.eos_token_id)
-        self.sampling_defaults = {
-            key: generation_config[key]
-            for key in SAMPLING_DEFAULT_KEYS
-            if isinstance(generation_config.get(key), int | float)
-        }
         self.vocab_size = len(self.hf)
         model_vocab = (gguf_info(gguf_file).vocab_size if gguf_file else
                        _read_json(model_dir / "config.json").get("vocab_size"))
