@@ -19,6 +19,7 @@ SERVICES = {
     "prefill-worker": ("services.worker", "a worker that prefills prompts"),
     "decode-worker": ("services.worker", "a worker that decodes"),
     "up": ("services.launcher", "the whole stack on this host, one process per service"),
+    "serve": ("services.serve", "the whole stack like `up`, vLLM-style: serve MODEL [flags]"),
 }
 
 
@@ -140,9 +141,16 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    args = build_parser(argv).parse_args(argv)
+    if getattr(args, "model_tag", None):  # `pdserve serve MODEL`
+        args.model = args.model_tag
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
     if args.command in SERVICES:

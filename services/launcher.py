@@ -1,5 +1,13 @@
-"""`pdserve up`: the whole stack on one host, each service its own process started with the same
-command a user would type for it. Ctrl-C (or SIGTERM) stops all of them.
+"""`pdserve up` (and `pdserve serve MODEL`): the whole stack on one host, each service its own
+process started with the same command a user would type for it. Ctrl-C (or SIGTERM) stops all of
+them. Flags named like vLLM's go to the services that own the concept:
+
+    gateway          --host --port --served-model-name --max-model-len --api-key
+                     --generation-config --otlp-traces-endpoint
+    scheduler        --max-num-seqs --max-num-batched-tokens --max-model-len
+                     --[no-]enable-prefix-caching --otlp-traces-endpoint
+    prefill/decode   --dtype --block-size --max-num-batched-tokens --max-model-len --seed
+    workers          --gpu-memory-utilization (split between the workers) --otlp-traces-endpoint
 
 It lives in services/ with the CLI because it starts the services: common/ never reaches up.
 """
@@ -27,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL", DEFAULT_MODEL),
                    help=f"checkpoint directory; the embedded tiny model is made at {DEFAULT_MODEL} "
                         "when that default is missing")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the API accepts; the first is reported (default: the "
+                        "model as given)")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     p.add_argument("--scheduler-port", type=int, default=50051, help="scheduler gRPC port")
@@ -46,7 +57,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="see `pdserve scheduler`")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="see `pdserve scheduler`")
-    p.add_argument("--max-model-len", type=int, default=0, help="see `pdserve scheduler`")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="context length (prompt plus completion); 0: the model's")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompts' common prefixes (see `pdserve scheduler`)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer <key>` on the API (default: the "
+                        "gateway's $PDSERVE_API_KEY)")
+    p.add_argument("--seed", type=int, default=0, help="the workers' seed of unseeded sampling")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults: auto (the model's generation_config.json), vllm "
+                        "(none), or a directory holding one (see `pdserve gateway`)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of the GPU's memory the workers on it may use in all, split "
+                        f"evenly between them (default on a GPU: {GPU_MEMORY_SHARE})")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="only 1: tensor parallelism is not built yet")
+    p.add_argument("--speculative-config", default=None,
+                   help="refused: speculative decoding is not built yet")
     p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated",
                    help="colocated: no prefill workers; the decode workers do both phases")
     p.add_argument("--scheduler-args", default="",
@@ -76,6 +104,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "http://127.0.0.1:4317 (default: the OTEL_EXPORTER_OTLP_* env vars)")
     p.add_argument("--detailed-traces", action="store_true",
                    help="workers add a span per decode step of every request")
+
+
+def unbuilt(args) -> str | None:
+    """Why a flag cannot be honoured, for vLLM flags whose concept is not built yet (refused,
+    never silently ignored), or None."""
+    if args.tensor_parallel_size != 1:
+        return (f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
+                "built yet; each worker holds the whole model on one device (use 1)")
+    if args.speculative_config is not None:
+        return "--speculative-config: speculative decoding is not built yet"
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        return "--gpu-memory-utilization must be in (0, 1]"
+    return None
 
 
 def _pdserve() -> list[str]:
@@ -111,13 +152,20 @@ def commands(args) -> list[list[str]]:
               "--cpu-threads", str(threads), "--device", args.device,
               # the largest step, profiled by a GPU worker before it sizes its KV cache
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.device != "cpu" and num_workers and "PDSERVE_GPU_MEMORY_UTILIZATION" not in os.environ:
-        # the workers share the GPU: each takes its part of 0.9 of its memory (a worker's own
+    gpu_share = args.gpu_memory_utilization
+    if gpu_share is None and args.device != "cpu" and \
+            "PDSERVE_GPU_MEMORY_UTILIZATION" not in os.environ:
+        gpu_share = GPU_MEMORY_SHARE
+    if gpu_share is not None and num_workers:
+        # the workers share the GPU: each takes its part (a worker's own
         # --gpu-memory-utilization in --prefill/--decode-worker-args comes later and wins)
-        worker += ["--gpu-memory-utilization", f"{GPU_MEMORY_SHARE / num_workers:.4f}"]
+        worker += ["--gpu-memory-utilization", f"{gpu_share / num_workers:.4f}"]
     cores = _core_sets(num_workers) if args.pin_cpus else [[]] * num_workers
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.max_model_len:
+        worker += ["--max-model-len", str(args.max_model_len)]
+    worker += ["--seed", str(args.seed)]
     tracing = ["--otlp-traces-endpoint", args.otlp_traces_endpoint] \
         if args.otlp_traces_endpoint else []
     worker += tracing + (["--detailed-traces"] if args.detailed_traces else [])
@@ -128,6 +176,8 @@ def commands(args) -> list[list[str]]:
                    "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--max-model-len", str(args.max_model_len), "--mode", args.mode,
+                   "--enable-prefix-caching" if args.enable_prefix_caching
+                   else "--no-enable-prefix-caching",
                    *metrics[0], *tracing, *shlex.split(args.scheduler_args)]]
     # sharing cores, a prefill step yields them to a decode step that wants them
     yields = ["--cpu-nice", str(PREFILL_NICE)] if shared else []
@@ -137,9 +187,14 @@ def commands(args) -> list[list[str]]:
              + cores[args.prefill_workers + i] + shlex.split(args.decode_worker_args)
              for i in range(args.decode_workers)]
     gateway = exe + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler", sched,
-                     "--model", args.model, *tracing]
+                     "--model", args.model, "--generation-config", args.generation_config,
+                     *tracing]
+    if args.served_model_name:
+        gateway += ["--served-model-name", *args.served_model_name]
     if args.max_model_len:
         gateway += ["--max-model-len", str(args.max_model_len)]
+    if args.api_key:
+        gateway += ["--api-key", args.api_key]
     return cmds + [gateway]
 
 
@@ -215,13 +270,17 @@ def _stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
 
 
 def run(args) -> int:
+    refused = unbuilt(args)
+    if refused:
+        print(f"pdserve {args.command}: {refused}", file=sys.stderr)
+        return 2
     if args.model == DEFAULT_MODEL and not Path(DEFAULT_MODEL, "config.json").exists():
         from common.models.tiny import make_tiny_model
         make_tiny_model(DEFAULT_MODEL, arch="llama", seed=0)
     from common.models.gguf import find_gguf
     if not Path(args.model, "config.json").exists() and find_gguf(args.model) is None:
-        print(f"pdserve up: {args.model} is neither a model directory nor a .gguf file",
-              file=sys.stderr)
+        print(f"pdserve {args.command}: {args.model} is neither a model directory nor a .gguf "
+              "file", file=sys.stderr)
         return 2
     stopping = False
 
@@ -239,7 +298,7 @@ def run(args) -> int:
         if not _wait_ready(args, procs, time.monotonic() + args.ready_timeout, lambda: stopping):
             if stopping:
                 return 0
-            print("pdserve up: the stack did not come up", file=sys.stderr)
+            print(f"pdserve {args.command}: the stack did not come up", file=sys.stderr)
             return 1
         print(f"pdserve is up: http://{args.host}:{args.port}/v1  model={args.model}  "
               f"({args.prefill_workers} prefill, {args.decode_workers} decode workers)", flush=True)
@@ -252,13 +311,13 @@ def run(args) -> int:
                     continue
                 role = c[len(_pdserve())]
                 if not role.endswith("-worker") or restarts >= args.max_worker_restarts:
-                    print(f"pdserve up: `{role}` exited with {p.returncode}; stopping",
+                    print(f"pdserve {args.command}: `{role}` exited with {p.returncode}; stopping",
                           file=sys.stderr)
                     return 1
                 # a worker that dies takes only its own requests down (they are recomputed
                 # elsewhere); it comes back and registers afresh
                 restarts += 1
-                print(f"pdserve up: `{role}` exited with {p.returncode}; restarting it "
+                print(f"pdserve {args.command}: `{role}` exited with {p.returncode}; restarting it "
                       f"({restarts}/{args.max_worker_restarts})", file=sys.stderr, flush=True)
                 from common.kv_cache import sweep_stale_segments
                 sweep_stale_segments()
