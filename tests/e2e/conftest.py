@@ -33,12 +33,14 @@ def stop_all(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
 
 
 class Stack:
-    def __init__(self, model_dir: Path, tmp: Path, *extra: str):
+    def __init__(self, model_dir: Path, tmp: Path, *extra: str, command: str = "up"):
+        """`pdserve up --model DIR`, or `pdserve serve DIR` with command="serve"."""
         self.port, self.sched_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "stack.log"
+        model = [str(model_dir)] if command == "serve" else ["--model", str(model_dir)]
         # float32, as the tests' references are, whatever --dtype auto picks on this host
-        cmd = [str(PDSERVE), "up", "--model", str(model_dir), "--port", str(self.port),
+        cmd = [str(PDSERVE), command, *model, "--port", str(self.port),
                "--scheduler-port", str(self.sched_port), "--cpu-threads", "1",
                "--dtype", "float32", *extra]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
