@@ -12,6 +12,7 @@ from common.models.attention import AttentionBackend, AttentionMetadata
 from common.models.config import ModelConfig
 from common.models.gguf import GGUFCheckpoint, find_gguf
 from common.models.ops import ModelOps
+from common.models.packed_linear import pack_linears, packs
 from kernels import reference
 
 
@@ -187,9 +188,10 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 def load_model(model_dir: str | Path, backend: AttentionBackend,
                dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> LlamaForCausalLM:
+               device: torch.device | str = "cpu", prepack: bool = True) -> LlamaForCausalLM:
     """From a HF checkpoint directory (*.safetensors), a .gguf file or a directory holding one
-    (dequantized to float32, then cast to `dtype`)."""
+    (dequantized to float32, then cast to `dtype`). On a CPU, `prepack` packs the linear
+    weights once for oneDNN (packed_linear.py) where that serves the dtype."""
     gguf_file = find_gguf(model_dir)
     if gguf_file is None:
         cfg = ModelConfig.from_pretrained(model_dir)
@@ -206,7 +208,10 @@ def load_model(model_dir: str | Path, backend: AttentionBackend,
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(tensors, str(model_dir))
-    return model.to(device=device, dtype=dtype).train(False)  # inference mode for every module
+    model = model.to(device=device, dtype=dtype).train(False)  # inference mode for every module
+    if prepack and packs(dtype, device):
+        pack_linears(model)
+    return model
 
 
 def _safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -39,6 +39,7 @@ class WorkerConfig:
     attention_backend: str = "auto"
     device: str = "cpu"              # cpu | cuda | cuda:N | auto (cuda when there is one)
     enforce_eager: bool = False      # no CUDA graphs: every step runs the eager forward
+    prepack_weights: bool = True     # on a CPU, linear weights packed once for oneDNN's GEMM
     max_cudagraph_capture_size: int = 256  # the largest decode batch captured as a graph
     seed: int = 0
     connect_timeout_s: float = 30.0
@@ -180,6 +181,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU, run every step eagerly instead of replaying decode steps from "
                         "CUDA graphs captured at start-up")
+    p.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
+                   help="on a CPU, multiply through torch's nn.Linear (the weight repacked on "
+                        "every call) instead of weights packed once for oneDNN at load")
     p.add_argument("--max-cudagraph-capture-size", type=int,
                    default=d.max_cudagraph_capture_size,
                    help="the largest decode batch captured as a CUDA graph; larger ones run "
@@ -207,6 +211,7 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         host_id=args.host_id,
                         attention_backend=args.attention_backend, seed=args.seed,
                         device=args.device, enforce_eager=args.enforce_eager,
+                        prepack_weights=args.prepack_weights,
                         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         otlp_traces_endpoint=args.otlp_traces_endpoint or "",
