@@ -36,7 +36,8 @@ def workload(name: str, n: int, seed: int) -> list[Prompt]:
     bimodal:       80% of prompts 50-200 tokens, 20% 2000-3800 (the disaggregation lesson's)
     mixed:         90% 50-200, 10% 2000-3000
     shared-prefix: one 1024-token system prompt and a 20-80-token question each
-    chat:          real text for a chat model (chat_conversations)"""
+    chat:          real text for a chat model (chat_conversations)
+    idle:          prompts of IDLE_LENGTHS tokens in turn, for one request at a time"""
     rng = random.Random(seed)
 
     def tokens(k: int) -> list[int]:
@@ -44,6 +45,8 @@ def workload(name: str, n: int, seed: int) -> list[Prompt]:
 
     if name == "random":
         return [tokens(256) for _ in range(n)]
+    if name == "idle":
+        return [tokens(IDLE_LENGTHS[i % len(IDLE_LENGTHS)]) for i in range(n)]
     if name == "shared-prefix":
         return shared_prefix(n, 1024, (20, 80), seed)
     if name == "chat":
@@ -134,7 +137,8 @@ def _corpus_sections() -> list[str]:
     return ["\n\n".join(s) for s in sections if s]
 
 
-WORKLOADS = ("random", "bimodal", "mixed", "shared-prefix", "chat")
+WORKLOADS = ("random", "bimodal", "mixed", "shared-prefix", "chat", "idle")
+IDLE_LENGTHS = (128, 1024, 3000)  # an idle server's TTFT at each of these prompt lengths
 
 
 @dataclass
@@ -193,8 +197,9 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: Prompt, max_tokens
 
 async def run_load(url: str, prompts: list[Prompt], rate: float, max_tokens: int,
                    seed: int) -> tuple[list[Record], float]:
-    """Sends the prompts at `rate` requests/s (Poisson; 0: all at once) after one warm-up
-    request; returns their records and the wall time until the last one ended."""
+    """Sends the prompts at `rate` requests/s (Poisson; 0: all at once; -1: one at a time,
+    each after the one before has ended) after one warm-up request; returns their records
+    and the wall time until the last one ended."""
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -203,7 +208,9 @@ async def run_load(url: str, prompts: list[Prompt], rate: float, max_tokens: int
         tasks = []
         for p in prompts:
             tasks.append(asyncio.create_task(_one(client, model, p, max_tokens, t0)))
-            if rate > 0:
+            if rate < 0:
+                await tasks[-1]
+            elif rate > 0:
                 await asyncio.sleep(rng.expovariate(rate))
         records = await asyncio.gather(*tasks)
     return list(records), time.perf_counter() - t0
@@ -225,6 +232,15 @@ def summarize(records: list[Record], wall: float, slo_ttft_s: float,
             "TPOT p50": pct([r.tpot for r in ok], 50), "TPOT p99": pct([r.tpot for r in ok], 99),
             "ITL p99": pct([g for r in ok for g in r.gaps], 99),
             "goodput req/s": len(good) / wall}
+
+
+def ttft_by_length(records: list[Record]) -> dict[int, float]:
+    """Median TTFT in milliseconds per prompt length."""
+    by: dict[int, list[float]] = {}
+    for r in records:
+        if not r.error and r.tokens:
+            by.setdefault(r.prompt_tokens, []).append(r.ttft)
+    return {n: statistics.median(ts) * 1000 for n, ts in sorted(by.items())}
 
 
 def records_json(records: list[Record]) -> list[dict]:

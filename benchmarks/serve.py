@@ -5,10 +5,11 @@
         --baseline vllm=http://127.0.0.1:8100 --shapes default colocated --out docs/bench/bimodal
     .venv/bin/python benchmarks/serve.py --workload random --rate 0          # saturation
     .venv/bin/python benchmarks/serve.py --rates 0.5 1 1.5 2                 # goodput sweep
+    .venv/bin/python benchmarks/serve.py --workload idle --num-requests 9    # idle TTFT
 
 Workloads (loadgen.py): random, bimodal, mixed, shared-prefix (token ids, any model) and chat
 (real text for a chat model, `--model smollm2`). Each target gets the same prompts at the same
-Poisson arrival times. Writes to --out: requests.json (every request's timings, per
+Poisson arrival times (`idle` sends one request at a time). Writes to --out: requests.json (every request's timings, per
 target and rate), summary.json, ttft_tpot_cdf.png, timeline.png and, with several rates,
 goodput.png; prints a table with each target's ratio to the first one (the baseline, if given).
 `--replot DIR` redraws a run's figures and table from its JSON files.
@@ -26,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plots  # noqa: E402
-from loadgen import WORKLOADS, Record, launch, records_json, run_load, summarize, workload  # noqa: E402
+from loadgen import (WORKLOADS, Record, launch, records_json, run_load, summarize,  # noqa: E402
+                     ttft_by_length, workload)
 
 SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
     "default": ("pdserve (defaults)", []),
@@ -92,10 +94,14 @@ def report(out: Path, meta: dict, records: dict[str, dict[float, list[Record]]],
     for rate in rates:
         print(f"\n{meta['workload']} {_at(rate)}")
         print_table({n: by[rate] for n, by in summaries.items()})
+    if meta["workload"] == "idle":
+        print("\nmedian TTFT by prompt length, one request at a time")
+        print_table({n: {f"{k} tok": v for k, v in ttft_by_length(by[first]).items()}
+                     for n, by in records.items()})
 
 
 def _at(rate: float) -> str:
-    return f"at {rate} req/s" if rate > 0 else "all at once"
+    return f"at {rate} req/s" if rate > 0 else "one at a time" if rate < 0 else "all at once"
 
 
 def targets(args) -> list[tuple[str, str | None, list[str]]]:
@@ -133,7 +139,7 @@ def main() -> int:
     if args.replot:
         report(Path(args.replot), *load(Path(args.replot)))
         return 0
-    rates = args.rates or [args.rate]
+    rates = [-1.0] if args.workload == "idle" else args.rates or [args.rate]
     prompts = workload(args.workload, args.num_requests, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

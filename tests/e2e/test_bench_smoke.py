@@ -20,3 +20,17 @@ def test_the_serving_benchmark_writes_its_files(tiny_llama, tmp_path):
         assert (out / name).stat().st_size > 0, name
     summary = json.loads((out / "summary.json").read_text())["targets"]["pdserve (defaults)"]
     assert set(summary) == {"4.0", "8.0"} and summary["4.0"]["failed"] == 0
+
+
+def test_the_idle_workload_sends_one_request_at_a_time(tiny_llama, tmp_path):
+    out = tmp_path / "idle"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--model", str(tiny_llama),
+         "--workload", "idle", "--num-requests", "3", "--max-tokens", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "median TTFT by prompt length, one request at a time" in done.stdout
+    recs = json.loads((out / "requests.json").read_text())["pdserve (defaults)"]["-1.0"]
+    assert [r["prompt_tokens"] for r in recs] == [128, 1024, 3000]
+    for before, after in zip(recs, recs[1:]):  # each starts once the one before has ended
+        assert after["start"] >= before["end"]
