@@ -59,6 +59,31 @@ def _to_dict(msg) -> dict:
     return out
 
 
+def _health_args(p):
+    p.add_argument("address", help="host:port of a scheduler, or of a worker's --health-port")
+    p.add_argument("--service", default="",
+                   help='health service name: "" (default) whether it can serve now; the '
+                        "scheduler also reports pdserve.prefill, pdserve.decode and "
+                        "pdserve.scheduler.Scheduler (its API is up)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+
+
+def _health(args) -> int:
+    """Like grpc_health_probe: prints the status; exit 0 for SERVING only."""
+    import grpc
+
+    from common.health import check
+    try:
+        status = check(args.address, args.service, args.timeout)
+    except grpc.RpcError as e:
+        unknown = e.code() == grpc.StatusCode.NOT_FOUND
+        detail = e.details() or (f"no health service {args.service!r}" if unknown else "")
+        print(f"pdserve health: {args.address}: {e.code().name}: {detail}", file=sys.stderr)
+        return 2
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
 def _tiny_args(p):
     from common.models.tiny import KNOWN_ARCHS
     p.add_argument("dir", help="output directory")
@@ -114,6 +139,9 @@ def _fetch(args) -> int:
 
 TOOLS = {
     "stats": (_stats_args, _stats, "scheduler and per-worker counters as JSON"),
+    "health": (_health_args, _health,
+               "a service's grpc.health.v1 status; exit 0 when SERVING (a probe for compose "
+               "and Kubernetes)"),
     "build-kernels": (_kernels_args, _kernels,
                       "compile the CPU attention kernels into their on-disk cache"),
     "make-tiny-model": (_tiny_args, _tiny, "write the embedded tiny random-weight model"),

@@ -45,6 +45,8 @@ class WorkerConfig:
     connect_timeout_s: float = 30.0
     metrics_port: int = 0            # 0: no /metrics
     metrics_host: str = "127.0.0.1"
+    health_port: int = 0             # 0: no grpc.health.v1 server
+    health_host: str = "127.0.0.1"
     otlp_traces_endpoint: str = ""   # "": the OTEL_EXPORTER_OTLP_* env vars, else no tracing
     detailed_traces: bool = False    # a span per decode step too
     reconnect_s: float = 1.0
@@ -62,6 +64,8 @@ class WorkerConfig:
             raise ValueError("--max-cudagraph-capture-size must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1")
+        if not 0 <= self.health_port <= 65535:
+            raise ValueError("--health-port must be in 0..65535")
         if not 0 <= self.cpu_nice <= 19:
             raise ValueError("--cpu-nice must be in 0..19")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -190,6 +194,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "eagerly")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded sampling")
     metrics.add_arguments(p)
+    p.add_argument("--health-port", type=int, default=int(env("PDSERVE_HEALTH_PORT", 0)),
+                   help="serve the gRPC health protocol (grpc.health.v1) on this port once the "
+                        "model is loaded: SERVING while attached to the scheduler; 0: off "
+                        "(env PDSERVE_HEALTH_PORT)")
+    p.add_argument("--health-host", default=env("PDSERVE_HEALTH_HOST", d.health_host),
+                   help="address the health port binds (env PDSERVE_HEALTH_HOST)")
     tracing.add_arguments(p)
     p.add_argument("--detailed-traces", action="store_true",
                    help="with tracing on, a span per decode step of every request (costly)")
@@ -214,5 +224,6 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         prepack_weights=args.prepack_weights,
                         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                        health_port=args.health_port, health_host=args.health_host,
                         otlp_traces_endpoint=args.otlp_traces_endpoint or "",
                         detailed_traces=args.detailed_traces)

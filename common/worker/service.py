@@ -2,6 +2,14 @@
 
 The Attach stream is re-dialed when it breaks (the scheduler restarted, the network blinked);
 the worker then starts afresh, since the scheduler re-queued everything it had planned here.
+
+Health (grpc.health.v1, common/health.py) gets a small gRPC server of its own on --health-port:
+a worker serves no gRPC otherwise (it dials the scheduler, and its KV listeners speak raw frames
+over tcp and shared memory), and a probe of the scheduler's port would say nothing of this
+process. "" is SERVING while the worker is attached and runs plans, NOT_SERVING while it dials,
+re-dials or stops. The port opens once the model is loaded and the KV cache allocated, since
+loading blocks the event loop: until then a probe cannot connect (a Kubernetes startupProbe
+covers the load).
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import grpc
 import torch
 
 from common import tracing
+from common.health import Health
 from common.kv_cache import SEGMENT_PREFIX, PagedKVCache, on_device, sweep_stale_segments
 from common.kv_layout import KVLayout
 from common.kv_transfer.base import KVReceiver, TransferConfig
@@ -121,8 +130,9 @@ def default_host_id() -> str:
 
 
 async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
-                      telemetry: WorkerTelemetry | None = None) -> None:
-    """Registers and runs plans until the stream ends."""
+                      telemetry: WorkerTelemetry | None = None,
+                      health: Health | None = None) -> None:
+    """Registers and runs plans until the stream ends; health SERVING meanwhile."""
     traced = telemetry if telemetry is not None and tracing.enabled() else None
     async with grpc.aio.insecure_channel(
             cfg.scheduler, options=[("grpc.max_receive_message_length", 64 << 20),
@@ -138,8 +148,14 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
         log.info("worker %s registered with %s (%d KV blocks)", cfg.worker_id, cfg.scheduler,
                  reg.num_blocks)
         print(f"pdserve {cfg.role}-worker {cfg.worker_id} attached to {cfg.scheduler}", flush=True)
-        with ThreadPoolExecutor(1, thread_name_prefix="step") as steps:
-            await _run_plans(call, worker, steps, traced)
+        if health is not None:
+            await health.set("", True)
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="step") as steps:
+                await _run_plans(call, worker, steps, traced)
+        finally:
+            if health is not None:
+                await health.set("", False)
 
 
 async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
@@ -167,18 +183,28 @@ async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
             await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
 
 
+async def start_health(cfg: WorkerConfig) -> Health | None:
+    """The health server on --health-port, NOT_SERVING until attached; None when 0."""
+    if not cfg.health_port:
+        return None
+    health, port = await Health.serve(cfg.health_host, cfg.health_port)
+    log.info("grpc.health.v1 on %s:%d", cfg.health_host, port)
+    return health
+
+
 async def serve(cfg: WorkerConfig) -> int:
     tracing.setup_tracing(f"pdserve-{cfg.role}-worker", cfg.otlp_traces_endpoint)
     worker, reg = build_worker(cfg)
     await start_listeners(worker, reg)
     telemetry = await start_telemetry(cfg, worker)
+    health = await start_health(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         while not stop.is_set():
-            task = asyncio.create_task(attach_once(cfg, worker, reg, telemetry))
+            task = asyncio.create_task(attach_once(cfg, worker, reg, telemetry, health))
             stopper = asyncio.create_task(stop.wait())
             await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
@@ -202,6 +228,8 @@ async def serve(cfg: WorkerConfig) -> int:
             except TimeoutError:
                 pass
     finally:
+        if health is not None:
+            await health.stop()
         worker.cache.close()
         for sender in worker.senders.values():
             sender.close()

@@ -104,6 +104,7 @@ async def serve(config: SchedulerConfig, metrics_host: str = "127.0.0.1",
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await service.health.stop()  # probes see NOT_SERVING while the streams drain
     await server.stop(grace=2.0)
 
 

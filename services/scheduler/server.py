@@ -1,4 +1,6 @@
-"""The scheduler's gRPC I/O: Generate/Abort/Stats for gateways, Attach for workers.
+"""The scheduler's gRPC I/O: Generate/Abort/Stats for gateways, Attach for workers, and the
+standard health service (common/health.py), whose statuses follow the workers as they attach
+and leave.
 
 All policy lives in scheduler.py; this file only moves messages. One task per attached worker
 loops: plan when the worker is idle and has work, send, await the result (with a deadline),
@@ -15,6 +17,7 @@ from collections import deque
 import grpc
 
 from common import tracing
+from common.health import Health
 from common.plans import StepPlan
 from common.sampling_params import GenerateOutput
 from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -34,12 +37,16 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 5.0
 TRACED_METHODS = ("Generate", "Abort")  # not Attach: one span as long as a worker's life
+API_SERVICE = "pdserve.scheduler.Scheduler"  # health: SERVING while the process serves its API
+PREFILL_SERVICE = "pdserve.prefill"  # health: a prefill worker can hand KV to a decode worker
+DECODE_SERVICE = "pdserve.decode"    # health: a decode worker is attached
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.WorkerControlServicer):
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, health: Health):
         self.config = config
         self.scheduler = Scheduler(config)
+        self.health = health
         self.telemetry = SchedulerTelemetry(self.scheduler)
         self._streams: dict[str, asyncio.Queue[Output]] = {}
         self._wake: dict[str, asyncio.Event] = {}
@@ -47,6 +54,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
     def _wake_all(self) -> None:
         for ev in self._wake.values():
             ev.set()
+
+    async def update_health(self) -> None:
+        """"" is SERVING only while a request can run to its end."""
+        workers = self.scheduler.workers
+        await self.health.set("", workers.can_serve)
+        await self.health.set(PREFILL_SERVICE, workers.has_disaggregated_path)
+        await self.health.set(DECODE_SERVICE, workers.can_serve)
 
     def _dispatch(self, outputs: list[Output]) -> None:
         for out in outputs:
@@ -144,12 +158,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
         reader = asyncio.create_task(self._read(link, wake))
         self._wake_all()
         try:
+            await self.update_health()
             await self._drive(link, wake)
         finally:
             reader.cancel()
             del self._wake[wid]
             self.scheduler.remove_worker(wid)
             self._wake_all()
+            await self.update_health()
         error = reader.exception() if reader.done() and not reader.cancelled() else None
         if error is not None:
             raise error  # a message it could not apply: the worker was dropped
@@ -244,11 +260,13 @@ async def create_server(config: SchedulerConfig) -> tuple[grpc.aio.Server, int, 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)],
                              interceptors=tracing.aio_server_interceptors(TRACED_METHODS))
-    service = SchedulerService(config)
+    service = SchedulerService(config, Health(server))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     worker_pb2_grpc.add_WorkerControlServicer_to_server(service, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
+    await service.update_health()  # NOT_SERVING: no worker yet
+    await service.health.set(API_SERVICE, True)
     await server.start()
     return server, port, service

@@ -41,6 +41,19 @@ class Workers(Mapping[str, WorkerState]):
         return any(w.role == "prefill" for w in self._by_id.values())
 
     @property
+    def can_serve(self) -> bool:
+        """Whether a request can run to its end: every request decodes on a decode worker,
+        which prefills it itself when no prefill worker is attached (colocated, or a prefill
+        pool that is gone); prefill workers alone finish nothing."""
+        return any(w.role == "decode" for w in self._by_id.values())
+
+    @property
+    def has_disaggregated_path(self) -> bool:
+        """A prefill worker and a decode worker to hand its KV to (join() refuses a pair with
+        no transport between them)."""
+        return self.has_prefill and self.can_serve
+
+    @property
     def max_model_len(self) -> int:
         """The smallest limit of the workers and the scheduler's flag."""
         limits = [w.max_model_len for w in self._by_id.values() if w.max_model_len > 0]

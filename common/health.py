@@ -1,0 +1,73 @@
+"""The standard gRPC health protocol (grpc.health.v1) as every pdserve service speaks it.
+
+    service       where                   health service names
+    scheduler     its own gRPC port       "" SERVING while a request can be served (a decode
+                                          worker is attached; see Workers.can_serve),
+                                          "pdserve.prefill" while a prefill worker can hand KV
+                                          to a decode worker, "pdserve.decode" while a decode
+                                          worker is attached, "pdserve.scheduler.Scheduler"
+                                          while the process serves its API (liveness)
+    worker        --health-port           "" SERVING while attached to the scheduler
+    gateway       HTTP                    /health liveness; /ready follows the scheduler's ""
+
+Every status turns NOT_SERVING for good when its process begins to stop. `pdserve health
+ADDRESS [--service NAME]` is the probe, like grpc_health_probe: exit 0 for SERVING only.
+"""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def status_name(status: int) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+class Health:
+    """The health service of one gRPC server; statuses change only through `set`."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        # it starts with "" SERVING: a server whose "" means more sets it at once
+        self.servicer = grpc_health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        self._serving: dict[str, bool] = {}
+        self._own_server: grpc.aio.Server | None = None
+
+    @classmethod
+    async def serve(cls, host: str, port: int) -> tuple[Health, int]:
+        """A gRPC server of its own with nothing but the health service, "" NOT_SERVING;
+        returns the Health (stop() stops the server too) and the bound port."""
+        server = grpc.aio.server()
+        health = cls(server)
+        health._own_server = server
+        await health.set("", False)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot bind the health port {host}:{port}")
+        await server.start()
+        return health, bound
+
+    async def set(self, service: str, serving: bool) -> None:
+        if self._serving.get(service) != serving:
+            self._serving[service] = serving
+            await self.servicer.set(service, SERVING if serving else NOT_SERVING)
+
+    async def stop(self) -> None:
+        """Every service NOT_SERVING from now on, whatever set() is called later; a server of
+        its own stops."""
+        await self.servicer.enter_graceful_shutdown()
+        if self._own_server is not None:
+            await self._own_server.stop(grace=None)
+
+
+def check(address: str, service: str = "", timeout_s: float = 5.0) -> str:
+    """The service's status name at `address` (SERVING, NOT_SERVING, ...); raises grpc.RpcError
+    when the server cannot be reached or does not know the service (NOT_FOUND)."""
+    with grpc.insecure_channel(address) as channel:
+        response = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    return status_name(response.status)
