@@ -137,10 +137,12 @@ def context_of(span_):
 
 
 def aio_client_interceptors() -> list:
+    """Every call but health checks (a gateway's Watch stream lives as long as it does)."""
     if not _enabled:
         return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors as make
-    return make()
+    from opentelemetry.instrumentation.grpc import filters
+    return make(filter_=filters.negate(filters.health_check()))
 
 
 def aio_server_interceptors(methods: tuple[str, ...]) -> list:
@@ -153,7 +155,7 @@ def aio_server_interceptors(methods: tuple[str, ...]) -> list:
         filter_=filters.any_of(*(filters.method_name(m) for m in methods)))]
 
 
-def instrument_fastapi(app, excluded_urls: str = "health,metrics") -> None:
+def instrument_fastapi(app, excluded_urls: str = "health,ready,metrics") -> None:
     """HTTP server spans; no per-message spans (an SSE stream would get one per chunk)."""
     if not _enabled:
         return

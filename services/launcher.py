@@ -233,14 +233,14 @@ def metrics_urls(args) -> list[tuple[str, str]]:
 
 
 def _wait_ready(args, procs, deadline: float, stopping) -> bool:
-    """Every worker registered and the gateway answering /health."""
+    """Every worker registered and the gateway ready (/ready: it sees a worker path)."""
     import grpc
     import httpx
 
     from protos import scheduler_pb2, scheduler_pb2_grpc
 
     want = args.prefill_workers + args.decode_workers
-    url = f"http://{args.host}:{args.port}/health"
+    url = f"http://{args.host}:{args.port}/ready"
     with grpc.insecure_channel(f"{args.host}:{args.scheduler_port}") as ch:
         stub = scheduler_pb2_grpc.SchedulerStub(ch)
         while time.monotonic() < deadline and not stopping():

@@ -3,7 +3,9 @@
     /v1/completions, /v1/chat/completions   -> completions.py, chat.py through flow.py
     /v1/models, /v1/models/{id}             served model names
     /tokenize, /detokenize                  like vLLM's
-    /health                                 200 when the scheduler channel is ready, else 503
+    /health                                 liveness: 200 while the process serves HTTP
+    /ready                                  readiness: 200 while the scheduler reports a worker
+                                            that can serve a request, else 503 (readiness.py)
     /metrics                                Prometheus text format (no auth, like vLLM's)
 
 With an api_key, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <key>`.
@@ -25,7 +27,7 @@ from services.gateway.chat import ChatCompletion
 from services.gateway.completions import Completion
 from services.gateway.config import GatewayConfig
 from services.gateway.disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected
-from services.gateway.errors import GatewayError, install_error_handlers, unauthorized
+from services.gateway.errors import install_error_handlers, unauthorized
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,14 +70,15 @@ def create_app(
     _add_tokenizer_routes(api, ctx)
     app.include_router(api)
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get("/health")
     async def health() -> Response:
-        if await ctx.client.ready():
+        return Response(status_code=200)
+
+    @app.get("/ready", responses={503: {"model": ErrorResponse}})
+    async def ready() -> Response:
+        if ctx.client.readiness.serving:
             return Response(status_code=200)
-        raise GatewayError(
-            503, "The scheduler is not reachable.", "service_unavailable",
-            code="scheduler_unavailable", retry_after=1,
-        )
+        raise ctx.client.readiness.unavailable()
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -30,7 +30,8 @@ class GatewayConfig:
     api_key: str | None = None
     generation_config: str = "auto"
     request_timeout_s: float = 600.0  # deadline of every scheduler call
-    connect_timeout_s: float = 5.0  # how long /health and startup wait for the scheduler channel
+    connect_timeout_s: float = 5.0  # how long startup waits for the scheduler channel
+    no_worker_wait_s: float = 5.0  # how long a request waits for a worker path before its 503
     sampling_defaults: SamplingDefaults = field(init=False, default=SamplingDefaults())
 
     def __post_init__(self) -> None:
@@ -49,6 +50,8 @@ class GatewayConfig:
             raise ValueError("scheduler address must not be empty")
         if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("request and connect timeouts must be positive")
+        if self.no_worker_wait_s < 0:
+            raise ValueError("--no-worker-wait must be >= 0")
         self._set_served_model_name()
         self._set_max_model_len(model_dir)
         if not self.api_key:

@@ -1,7 +1,8 @@
 """The one flow both generation APIs share; an API plugs in only what differs (its prompts and
 the shape of its choices and chunks):
 
-    check model, request id -> prompts() -> build, submit (one Generate per prompt)
+    check model, request id -> prompts() -> build, wait for a worker path (else 503),
+    submit (one Generate per prompt)
         JSON: collect every choice -> response(choices)
         SSE:  prime (first delta) -> opening_chunks(), chunk(delta)..., usage_chunk(), [DONE]
 """
@@ -53,6 +54,7 @@ class Generation(ABC):
             self.request_id, self.prompt_ids, self.body, self.num_logprobs(),
             self.samples_per_prompt(),
         )
+        await self.ctx.wait_for_workers()
         streams = self.ctx.sequences(requests, output_options(self.body))
         if self.body.stream:
             return sse(self._stream, await prime(self.raw, streams), self.request_id)

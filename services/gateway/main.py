@@ -65,7 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--connect-timeout",
         type=float,
         default=5.0,
-        help="Seconds to wait for the scheduler connection (at startup and in /health).",
+        help="Seconds to wait for the scheduler connection at startup.",
+    )
+    parser.add_argument(
+        "--no-worker-wait",
+        type=float,
+        default=5.0,
+        help="Seconds a request waits while the scheduler reports no worker that can serve it "
+        "(or cannot be reached); then it gets 503 with Retry-After.",
     )
     parser.add_argument(
         "--uvicorn-log-level",
@@ -96,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         generation_config=args.generation_config,
         request_timeout_s=args.request_timeout,
         connect_timeout_s=args.connect_timeout,
+        no_worker_wait_s=args.no_worker_wait,
     )
 
 
@@ -132,7 +140,7 @@ async def serve(
     try:
         if not await client.ready():
             logger.warning(
-                "scheduler %s not reachable yet; /health answers 503 until it is", config.scheduler
+                "scheduler %s not reachable yet; /ready answers 503 until it is", config.scheduler
             )
         app = create_app(config, client)
         server = uvicorn.Server(

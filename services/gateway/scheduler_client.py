@@ -14,6 +14,7 @@ import grpc
 
 from common import tracing
 from protos import scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.readiness import SchedulerReadiness
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ async def _drain(responses: AsyncIterator) -> None:
 
 class SchedulerClient:
     """Invariant: a `generate` stream that is closed early (aclose, cancellation) cancels its
-    gRPC call; freeing the request's blocks is the caller's job, via `abort` / `abort_soon`."""
+    gRPC call; freeing the request's blocks is the caller's job, via `abort` / `abort_soon`.
+    `readiness` follows the scheduler's health once `connect` made the client."""
 
     def __init__(
         self, channel: grpc.aio.Channel, request_timeout_s: float, connect_timeout_s: float
@@ -46,6 +48,7 @@ class SchedulerClient:
         self._request_timeout_s = request_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._background: set[asyncio.Task] = set()
+        self.readiness = SchedulerReadiness(channel)
 
     @classmethod
     def connect(
@@ -56,7 +59,9 @@ class SchedulerClient:
         channel = grpc.aio.insecure_channel(
             address, options=options, interceptors=tracing.aio_client_interceptors() or None
         )
-        return cls(channel, request_timeout_s, connect_timeout_s)
+        client = cls(channel, request_timeout_s, connect_timeout_s)
+        client.readiness.start()
+        return client
 
     async def generate(
         self, request: scheduler_pb2.GenerateRequest, span=None
@@ -107,6 +112,7 @@ class SchedulerClient:
         return True
 
     async def close(self) -> None:
+        await self.readiness.close()
         if self._background:
             await asyncio.wait(set(self._background), timeout=ABORT_TIMEOUT_S)
         await self._channel.close()

@@ -63,6 +63,13 @@ class ServingContext:
         raw.state.request_id = request_id
         return request_id
 
+    async def wait_for_workers(self) -> None:
+        """Returns once the scheduler can serve a request; raises 503 with Retry-After when it
+        still cannot after --no-worker-wait."""
+        readiness = self.client.readiness
+        if not await readiness.wait_serving(self.config.no_worker_wait_s):
+            raise readiness.unavailable()
+
     def sequences(
         self, requests: list[GenerateRequest], options: OutputOptions
     ) -> list[DeltaStream]:

@@ -25,6 +25,7 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 
+from common.health import Health
 from common.sampling_params import GenerateOutput, GenerateRequest, TokenLogprobs, TopLogprob
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from protos.scheduler_codec import output_to_pb, request_from_pb
@@ -180,6 +181,7 @@ async def start_fake_scheduler(
     """Serve `servicer` on host:0; returns (server, "host:port")."""
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    Health(server)  # "" SERVING: as a scheduler with workers attached
     port = server.add_insecure_port(f"{host}:0")
     await server.start()
     return server, f"{host}:{port}"

@@ -168,15 +168,19 @@ async def test_api_key(model_dir: str, tokenizer: Tokenizer) -> None:
 
 async def test_scheduler_unavailable_is_503(model_dir: str, tokenizer: Tokenizer) -> None:
     async with fake_gateway(
-        model_dir, tokenizer, scheduler_address=dead_address(), connect_timeout_s=0.3
+        model_dir, tokenizer, scheduler_address=dead_address(), connect_timeout_s=0.3,
+        no_worker_wait_s=0.3,
     ) as gw:
         async with http_client(gw.url) as http:
             completion = await http.post("/v1/completions", json={"prompt": "x"})
             streamed = await http.post("/v1/completions", json={"prompt": "x", "stream": True})
+            ready = await http.get("/ready")
             health = await http.get("/health")
-    for response in (completion, streamed, health):
-        assert_error(response, 503)
+    for response in (completion, streamed, ready):
+        error = assert_error(response, 503)
+        assert error["code"] == "scheduler_unavailable", error
         assert response.headers["retry-after"] == "1"
+    assert health.status_code == 200  # liveness: the gateway itself is up
 
 
 @pytest.mark.parametrize(
