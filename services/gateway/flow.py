@@ -1,7 +1,7 @@
 """The one flow both generation APIs share; an API plugs in only what differs (its prompts and
 the shape of its choices and chunks):
 
-    check model, request id -> prompts() -> build, wait for a worker path (else 503),
+    check model, request ids -> prompts() -> build, wait for a worker path (else 503),
     submit (one Generate per prompt)
         JSON: collect every choice -> response(choices)
         SSE:  prime (first delta) -> opening_chunks(), chunk(delta)..., usage_chunk(), [DONE]
@@ -43,7 +43,8 @@ class Generation(ABC):
         self.body = body
         self.raw = raw
         self.model = ctx.check_model(body.model)
-        self.request_id = ctx.request_id(raw, self.ID_PREFIX)
+        # request_id: the response's id and x-request-id; the scheduler's is its own
+        self.request_id, self.scheduler_id = ctx.request_ids(raw, self.ID_PREFIX)
         self.created = int(time.time())
         self.prompt_ids: list[list[int]] = []
 
@@ -51,7 +52,7 @@ class Generation(ABC):
         with tracing.span("gateway.tokenize"):
             self.prompt_ids = await self.prompts()
         requests = self.ctx.builder.build(
-            self.request_id, self.prompt_ids, self.body, self.num_logprobs(),
+            self.scheduler_id, self.prompt_ids, self.body, self.num_logprobs(),
             self.samples_per_prompt(),
         )
         await self.ctx.wait_for_workers()

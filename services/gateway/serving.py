@@ -6,6 +6,7 @@ and the submission of built requests as per-choice delta streams.
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 from fastapi import Request
@@ -19,6 +20,8 @@ from services.gateway.request_builder import RequestBuilder
 from services.gateway.scheduler_client import SampleStreams, SchedulerClient
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class ServingContext:
@@ -57,11 +60,17 @@ class ServingContext:
         return name
 
     @staticmethod
-    def request_id(raw: Request, prefix: str) -> str:
-        """The client's x-request-id if given, else a fresh "<prefix>-<uuid hex>"."""
-        request_id = raw.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-        raw.state.request_id = request_id
-        return request_id
+    def request_ids(raw: Request, prefix: str) -> tuple[str, str]:
+        """(the id the client sees, the scheduler's id). The client's x-request-id is echoed
+        and logged but never reaches the scheduler: clients may send the same one at once, to
+        one gateway or to several, and the scheduler's ids are unique. The scheduler's id is a
+        fresh "<prefix>-<uuid hex>", also the client's when it sent none."""
+        scheduler_id = f"{prefix}-{uuid.uuid4().hex}"
+        given = raw.headers.get("x-request-id")
+        if given:
+            logger.info("request %s: x-request-id %s", scheduler_id, given)
+        raw.state.request_id = given or scheduler_id
+        return given or scheduler_id, scheduler_id
 
     async def wait_for_workers(self) -> None:
         """Returns once the scheduler can serve a request; raises 503 with Retry-After when it

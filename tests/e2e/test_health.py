@@ -1,6 +1,8 @@
 """Health and readiness follow the workers, as real processes come and go: the scheduler's and
 the workers' grpc.health.v1 statuses, the gateway's /ready, and a request with no worker to
-serve it, which gets a 503 with Retry-After after --no-worker-wait instead of hanging."""
+serve it, which gets a 503 with Retry-After after --no-worker-wait instead of hanging. Then the
+client's x-request-id: echoed, never the scheduler's id, so equal ids never collide."""
+import json
 import signal
 import subprocess
 import time
@@ -9,6 +11,7 @@ import grpc
 import httpx
 
 from common.health import check
+from protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.e2e.conftest import PDSERVE, free_port, stop_all
 
 NO_WORKER_WAIT_S = 1.5
@@ -120,3 +123,31 @@ def test_health_and_readiness_follow_the_workers(tiny_llama, tmp_path):
             assert again.json()["choices"][0]["text"] == served.json()["choices"][0]["text"]
     finally:
         stop_all(procs)
+
+
+def test_equal_client_request_ids_do_not_collide(stack):
+    """While a stream with x-request-id "same-id" runs, a second request with the same id runs
+    too, and each echoes the client's id (the scheduler refuses an id already in use: it never
+    sees the client's). The first is still running after the second finished: they overlapped."""
+    same = {"x-request-id": "same-id"}
+    long = {"prompt": "one two three", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with grpc.insecure_channel(f"127.0.0.1:{stack.sched_port}") as channel, \
+            httpx.Client(base_url=stack.url, timeout=120) as http:
+        stats = scheduler_pb2_grpc.SchedulerStub(channel).Stats
+
+        def in_flight() -> int:
+            s = stats(scheduler_pb2.StatsRequest(), timeout=10)
+            return s.num_running + s.num_waiting
+
+        with http.stream("POST", "/v1/completions", json=long, headers=same) as first:
+            assert first.status_code == 200 and first.headers["x-request-id"] == "same-id"
+            lines = first.iter_lines()
+            opening = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(opening.removeprefix("data: "))["id"] == "same-id"
+            second = _complete(http, **same)
+            assert in_flight() == 1  # the first, still generating
+        # closing the stream early aborts the first
+    assert second.status_code == 200, second.text
+    assert second.headers["x-request-id"] == "same-id" == second.json()["id"]
+    assert second.json()["choices"][0]["finish_reason"] == "length"
+    assert stack.wait_idle()["num_running"] == 0

@@ -143,8 +143,9 @@ async def test_n_and_several_prompts_fan_out(model_dir: str, tokenizer: Tokenize
     for choice in result.choices:
         assert choice.text == tokenizer.decode(encode(tokenizer, prompts[choice.index // 2])[:2])
     sent = {r.request_id: r for r in gw.scheduler.requests}
-    assert sorted(sent) == ["fan-0", "fan-1", "fan-2", "fan-3"]
-    assert [sent[f"fan-{i}"].sampling.seed for i in range(4)] == [100, 101, 100, 101]
+    base = min(sent).removesuffix("-0")  # the scheduler's own id, not the client's "fan"
+    assert base.startswith("cmpl-") and sorted(sent) == [f"{base}-{i}" for i in range(4)]
+    assert [sent[f"{base}-{i}"].sampling.seed for i in range(4)] == [100, 101, 100, 101]
     assert result.usage.completion_tokens == 8
     assert result.usage.prompt_tokens == sum(len(encode(tokenizer, p)) for p in prompts)
 
@@ -319,7 +320,8 @@ async def test_request_id_is_echoed_or_assigned(model_dir: str, tokenizer: Token
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
             bad = await http.post("/v1/completions", json={}, headers={"x-request-id": "xyz"})
     assert given.headers["x-request-id"] == "abc" == given.json()["id"]
-    assert gw.scheduler.requests[0].request_id == "abc"
+    # the client's id is echoed; the scheduler gets a unique one of the gateway's
+    assert gw.scheduler.requests[0].request_id.startswith("cmpl-")
     assert assigned.headers["x-request-id"] == assigned.json()["id"]
     assert assigned.json()["id"].startswith("chatcmpl-")
     assert bad.status_code == 400 and bad.headers["x-request-id"] == "xyz"

@@ -262,9 +262,10 @@ async def test_disconnect_mid_stream_aborts(
                     events += line.startswith("data: ")
                     if events == 3:
                         break
-            await wait_for(lambda: "gone" in gw.scheduler.aborted)
-            await wait_for(lambda: "gone" in gw.scheduler.cancelled)
-    assert "gone" not in gw.scheduler.finished
+            sent = gw.scheduler.requests[0].request_id  # the scheduler's id, not "gone"
+            await wait_for(lambda: sent in gw.scheduler.aborted)
+            await wait_for(lambda: sent in gw.scheduler.cancelled)
+    assert sent not in gw.scheduler.finished
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -284,7 +285,9 @@ async def test_disconnect_while_waiting_aborts(
             post.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await post
-            await wait_for(lambda: sorted(gw.scheduler.aborted) == ["bye-0", "bye-1"])
+            sent = sorted(r.request_id for r in gw.scheduler.requests)
+            assert [i.rsplit("-", 1)[1] for i in sent] == ["0", "1"]
+            await wait_for(lambda: sorted(gw.scheduler.aborted) == sent)
             await wait_for(lambda: len(gw.scheduler.cancelled) == 2)
     assert gw.scheduler.finished == []
 
