@@ -112,3 +112,21 @@ def test_every_service_is_observable_and_restarts(compose_bin):
                 "service_completed_successfully", name
         assert services["model-init"]["restart"] == "no"
         assert "make-tiny-model" in services["model-init"]["command"][0]
+
+
+def test_healthchecks_speak_the_health_protocol(compose_bin):
+    """The scheduler's check is its API being up, not "" (which waits for the workers, and the
+    workers wait for the scheduler to be healthy); each worker's is its grpc.health.v1 port;
+    the gateway's is its readiness."""
+    for profile in ((), ("--profile", "cpu")):
+        services = config(compose_bin, *profile)["services"]
+        assert services["scheduler"]["healthcheck"]["test"] == [
+            "CMD", "pdserve", "health", "127.0.0.1:50051", "--service",
+            "pdserve.scheduler.Scheduler", "--timeout", "3"]
+        assert "/ready" in services["gateway"]["healthcheck"]["test"][-1]
+        workers = [s for name, s in services.items() if "worker" in name]
+        assert len(workers) == 2
+        for w in workers:
+            port = w["environment"]["PDSERVE_HEALTH_PORT"]
+            assert w["healthcheck"]["test"] == [
+                "CMD", "pdserve", "health", f"127.0.0.1:{port}", "--timeout", "3"]
