@@ -11,6 +11,7 @@ import uuid
 
 from fastapi import Request
 
+from common import tracing
 from common.sampling_params import GenerateRequest
 from protos.scheduler_codec import request_to_pb
 from services.gateway.config import GatewayConfig
@@ -69,6 +70,11 @@ class ServingContext:
         given = raw.headers.get("x-request-id")
         if given:
             logger.info("request %s: x-request-id %s", scheduler_id, given)
+        if tracing.enabled():  # on the HTTP server span, where a client's id is looked for
+            ids = {"pdserve.request_id": scheduler_id}
+            if given:
+                ids["pdserve.client_request_id"] = given
+            tracing.current_span().set_attributes(ids)
         raw.state.request_id = given or scheduler_id
         return given or scheduler_id, scheduler_id
 

@@ -139,7 +139,11 @@ def test_one_request_is_one_trace_across_the_four_services(traced):
     (request,) = named["pdserve-scheduler", REQUEST_SPAN]
     assert request.kind == Span.SPAN_KIND_SERVER and request.parent_span_id == client.span_id
     ra = _attrs(request)
-    assert ra["pdserve.request_id"] == "t-1" and ra["pdserve.prompt_tokens"] == len(prompt)
+    assert ra["pdserve.prompt_tokens"] == len(prompt)
+    # the scheduler's id is the gateway's own; the client's x-request-id is on the HTTP span
+    assert ra["pdserve.request_id"] == _attrs(http)["pdserve.request_id"] == \
+        _attrs(generate)["pdserve.request_id"]
+    assert _attrs(http)["pdserve.client_request_id"] == "t-1"
     assert ra["pdserve.output_tokens"] == MAX_TOKENS and ra["pdserve.finish_reason"] == "length"
     assert ra["pdserve.prefill_worker"] != ra["pdserve.decode_worker"]
 
