@@ -56,7 +56,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             ev.set()
 
     async def update_health(self) -> None:
-        """"" is SERVING only while a request can run to its end."""
+        """The health service "" is SERVING only while a request can run to its end."""
         workers = self.scheduler.workers
         await self.health.set("", workers.can_serve)
         await self.health.set(PREFILL_SERVICE, workers.has_disaggregated_path)

@@ -83,12 +83,12 @@ url, prompts = sys.argv[1], json.loads(sys.argv[2])
 deadline = time.monotonic() + 180
 while True:
     try:
-        if httpx.get(url + "/health", timeout=2).status_code == 200:
+        if httpx.get(url + "/ready", timeout=2).status_code == 200:
             break
     except httpx.HTTPError:
         pass
     if time.monotonic() > deadline:
-        sys.exit("gateway not healthy")
+        sys.exit("gateway not ready")
     time.sleep(0.5)
 name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 out = []
