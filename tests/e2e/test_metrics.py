@@ -6,8 +6,21 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.conftest import Stack
+
 PROMPT_LEN = 40      # two full blocks of 16 and a partial one
 MAX_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    """Every prompt through the prefill worker: with the default placement a decode worker
+    prefills a short prompt itself whenever the prefill worker is still busy, and on a loaded
+    host that timing would move the per-role counters below."""
+    s = Stack(tiny_llama, tmp_path_factory.mktemp("stack"), "--num-kv-blocks", "256",
+              "--scheduler-args=--prefill-bypass-threshold 0 --no-saturated-prefill-bypass")
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")
