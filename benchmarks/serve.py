@@ -8,10 +8,12 @@
     .venv/bin/python benchmarks/serve.py --workload idle --num-requests 9    # idle TTFT
 
 Workloads (loadgen.py): random, bimodal, mixed, shared-prefix (token ids, any model) and chat
-(real text for a chat model, `--model smollm2`). Each target gets the same prompts at the same
-Poisson arrival times (`idle` sends one request at a time). Writes to --out: requests.json (every request's timings, per
-target and rate), summary.json, ttft_tpot_cdf.png, timeline.png and, with several rates,
-goodput.png; prints a table with each target's ratio to the first one (the baseline, if given).
+(real text for a chat model, `--model smollm2`); idle sends 128/1024/3000-token prompts one
+request at a time. Each target gets the same prompts at the same Poisson arrival times. Writes
+to --out: requests.json (every request's timings, per target and rate), summary.json,
+ttft_tpot_cdf.png, timeline.png and, with several rates, goodput.png; prints a table with each
+target's ratio to the first one (the baseline, if given), and for idle the median TTFT per
+prompt length.
 `--replot DIR` redraws a run's figures and table from its JSON files.
 """
 from __future__ import annotations
