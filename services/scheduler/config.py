@@ -16,8 +16,8 @@ class SchedulerConfig:
     mode: str = "disaggregated"        # or "colocated": decode workers only, each does both
     enable_prefix_caching: bool = True
     prefill_bypass_threshold: int = 256  # short prompts: their decode worker may prefill them
-    saturated_prefill_bypass: bool = False  # ... and long ones while every prefill worker is busy
-    decode_prefill_tokens: int = 256   # most prompt tokens a decode worker computes in a step
+    saturated_prefill_bypass: bool = True  # ... and long ones while every prefill worker is busy
+    decode_prefill_tokens: int = 32    # most prompt tokens a decode worker computes in a step
     max_num_partial_prefills: int = 2  # a short prompt's fast lane beside one long prompt
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: half the step budget when partials > 1

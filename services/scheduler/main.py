@@ -45,8 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--saturated-prefill-bypass", action=argparse.BooleanOptionalAction,
                    default=d.saturated_prefill_bypass,
                    help="when every prefill worker is busy, a decode worker with room prefills "
-                        "a longer prompt too, one at a time (trades its decodes' TPOT, within "
-                        "--decode-prefill-tokens a step, for the prompt's TTFT)")
+                        "a longer prompt too, one at a time, if at the prefill speeds measured "
+                        "so far it would finish it sooner than a prefill worker (trades its "
+                        "decodes' TPOT, within --decode-prefill-tokens a step, for the "
+                        "prompt's TTFT)")
     p.add_argument("--decode-prefill-tokens", type=int, default=d.decode_prefill_tokens,
                    help="with prefill workers, the most prompt tokens a decode worker computes "
                         "in one step beside its batch: bounds what a prefill there adds to "

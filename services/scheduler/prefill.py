@@ -16,16 +16,21 @@ Who prefills a prompt:
                                      free to start it now, or that decode worker caches more of
                                      it than any prefill worker (no recompute, no KV hop), or
                                    - it is longer, every prefill worker is busy
-                                     (--saturated-prefill-bypass), and the decode worker has no
-                                     long prompt of its own and a quarter of its blocks free, or
+                                     (--saturated-prefill-bypass), the decode worker has no
+                                     long prompt of its own and a quarter of its blocks free,
+                                     and at the prefill speeds measured so far it finishes the
+                                     prompt before a prefill worker would get through its
+                                     backlog and the prompt, or
                                    - its KV transfer failed once (prefill_locally)
                                    and, among prefill workers, the one caching most of its
                                    prefix
 
 So a free prefill worker takes every prompt (no interference with decoding), and while prefill
-workers are busy short prompts do not queue behind long ones. Long prompts stay off the decode
-worker by default: every token of prefill there slows each request it decodes, and long prompts
-arriving faster than the prefill workers finish them would take most of its time.
+workers are busy short prompts do not queue behind long ones. When long prompts arrive faster
+than the prefill workers finish them, a decode worker takes its share in chunks of
+--decode-prefill-tokens (32) a step: a step of a few sequences costs nearly what a step of
+none does (the weights are read either way), so its core computes prompts beside its batch
+instead of idling between steps, at a step time its requests' TPOT can bear.
 """
 from __future__ import annotations
 
@@ -168,7 +173,35 @@ class Prefill:
         if not self.config.saturated_prefill_bypass or any(map(self._is_long, partial)):
             return False
         room = w.kv.num_free_blocks - w.kv.blocks_for(todo + 1) >= w.kv.num_blocks // 4
-        return room and not any(map(self._free, self.workers.of_role("prefill")))
+        prefills = self.workers.of_role("prefill")
+        return room and not any(map(self._free, prefills)) and \
+            self._done_sooner_here(w, req, todo, prefills)
+
+    def _done_sooner_here(self, w: WorkerState, req: Request, todo: int,
+                          prefills: list[WorkerState]) -> bool:
+        """Whether decode worker w, at its measured prefill speed, finishes req's prefill
+        before the soonest prefill worker would: that one first finishes what it has started
+        and the longer prompts queued ahead of req. A decode worker prefills in small chunks
+        beside its batch, slower than a prefill worker; a prompt it takes stays with it, so it
+        takes one only when the prefill workers are far enough behind. Unmeasured speeds
+        (no step timed yet): it takes it."""
+        if not w.prefill_speed.seconds_per_token:
+            return True
+        ahead = 0
+        for r in self.waiting:
+            if r is req:
+                break
+            if r.num_tokens > self.config.prefill_bypass_threshold:
+                ahead += r.num_tokens - r.num_computed_tokens
+        elsewhere = [p.prefill_speed.seconds(self._backlog(p) + ahead + todo)
+                     for p in prefills if p.prefill_speed.seconds_per_token]
+        return not elsewhere or w.prefill_speed.seconds(todo) < min(elsewhere)
+
+    def _backlog(self, p: WorkerState) -> int:
+        """Prompt tokens prefill worker p has started and not computed yet: in its steps
+        running now and in the chunks of its partial prefills still to plan."""
+        return sum(s.prefill_tokens for s in p.steps) + \
+            sum(r.num_tokens - r.num_computed_tokens for r in self._partials(p))
 
     def _free(self, p: WorkerState) -> bool:
         """A prefill worker that could start a prompt now: no step running, none partial."""

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from common.plans import Registration, SampledToken, StepPlan, StepResult, TransfersDone
 from services.scheduler.config import SchedulerConfig
@@ -36,12 +37,16 @@ from services.scheduler.workers import RegistrationError, Workers
 
 log = logging.getLogger(__name__)
 
+MIN_TIMED_PREFILL = 16  # prompt tokens a step computes for its time to measure its worker's
+                        # prefill speed (fewer: its decodes would be most of that time)
+
 __all__ = ["QueueFull", "RegistrationError", "Scheduler"]  # what server.py catches
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic):
         self.config = config
+        self.clock = clock  # times steps: each worker's prefill speed (WorkerState.prefill_speed)
         self.workers = Workers(config)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.scheduling_policy)
@@ -133,6 +138,9 @@ class Scheduler:
             return None
         plan.num_threads = self._threads(w)
         step.request_ids = {s.request_id for s in plan.scheduled}
+        step.prefill_tokens = sum(s.num_tokens for s in plan.scheduled
+                                  if self.requests[s.request_id].status is Status.PREFILLING)
+        step.planned_at = self.clock()
         step.decodes_only = bool(
             plan.scheduled and not (plan.new_requests or plan.sends or plan.recvs or plan.copies)
             and all(s.num_tokens == 1 for s in plan.scheduled)
@@ -182,6 +190,8 @@ class Scheduler:
             raise ValueError(f"worker {worker_id} answered step {result.step_id}, not the "
                              "oldest it runs")
         step = w.steps.popleft()
+        if step.prefill_tokens >= MIN_TIMED_PREFILL:
+            w.prefill_speed.observe(step.prefill_tokens, self.clock() - step.planned_at)
         ran = step.request_ids
         w.counters = result.counters
         self.transfers.receivers_ready(step.recvs)

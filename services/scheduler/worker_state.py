@@ -11,6 +11,26 @@ from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
 
 SAME_HOST_TRANSPORTS = ("shm", "cuda_ipc")
+SPEED_SMOOTHING = 0.2  # weight of the newest step in a worker's measured prefill speed
+
+
+@dataclass
+class PrefillSpeed:
+    """Seconds per prompt token of a worker's steps that prefill, from the plan leaving the
+    scheduler to its result coming back, smoothed over steps; 0 until one is measured. On a
+    decode worker it includes the batch decoded beside the chunk: what a prompt costs there."""
+    seconds_per_token: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        sample = seconds / tokens
+        old = self.seconds_per_token
+        self.seconds_per_token = sample if not old else \
+            SPEED_SMOOTHING * sample + (1 - SPEED_SMOOTHING) * old
+
+    def seconds(self, tokens: int) -> float:
+        return tokens * self.seconds_per_token
 
 
 @dataclass(eq=False)
@@ -34,6 +54,7 @@ class WorkerState:
     copies: list[BlockCopy] = field(default_factory=list)  # for its next plan
     steps: deque[Step] = field(default_factory=deque)     # planned, result not in yet; oldest first
     counters: WorkerCounters = WorkerCounters()
+    prefill_speed: PrefillSpeed = field(default_factory=PrefillSpeed)
 
     @property
     def is_idle(self) -> bool:
@@ -82,6 +103,9 @@ class Step:
     recvs: list[str] = field(default_factory=list)        # transfer ids it registers
     decodes_only: bool = False  # one decode token per request and nothing else: the next step
                                 # may be planned while it runs
+    prefill_tokens: int = 0     # prompt tokens it computes
+    planned_at: float = 0.0     # the scheduler's clock when its plan left; its worker was
+                                # idle then
 
 
 @dataclass(eq=False)

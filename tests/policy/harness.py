@@ -111,7 +111,8 @@ class Cluster:
     cpu_cores: the cores every worker registers (all on one host), () for none."""
 
     def __init__(self, workers: dict[str, int], cpu_cores: tuple[int, ...] = (), **config):
-        self.sched = Scheduler(SchedulerConfig(**config))
+        self.now = 0.0  # the scheduler's clock: steps take no time unless a test moves it
+        self.sched = Scheduler(SchedulerConfig(**config), clock=lambda: self.now)
         self.workers: dict[str, FakeWorker] = {}
         for wid, blocks in workers.items():
             role = {"p": "prefill", "d": "decode"}[wid[0]]

@@ -1,5 +1,7 @@
 """Requests through prefill, transfer and decode, and prefix-cache hits on both pools: the exact
 blocks each step uses and the exact KV each transfer moves."""
+import pytest
+
 from tests.policy.harness import Cluster, token_at
 
 
@@ -131,6 +133,49 @@ def test_a_decode_worker_prefills_at_most_its_step_share():
                      [("d", 1), ("e", 3)]]
     c.run()
     assert c.workers["d0"].prompt_tokens == 35 and c.workers["p0"].prompt_tokens == 40
+    c.assert_all_free()
+
+
+def test_steps_that_prefill_measure_their_workers_prefill_speed():
+    """From the plan leaving to its result: 20 prompt tokens in 80 ms, then 8 in 16 ms (a step
+    of fewer than MIN_TIMED_PREFILL prompt tokens is not timed), smoothed 0.2 : 0.8."""
+    c = Cluster({"p0": 32, "d0": 32}, max_num_batched_tokens=20, max_num_partial_prefills=1)
+    c.submit("a", list(range(100, 120)), max_tokens=1)
+    c.plan("p0")
+    c.now += 0.080
+    c.run_step("p0")
+    p = c.sched.workers["p0"]
+    assert p.prefill_speed.seconds_per_token == pytest.approx(0.004)
+    c.submit("b", list(range(200, 216)), max_tokens=1)
+    c.submit("c", list(range(300, 308)), max_tokens=1)
+    c.plan("p0")  # b (16 tokens) and c's first 4: 20 prompt tokens
+    c.now += 0.040
+    c.run_step("p0")
+    assert p.prefill_speed.seconds_per_token == pytest.approx(0.2 * 0.002 + 0.8 * 0.004)
+    before = p.prefill_speed.seconds_per_token
+    c.plan("p0")  # c's last 4 tokens: too few to time
+    c.now += 1.0
+    c.run_step("p0")
+    assert p.prefill_speed.seconds_per_token == before
+
+
+@pytest.mark.parametrize("decode_ms_per_token, taken", [(3.0, False), (1.5, True)])
+def test_a_decode_worker_takes_a_long_prompt_only_if_done_sooner_there(decode_ms_per_token,
+                                                                       taken):
+    """p0 computes a token in 1 ms and has long1's 20 tokens to go (8 in its running step);
+    long2 (20 tokens) would be done there in 40 ms. The decode worker, at 3 ms a token, would
+    take 60 ms: it leaves long2 to p0. At 1.5 ms (30 ms) it takes it."""
+    c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
+                max_num_batched_tokens=8, max_num_partial_prefills=1)
+    c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.001
+    c.sched.workers["d0"].prefill_speed.seconds_per_token = decode_ms_per_token / 1000
+    c.submit("long1", list(range(100, 120)), max_tokens=1)
+    assert _scheduled(c.plan("p0")) == [("long1", 8)]
+    c.submit("long2", list(range(200, 220)), max_tokens=1)
+    assert _scheduled(c.plan("d0")) == ([("long2", 8)] if taken else [])
+    c.run()
+    assert c.workers["d0"].prompt_tokens == (20 if taken else 0)
+    assert c.workers["p0"].prompt_tokens == (20 if taken else 40)
     c.assert_all_free()
 
 
