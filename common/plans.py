@@ -128,6 +128,15 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens start, start + 1, ... (start >= 1), each from the logits of
+    the position before it: what one prefill chunk of a request asking for them scores."""
+    request_id: str
+    start: int
+    logprobs: tuple[TokenLogprobs, ...]
+
+
+@dataclass(frozen=True)
 class RequestError:
     request_id: str
     error: str
@@ -139,6 +148,7 @@ class StepResult:
     sampled: tuple[SampledToken, ...] = ()
     errors: tuple[RequestError, ...] = ()
     counters: WorkerCounters = WorkerCounters()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = -1              # -1: none; 0: the sampled token's; k: and the top k
+    prompt_logprobs: int = -1       # -1: none; k: each prompt token's (after the first) + top k
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted
 
     def __post_init__(self) -> None:
         assert self.seed is None or 0 <= self.seed < UINT64, f"seed {self.seed} is not uint64"
+        assert list(self.logit_bias) == sorted(self.logit_bias), "logit_bias must be sorted"
 
     def for_sample(self, j: int) -> SamplingParams:
         """Sample j of a request with n > 1: seed + j when a seed is set (sample 0 is the
@@ -45,8 +48,9 @@ class TopLogprob:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    logprob: float                       # of the sampled token
+    logprob: float                       # of the sampled (or, for a prompt, the given) token
     top: tuple[TopLogprob, ...] = ()     # the k most likely, best first
+    rank: int = 0                        # the token's 1-based rank in the vocabulary; 0: unknown
 
 
 @dataclass(frozen=True)
@@ -69,9 +73,11 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class GenerateOutput:
     """One message of a Generate stream: sample `sample`'s tokens since its previous message;
-    logprobs, when asked, has one entry per token id."""
+    logprobs, when asked, has one entry per token id. prompt_logprobs, when asked, comes with
+    the first token: one entry per prompt token but the first (which nothing predicts)."""
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     finish_reason: str = ""  # "", "stop", "length", "abort", "error"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

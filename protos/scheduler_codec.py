@@ -23,7 +23,7 @@ def sampling_to_pb(p: SamplingParams) -> scheduler_pb2.SamplingParams:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, max_tokens=p.max_tokens,
         min_tokens=p.min_tokens, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs)
+        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, logit_bias=dict(p.logit_bias))
     if p.seed is not None:
         pb.seed = p.seed
     return pb
@@ -35,17 +35,20 @@ def sampling_from_pb(pb: scheduler_pb2.SamplingParams) -> SamplingParams:
         min_p=pb.min_p, seed=pb.seed if pb.HasField("seed") else None,
         presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
         repetition_penalty=pb.repetition_penalty, min_tokens=pb.min_tokens,
-        stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos, logprobs=pb.logprobs)
+        stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos, logprobs=pb.logprobs,
+        prompt_logprobs=pb.prompt_logprobs, logit_bias=tuple(sorted(pb.logit_bias.items())))
 
 
 def logprobs_to_pb(lp: TokenLogprobs) -> scheduler_pb2.TokenLogprobs:
     return scheduler_pb2.TokenLogprobs(
         logprob=lp.logprob,
-        top=[scheduler_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top])
+        top=[scheduler_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+        rank=lp.rank)
 
 
 def logprobs_from_pb(pb: scheduler_pb2.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(pb.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in pb.top))
+    return TokenLogprobs(pb.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in pb.top),
+                         pb.rank)
 
 
 def request_to_pb(r: GenerateRequest) -> scheduler_pb2.GenerateRequest:
@@ -65,6 +68,7 @@ def request_from_pb(pb: scheduler_pb2.GenerateRequest) -> GenerateRequest:
 def output_to_pb(o: GenerateOutput) -> scheduler_pb2.GenerateResponse:
     return scheduler_pb2.GenerateResponse(
         token_ids=o.token_ids, logprobs=[logprobs_to_pb(lp) for lp in o.logprobs],
+        prompt_logprobs=[logprobs_to_pb(lp) for lp in o.prompt_logprobs],
         finish_reason=o.finish_reason, num_prompt_tokens=o.num_prompt_tokens,
         num_cached_tokens=o.num_cached_tokens, stop_token_id=o.stop_token_id, error=o.error,
         sample=o.sample)
@@ -73,6 +77,7 @@ def output_to_pb(o: GenerateOutput) -> scheduler_pb2.GenerateResponse:
 def output_from_pb(pb: scheduler_pb2.GenerateResponse) -> GenerateOutput:
     return GenerateOutput(
         token_ids=tuple(pb.token_ids), logprobs=tuple(logprobs_from_pb(lp) for lp in pb.logprobs),
+        prompt_logprobs=tuple(logprobs_from_pb(lp) for lp in pb.prompt_logprobs),
         finish_reason=pb.finish_reason, num_prompt_tokens=pb.num_prompt_tokens,
         num_cached_tokens=pb.num_cached_tokens, stop_token_id=pb.stop_token_id, error=pb.error,
         sample=pb.sample)

@@ -10,6 +10,7 @@ from common.plans import (
     KVRecv,
     KVSend,
     NewRequest,
+    PromptLogprobs,
     Registration,
     RequestError,
     SampledToken,
@@ -129,6 +130,9 @@ def result_to_pb(r: StepResult) -> worker_pb2.StepResult:
             t.logprobs.CopyFrom(logprobs_to_pb(s.logprobs))
     for e in r.errors:
         pb.errors.add(request_id=e.request_id, error=e.error)
+    for p in r.prompt_logprobs:
+        pb.prompt_logprobs.add(request_id=p.request_id, start=p.start,
+                               logprobs=[logprobs_to_pb(lp) for lp in p.logprobs])
     return pb
 
 
@@ -139,7 +143,10 @@ def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
                                    logprobs_from_pb(s.logprobs) if s.HasField("logprobs")
                                    else None) for s in pb.sampled),
         errors=tuple(RequestError(e.request_id, e.error) for e in pb.errors),
-        counters=counters_from_pb(pb.counters))
+        counters=counters_from_pb(pb.counters),
+        prompt_logprobs=tuple(
+            PromptLogprobs(p.request_id, p.start, tuple(map(logprobs_from_pb, p.logprobs)))
+            for p in pb.prompt_logprobs))
 
 
 def transfers_done_to_pb(t: TransfersDone) -> worker_pb2.TransfersDone:

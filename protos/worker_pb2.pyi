@@ -191,6 +191,16 @@ class SampledToken(_message.Message):
     logprobs: _scheduler_pb2.TokenLogprobs
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_scheduler_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
+class PromptLogprobs(_message.Message):
+    __slots__ = ("request_id", "start", "logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_scheduler_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_scheduler_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
 class TransferDone(_message.Message):
     __slots__ = ("transfer_id", "error")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -222,16 +232,18 @@ class WorkerCounters(_message.Message):
     def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "errors", "counters")
+    __slots__ = ("step_id", "sampled", "errors", "counters", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
     counters: WorkerCounters
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TransfersDone(_message.Message):
     __slots__ = ("done", "counters")

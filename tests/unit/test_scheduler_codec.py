@@ -32,7 +32,9 @@ EDGE_SAMPLING = [
         max_tokens=2**31 - 1, temperature=2.0, top_p=0.5, top_k=50, min_p=0.25,
         seed=2**64 - 1, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1.5,
         min_tokens=3, stop_token_ids=(0, 2**31 - 1), ignore_eos=True, logprobs=20,
+        prompt_logprobs=20, logit_bias=((0, -100.0), (5, 0.5), (2**31 - 1, 100.0)),
     ),
+    SamplingParams(max_tokens=3, prompt_logprobs=0, logit_bias=((7, -0.25),)),
 ]
 
 
@@ -47,6 +49,7 @@ def test_sampling_defaults_reach_the_wire_explicitly() -> None:
     message = sampling_to_pb(SamplingParams(max_tokens=5, temperature=1.0))
     assert (message.temperature, message.top_p, message.repetition_penalty) == (1.0, 1.0, 1.0)
     assert (message.top_k, message.min_p, message.logprobs, message.max_tokens) == (0, 0.0, -1, 5)
+    assert (message.prompt_logprobs, dict(message.logit_bias)) == (-1, {})
     assert not message.HasField("seed")
     assert sampling_to_pb(SamplingParams(max_tokens=5, seed=0)).HasField("seed")
 
@@ -63,6 +66,13 @@ def test_seed_outside_uint64_is_refused() -> None:
         SamplingParams(max_tokens=1, seed=-1)
     with pytest.raises(AssertionError, match="uint64"):
         SamplingParams(max_tokens=1, seed=2**64)
+
+
+def test_logit_bias_is_a_map_on_the_wire_and_sorted_back() -> None:
+    message = scheduler_pb2.SamplingParams(max_tokens=1, logit_bias={9: 1.0, 2: -3.0, 5: 0.0})
+    assert sampling_from_pb(message).logit_bias == ((2, -3.0), (5, 0.0), (9, 1.0))
+    with pytest.raises(AssertionError, match="sorted"):
+        SamplingParams(max_tokens=1, logit_bias=((9, 1.0), (2, -3.0)))
 
 
 def test_generate_request_round_trip() -> None:
@@ -93,6 +103,14 @@ STREAMED = [
         stop_token_id=2, sample=1,
     ),
     GenerateOutput(finish_reason="error", error="worker lost"),
+    GenerateOutput(
+        token_ids=(4,),
+        logprobs=(TokenLogprobs(-1.5),),
+        prompt_logprobs=(
+            TokenLogprobs(-0.25, (TopLogprob(3, -0.25),), rank=1),
+            TokenLogprobs(-7.5, (TopLogprob(1, -0.5), TopLogprob(2, -1.0)), rank=40),
+        ),
+    ),
 ]
 
 

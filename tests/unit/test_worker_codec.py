@@ -3,8 +3,9 @@ unchanged, the optional fields included, and registrations from workers that nam
 offer it for every transport."""
 from common.kv_layout import KVLayout
 from common.plans import (BlockCopy, CachedRequest, Fork, KVRecv, KVSend, NewRequest,
-                          Registration, RequestError, SampledToken, ScheduledTokens, StepPlan,
-                          StepResult, TransferDone, TransfersDone, WorkerCounters)
+                          PromptLogprobs, Registration, RequestError, SampledToken,
+                          ScheduledTokens, StepPlan, StepResult, TransferDone, TransfersDone,
+                          WorkerCounters)
 from common.sampling_params import SamplingParams, TokenLogprobs, TopLogprob
 from protos import worker_pb2
 from protos.worker_codec import (plan_from_pb, plan_to_pb, registration_from_pb,
@@ -16,7 +17,8 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtyp
 
 def test_a_full_plan_round_trips():
     seeded = SamplingParams(max_tokens=9, temperature=0.5, seed=2**64 - 1, logprobs=3,
-                            stop_token_ids=(5, 6))
+                            stop_token_ids=(5, 6), prompt_logprobs=2,
+                            logit_bias=((1, -100.0), (6, 2.5)))
     plan = StepPlan(
         step_id=2**40,
         new_requests=[
@@ -43,7 +45,11 @@ def test_results_and_transfer_reports_round_trip():
         step_id=9,
         sampled=(SampledToken("a", 5), SampledToken("b", 6, TokenLogprobs(
             -0.5, (TopLogprob(6, -0.5), TopLogprob(1, -1.25))))),
-        errors=(RequestError("c", "its KV never landed"),), counters=counters)
+        errors=(RequestError("c", "its KV never landed"),), counters=counters,
+        prompt_logprobs=(
+            PromptLogprobs("a", 1, (TokenLogprobs(-0.75, (TopLogprob(2, -0.5),), rank=2),
+                                    TokenLogprobs(-0.125, (), rank=1))),
+            PromptLogprobs("d", 17, (TokenLogprobs(-3.0, rank=9),))))
     assert result_from_pb(result_to_pb(result)) == result
     done = TransfersDone((TransferDone("t"), TransferDone("u", "connection reset")), counters)
     assert transfers_done_from_pb(transfers_done_to_pb(done)) == done
