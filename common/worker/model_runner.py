@@ -8,9 +8,10 @@ import torch
 from common.kv_cache import PagedKVCache
 from common.models.attention import AttentionMetadata
 from common.models.llama import LlamaForCausalLM
-from common.plans import Fork
+from common.plans import Fork, PromptLogprobs
 from common.sampling_params import SamplingParams, TokenLogprobs
 from common.worker.cuda_graphs import DecodeGraphs
+from common.worker.prompt_logprobs import PromptChunk, prompt_logprobs, score_chunk
 from common.worker.sampler import Sampler, SamplingRequest
 
 
@@ -34,6 +35,12 @@ class RequestState:
     def is_decode(self) -> bool:
         return self.num_computed_tokens == len(self.token_ids) - 1
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill reports prompt logprobs: asked for, and not a recompute (a
+        request with output tokens reported them the first time its prompt ran)."""
+        return self.sampling.prompt_logprobs >= 0 and len(self.token_ids) == self.num_prompt_tokens
+
 
 @dataclass
 class Sampled:
@@ -46,6 +53,7 @@ class Sampled:
 class StepStats:
     prompt_tokens: int = 0
     decode_tokens: int = 0
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -60,7 +68,9 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[RequestState, int]],
                 on_layer=None) -> tuple[list[Sampled], StepStats]:
         """Computes num_tokens of each request; samples for those that reach their last token,
-        and for the forks of those that sample their first (same logits, their own params)."""
+        and for the forks of those that sample their first (same logits, their own params).
+        Prefill chunks of requests asking for prompt logprobs score their prompt tokens
+        (stats.prompt_logprobs)."""
         for req, n in scheduled:
             assert 0 < n <= len(req.token_ids) - req.num_computed_tokens, (
                 f"{req.request_id}: {n} tokens scheduled, "
@@ -96,15 +106,23 @@ class ModelRunner:
         stats = StepStats(decode_tokens=sum(r.num_computed_tokens >= r.num_prompt_tokens
                                             for r, _ in decodes))
         rows, last_token_idx = [], []
+        scoring: list[PromptChunk] = []
         offset = 0
         for r, n in ordered:
             stats.prompt_tokens += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens)
                                        - r.num_computed_tokens)
+            if r.scores_prompt and (chunk := score_chunk(
+                    r.request_id, offset, r.num_computed_tokens, n, r.token_ids,
+                    r.num_prompt_tokens, r.sampling.prompt_logprobs)) is not None:
+                scoring.append(chunk)
             r.num_computed_tokens += n
             offset += n
             if r.num_computed_tokens == len(r.token_ids):
                 rows.append(r)
                 last_token_idx.append(offset - 1)
+        if scoring:
+            stats.prompt_logprobs = prompt_logprobs(
+                hidden, self.model.compute_logits, self.sampler.vocab_size, scoring)
         if not rows:
             return [], stats
         logits = self.model.compute_logits(hidden[torch.tensor(last_token_idx, device=device)])

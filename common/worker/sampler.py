@@ -4,7 +4,7 @@ Pipeline, all vectorized over the batch:
 
     raw logits --+--> log_softmax --> logprobs (sampled token + top k, from RAW logits)
                  |
-                 +--> penalties (repetition, frequency, presence) --> min_tokens mask
+                 +--> logit_bias --> penalties (repetition, frequency, presence) --> min_tokens mask
                         --> greedy rows: argmax
                         --> random rows: / temperature --> top_k, top_p, min_p (one sort)
                               --> softmax --> argmax(probs / Exp(1) noise)
@@ -66,6 +66,22 @@ def _flat_index(id_lists: list[list[int]], rows: list[int], vocab: int,
     lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long, device=device)
     row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long, device=device), lengths)
     return row_idx * vocab + ids
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
+    """Adds each row's logit_bias to its logits (OpenAI's, applied before penalties as vLLM v1
+    does), in place; returns logits. Ids outside the vocabulary are ignored: the gateway refuses
+    them, and one stray id from another client must not fail the whole batch."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return logits
+    vocab = logits.shape[1]
+    pairs = [[(t, b) for t, b in rows[i].params.logit_bias if 0 <= t < vocab] for i in biased]
+    flat = _flat_index([[t for t, _ in p] for p in pairs], biased, vocab, logits.device)
+    bias = torch.tensor([b for p in pairs for _, b in p], dtype=logits.dtype,
+                        device=logits.device)
+    logits.view(-1).index_add_(0, flat, bias)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
@@ -170,7 +186,9 @@ class Sampler:
             f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}"
         logits = logits[:, :self.vocab_size].float().contiguous()  # [B, V]
 
-        processed = apply_min_tokens(apply_penalties(logits, rows), rows)
+        biased = apply_logit_bias(logits.clone(), rows) if any(
+            r.params.logit_bias for r in rows) else logits
+        processed = apply_min_tokens(apply_penalties(biased, rows), rows)
         greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
         if all(greedy):
             token_ids = processed.argmax(dim=-1)

@@ -18,6 +18,7 @@ from common.plans import (
     BlockCopy,
     KVSend,
     NewRequest,
+    PromptLogprobs,
     RequestError,
     SampledToken,
     StepPlan,
@@ -100,6 +101,7 @@ class Worker:
                      if s.request_id in self.requests]
         self._streamer = self._layerwise(plan, scheduled)
         sampled: list[SampledToken] = []
+        prompt_logprobs: list[PromptLogprobs] = []
         if scheduled:
             try:
                 out, stats = self.runner.execute(
@@ -109,10 +111,12 @@ class Worker:
                     self._streamer.abort()
                 raise
             sampled = [SampledToken(s.request_id, s.token_id, s.logprobs) for s in out]
+            prompt_logprobs = stats.prompt_logprobs
             self._counts.prompt_tokens += stats.prompt_tokens
             self._counts.decoded += stats.decode_tokens
         self._counts.steps += 1
-        return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters)
+        return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters,
+                          tuple(prompt_logprobs))
 
     def ready_sends(self, plan: StepPlan) -> list[KVSend]:
         """The plan's sends of prompts that earlier steps finished computing, taken out of it:

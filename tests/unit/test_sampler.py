@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from common.worker.sampler import (SamplingRequest, Sampler, apply_min_tokens, apply_penalties,
-                                   row_seed)
+from common.worker.sampler import (SamplingRequest, Sampler, apply_logit_bias, apply_min_tokens,
+                                   apply_penalties, row_seed)
 from common.sampling_params import SamplingParams
 
 VOCAB = 16
@@ -35,11 +35,12 @@ def test_greedy_is_argmax():
 
 
 def test_input_logits_not_modified():
-    logits = random_logits(3)
+    logits = random_logits(4)
     before = logits.clone()
     rows = [make_row(temperature=0.7, top_k=3, repetition_penalty=1.5, frequency_penalty=0.5,
                      min_tokens=4, output=[1, 1], seed=1),
-            make_row(), make_row(temperature=1.0, top_p=0.5, min_p=0.1)]
+            make_row(), make_row(temperature=1.0, top_p=0.5, min_p=0.1),
+            make_row(logit_bias=((3, 2.0),))]
     Sampler(VOCAB)(logits, rows)
     assert torch.equal(logits, before)
 
@@ -228,3 +229,43 @@ def test_temperature_sharpens():
     tokens = torch.tensor(Sampler(4, seed=1)(logits.expand(n, -1), rows).token_ids)
     expected = (logits / 0.25).softmax(dim=-1)[0].item()
     assert math.isclose((tokens == 0).double().mean().item(), expected, abs_tol=0.04)
+
+
+def test_logit_bias_adds_to_its_rows_logits_only():
+    logits = random_logits(3)
+    rows = [make_row(logit_bias=((0, -1.5), (7, 3.0), (VOCAB + 2, 9.0))), make_row(),
+            make_row(logit_bias=((7, 0.25),))]
+    biased = apply_logit_bias(logits.clone(), rows)
+    want = logits.clone()
+    want[0, 0] -= 1.5
+    want[0, 7] += 3.0
+    want[2, 7] += 0.25
+    assert torch.equal(biased, want)  # the id past the vocabulary is ignored
+
+
+@pytest.mark.parametrize("params", [{}, {"temperature": 1.0}, {"temperature": 0.8, "seed": 3},
+                                    {"temperature": 1.0, "top_k": 2}])
+def test_bias_100_forces_a_token_and_minus_100_bans_the_likeliest(params):
+    logits = random_logits(8, seed=11)
+    least = logits.argmin(dim=-1).tolist()
+    greedy = logits.argmax(dim=-1).tolist()
+    forced = [make_row(logit_bias=((t, 100.0),), **params) for t in least]
+    assert Sampler(VOCAB)(logits, forced).token_ids == least
+    banned = [make_row(logit_bias=((t, -100.0),), **params) for t in greedy]
+    out = Sampler(VOCAB)(logits, banned)
+    assert all(t != g for t, g in zip(out.token_ids, greedy))
+    if not params:  # greedy: the runner-up
+        assert out.token_ids == logits.topk(2).indices[:, 1].tolist()
+
+
+def test_logit_bias_leaves_logprobs_raw_and_comes_before_penalties():
+    logits = torch.tensor([[1.0, 2.0, 0.5, -1.0]])
+    row = make_row(prompt=(0,), logit_bias=((0, 1.5),), repetition_penalty=2.0, logprobs=2)
+    out = Sampler(4)(logits, [row])
+    # vLLM v1's order: bias (1.0 + 1.5 = 2.5), then the penalty on a positive logit (/ 2)
+    assert out.token_ids == [1]
+    row = make_row(prompt=(3,), logit_bias=((0, 1.5),), repetition_penalty=2.0, logprobs=2)
+    out = Sampler(4)(logits, [row])
+    assert out.token_ids == [0]
+    assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 0].item())
+    assert [t.token_id for t in out.logprobs[0].top] == [1, 0]
