@@ -201,6 +201,11 @@ class GGUFCheckpoint:
                 f"{self.path}: quantization types not supported: {found}; supported: "
                 f"{', '.join(t.name for t in SUPPORTED_TYPES)}")
 
+    def num_tensors(self) -> int:
+        """How many tensors tensors() yields."""
+        names = self._names()
+        return sum(name in names for name in self._tensors)
+
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float32 array) for every weight the model uses, one at a time."""
         names = self._names()

@@ -5,8 +5,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from common.models.attention import AttentionBackend, AttentionMetadata
 from common.models.config import ModelConfig
@@ -188,18 +189,26 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 def load_model(model_dir: str | Path, backend: AttentionBackend,
                dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", prepack: bool = True) -> LlamaForCausalLM:
+               device: torch.device | str = "cpu", prepack: bool = True,
+               progress: bool = True) -> LlamaForCausalLM:
     """From a HF checkpoint directory (*.safetensors), a .gguf file or a directory holding one
     (dequantized to float32, then cast to `dtype`). On a CPU, `prepack` packs the linear
-    weights once for oneDNN (packed_linear.py) where that serves the dtype."""
+    weights once for oneDNN (packed_linear.py) where that serves the dtype. `progress`: a
+    progress bar over the tensors read, on stderr and only where stderr is a terminal."""
     gguf_file = find_gguf(model_dir)
     if gguf_file is None:
         cfg = ModelConfig.from_pretrained(model_dir)
-        tensors = _safetensors(Path(model_dir))
+        num_tensors, tensors = _safetensors(Path(model_dir))
+        kind = "safetensors"
     else:
         checkpoint = GGUFCheckpoint(gguf_file)  # its metadata is read once, for both
         cfg = ModelConfig.from_gguf(checkpoint)
+        num_tensors = checkpoint.num_tensors()
         tensors = ((name, torch.from_numpy(w)) for name, w in checkpoint.tensors())
+        kind = "GGUF"
+    if progress:  # disable=None: tqdm shows nothing where stderr is not a terminal
+        tensors = tqdm(tensors, total=num_tensors, desc=f"Loading {kind} weights",
+                       unit="tensor", disable=None, dynamic_ncols=True)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend)
     model = model.to_empty(device="cpu")
@@ -214,9 +223,21 @@ def load_model(model_dir: str | Path, backend: AttentionBackend,
     return model
 
 
-def _safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors(model_dir: Path) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """The number of tensors in the directory's *.safetensors (read from their headers), and
+    the tensors, read one at a time."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    num_tensors = 0
     for f in files:
-        yield from load_file(str(f)).items()
+        with safe_open(str(f), framework="pt") as checkpoint:
+            num_tensors += len(checkpoint.keys())
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in files:
+            with safe_open(str(f), framework="pt") as checkpoint:
+                for name in checkpoint.keys():
+                    yield name, checkpoint.get_tensor(name)
+
+    return num_tensors, tensors()

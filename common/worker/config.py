@@ -40,6 +40,7 @@ class WorkerConfig:
     device: str = "cpu"              # cpu | cuda | cuda:N | auto (cuda when there is one)
     enforce_eager: bool = False      # no CUDA graphs: every step runs the eager forward
     prepack_weights: bool = True     # on a CPU, linear weights packed once for oneDNN's GEMM
+    use_tqdm_on_load: bool = True    # a progress bar over the weights (on a terminal only)
     max_cudagraph_capture_size: int = 256  # the largest decode batch captured as a graph
     seed: int = 0
     connect_timeout_s: float = 30.0
@@ -188,6 +189,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
                    help="on a CPU, multiply through torch's nn.Linear (the weight repacked on "
                         "every call) instead of weights packed once for oneDNN at load")
+    p.add_argument("--use-tqdm-on-load", action=argparse.BooleanOptionalAction,
+                   default=env("PDSERVE_USE_TQDM_ON_LOAD", "1").lower() not in ("0", "false",
+                                                                              "no", "off"),
+                   help="a progress bar while the weights load, shown only where stderr is a "
+                        "terminal (env PDSERVE_USE_TQDM_ON_LOAD=0: none)")
     p.add_argument("--max-cudagraph-capture-size", type=int,
                    default=d.max_cudagraph_capture_size,
                    help="the largest decode batch captured as a CUDA graph; larger ones run "
@@ -222,6 +228,7 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         attention_backend=args.attention_backend, seed=args.seed,
                         device=args.device, enforce_eager=args.enforce_eager,
                         prepack_weights=args.prepack_weights,
+                        use_tqdm_on_load=args.use_tqdm_on_load,
                         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         health_port=args.health_port, health_host=args.health_host,

@@ -70,7 +70,8 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     backend = create_attention_backend(cfg.attention_backend, device)  # builds or loads kernels
     log.info("%s attention backend ready in %.2f s", type(backend).__name__,
              time.monotonic() - start)
-    model = load_model(cfg.model, backend, dtype, device, prepack=cfg.prepack_weights)
+    model = load_model(cfg.model, backend, dtype, device, prepack=cfg.prepack_weights,
+                       progress=cfg.use_tqdm_on_load)
     mc = model.config
     layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                       head_dim=mc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype)
