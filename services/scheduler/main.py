@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with prefill workers, the most prompt tokens a decode worker computes "
                         "in one step beside its batch: bounds what a prefill there adds to "
                         "the step time of every request it decodes")
+    p.add_argument("--decode-long-prefill-tokens", type=int,
+                   default=d.decode_long_prefill_tokens,
+                   help="of those, the most of a prompt longer than --prefill-bypass-threshold "
+                        "(taken under --saturated-prefill-bypass): small chunks keep the step "
+                        "time of the batch beside it short")
     p.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
                    help="prompts a worker may have started and not finished prefilling at once")
     p.add_argument("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
@@ -83,6 +88,7 @@ def config_from_args(args) -> SchedulerConfig:
                            prefill_bypass_threshold=args.prefill_bypass_threshold,
                            saturated_prefill_bypass=args.saturated_prefill_bypass,
                            decode_prefill_tokens=args.decode_prefill_tokens,
+                           decode_long_prefill_tokens=args.decode_long_prefill_tokens,
                            max_num_partial_prefills=args.max_num_partial_prefills,
                            max_long_partial_prefills=args.max_long_partial_prefills,
                            long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -28,9 +28,9 @@ Who prefills a prompt:
 So a free prefill worker takes every prompt (no interference with decoding), and while prefill
 workers are busy short prompts do not queue behind long ones. When long prompts arrive faster
 than the prefill workers finish them, a decode worker takes its share in chunks of
---decode-prefill-tokens (32) a step: a step of a few sequences costs nearly what a step of
-none does (the weights are read either way), so its core computes prompts beside its batch
-instead of idling between steps, at a step time its requests' TPOT can bear.
+--decode-long-prefill-tokens (32) a step: a step of a few sequences costs nearly what a step
+of none does (the weights are read either way), so its core computes prompts beside its batch
+instead of stepping nearly empty, at a step time its requests' TPOT can bear.
 """
 from __future__ import annotations
 
@@ -163,14 +163,14 @@ class Prefill:
         partial = self._partials(w)
         if todo <= self.config.prefill_bypass_threshold:
             pending = sum(r.num_tokens - r.num_computed_tokens for r in partial
-                          if not self._is_long(r))
+                          if not self._long_here(r))
             if pending and pending + todo > self.config.decode_prefill_tokens:
                 return False  # a step's worth is pending here already: a prefill worker may
                               # be free sooner
             best_p = min((self._todo(p, req, hashes) for p in self.workers.of_role("prefill")),
                          default=todo + 1)
             return todo < best_p or not any(map(self._free, self.workers.of_role("prefill")))
-        if not self.config.saturated_prefill_bypass or any(map(self._is_long, partial)):
+        if not self.config.saturated_prefill_bypass or any(map(self._long_here, partial)):
             return False
         room = w.kv.num_free_blocks - w.kv.blocks_for(todo + 1) >= w.kv.num_blocks // 4
         prefills = self.workers.of_role("prefill")
@@ -202,6 +202,12 @@ class Prefill:
         running now and in the chunks of its partial prefills still to plan."""
         return sum(s.prefill_tokens for s in p.steps) + \
             sum(r.num_tokens - r.num_computed_tokens for r in self._partials(p))
+
+    def _long_here(self, req: Request) -> bool:
+        """A prompt a decode worker took because the prefill workers were saturated: more
+        uncached tokens than --prefill-bypass-threshold. It goes in small chunks
+        (--decode-long-prefill-tokens), one such prompt at a time."""
+        return req.num_tokens - (req.num_cached_tokens or 0) > self.config.prefill_bypass_threshold
 
     def _free(self, p: WorkerState) -> bool:
         """A prefill worker that could start a prompt now: no step running, none partial."""
@@ -239,6 +245,8 @@ class Prefill:
 
     def _schedule_chunk(self, w: WorkerState, plan: StepPlan, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap())
+        if w.role == "decode" and self.workers.has_prefill and self._long_here(req):
+            n = min(n, self.config.decode_long_prefill_tokens)  # beside a batch
         plan.scheduled.append(ScheduledTokens(req.request_id, n))
         req.num_computed_tokens += n
         w.cache(req, req.num_computed_tokens)

@@ -159,6 +159,23 @@ def test_steps_that_prefill_measure_their_workers_prefill_speed():
     assert p.prefill_speed.seconds_per_token == before
 
 
+def test_a_long_prompt_on_the_decode_worker_takes_small_chunks_beside_short_ones():
+    """The decode worker's step share is 8 prompt tokens, of which a long prompt's chunk takes
+    at most 3 (--decode-long-prefill-tokens); the short prompt gets the rest."""
+    c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
+                decode_long_prefill_tokens=3)
+    c.submit("long1", list(range(100, 120)), max_tokens=1)
+    c.plan("p0")
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    c.submit("short", list(range(300, 304)), max_tokens=1)
+    assert _scheduled(c.plan("d0")) == [("long2", 3), ("short", 4)]
+    c.run_step("d0")
+    assert _scheduled(c.plan("d0")) == [("long2", 3)]
+    c.run()
+    assert c.workers["d0"].prompt_tokens == 12 + 4
+    c.assert_all_free()
+
+
 @pytest.mark.parametrize("decode_ms_per_token, taken", [(3.0, False), (1.5, True)])
 def test_a_decode_worker_takes_a_long_prompt_only_if_done_sooner_there(decode_ms_per_token,
                                                                        taken):
