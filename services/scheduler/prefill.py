@@ -72,20 +72,36 @@ class Prefill:
         return self.config.max_num_partial_prefills + ADMISSION_LOOKAHEAD
 
     def schedule(self, w: WorkerState, plan: StepPlan, budget: int) -> None:
-        """Chunks of w's partial prefills, then new prompts, while the budget lasts."""
-        for req in self._partials(w):
+        """Chunks of w's partial prefills, then new prompts, while the budget lasts. A decode
+        worker holding a long prompt (saturated bypass) keeps its steps to
+        --decode-long-prefill-tokens, short prompts first, the long prompt's chunk last."""
+        partials = self._partials(w)
+        held = [r for r in partials if self._long_here(r)] \
+            if w.role == "decode" and self.workers.has_prefill else []
+        if held:
+            budget = min(budget, self.config.decode_long_prefill_tokens)
+        for req in partials:
             if budget <= 0:
                 break
-            budget -= self._schedule_chunk(w, plan, req, budget)
+            if req not in held:
+                budget -= self._schedule_chunk(w, plan, req, budget)
+        budget = self._admit(w, plan, budget)
+        for req in held:
+            if budget > 0:
+                budget -= self._schedule_chunk(w, plan, req, budget)
+
+    def _admit(self, w: WorkerState, plan: StepPlan, budget: int) -> int:
+        """New prompts from the waiting queue while the budget lasts; returns what is left."""
         if not self.admits(w):
-            return
+            return budget
         for req in list(itertools.islice(self.waiting, self.lookahead)):
             if budget <= 0 or w.num_seqs >= self.config.max_num_seqs:
-                return
+                break
             verdict = self._try_admit(w, plan, req, budget)
             if verdict is None:
-                return  # no room anywhere: keep the queue's order
+                break  # no room anywhere: keep the queue's order
             budget -= verdict
+        return budget
 
     def _partials(self, w: WorkerState) -> list[Request]:
         """w's prompts with tokens still to schedule."""

@@ -159,9 +159,10 @@ def test_steps_that_prefill_measure_their_workers_prefill_speed():
     assert p.prefill_speed.seconds_per_token == before
 
 
-def test_a_long_prompt_on_the_decode_worker_takes_small_chunks_beside_short_ones():
-    """The decode worker's step share is 8 prompt tokens, of which a long prompt's chunk takes
-    at most 3 (--decode-long-prefill-tokens); the short prompt gets the rest."""
+def test_a_long_prompt_on_the_decode_worker_takes_small_chunks_after_short_ones():
+    """The decode worker's step share is 8 prompt tokens; a long prompt's chunk takes at most 3
+    (--decode-long-prefill-tokens), and while it holds one its steps carry 3 prompt tokens in
+    all, short prompts first."""
     c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
                 decode_long_prefill_tokens=3)
     c.submit("long1", list(range(100, 120)), max_tokens=1)
@@ -170,9 +171,14 @@ def test_a_long_prompt_on_the_decode_worker_takes_small_chunks_beside_short_ones
     c.submit("short", list(range(300, 304)), max_tokens=1)
     assert _scheduled(c.plan("d0")) == [("long2", 3), ("short", 4)]
     c.run_step("d0")
+    c.submit("short2", list(range(400, 404)), max_tokens=1)
+    assert _scheduled(c.plan("d0")) == [("short2", 3)]
+    c.run_step("d0")
+    assert _scheduled(c.plan("d0")) == [("short2", 1), ("long2", 2)]
+    c.run_step("d0")
     assert _scheduled(c.plan("d0")) == [("long2", 3)]
     c.run()
-    assert c.workers["d0"].prompt_tokens == 12 + 4
+    assert c.workers["d0"].prompt_tokens == 12 + 4 + 4
     c.assert_all_free()
 
 
