@@ -79,20 +79,28 @@ class Lifecycle:
         return len(self.requests) - len(self.waiting) - pending_forks
 
     def emit(self, req: Request, s: SampledToken, num_prompt_tokens: int) -> Output:
-        """req's new token out to its stream, finishing it where the token stops it."""
+        """req's new token out to its stream, finishing it where the token stops it; the first
+        one takes the prompt's logprobs along when they were asked for."""
+        prompt_logprobs: list[TokenLogprobs] = []
+        if req.scores_prompt:
+            prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
+            assert len(prompt_logprobs) == len(req.prompt_token_ids) - 1, (
+                f"{req.request_id}: {len(prompt_logprobs)} prompt logprobs for a prompt of "
+                f"{len(req.prompt_token_ids)} tokens")
         req.output_token_ids.append(s.token_id)
         logprobs = [s.logprobs] if s.logprobs is not None else []
         reason, stop_id = req.check_stop(s.token_id, self.workers.max_model_len)
         if reason:
             return self.finish(req, reason, token_ids=[s.token_id], logprobs=logprobs,
-                               stop_token_id=stop_id)
+                               stop_token_id=stop_id, prompt_logprobs=prompt_logprobs)
         return Output(req.request_id, [s.token_id], logprobs,
                       num_prompt_tokens=num_prompt_tokens,
-                      num_cached_tokens=req.num_cached_tokens or 0)
+                      num_cached_tokens=req.num_cached_tokens or 0,
+                      prompt_logprobs=prompt_logprobs)
 
     def finish(self, req: Request, reason: str, token_ids: list[int] | None = None,
                logprobs: list[TokenLogprobs] | None = None, stop_token_id: int = -1,
-               error: str = "") -> Output:
+               error: str = "", prompt_logprobs: list[TokenLogprobs] | None = None) -> Output:
         assert self.forks is not None
         if req.status is Status.WAITING:
             self.waiting.remove(req)
@@ -107,7 +115,8 @@ class Lifecycle:
         self.num_finished += 1
         return Output(req.request_id, token_ids or [], logprobs or [], finish_reason=reason,
                       stop_token_id=stop_token_id, num_prompt_tokens=len(req.prompt_token_ids),
-                      num_cached_tokens=req.num_cached_tokens or 0, error=error)
+                      num_cached_tokens=req.num_cached_tokens or 0, error=error,
+                      prompt_logprobs=prompt_logprobs or [])
 
     def preempt(self, req: Request) -> None:
         log.info("preempting %s", req.request_id)
@@ -126,6 +135,7 @@ class Lifecycle:
         req.prefill_worker = req.decode_worker = None
         req.num_computed_tokens = 0
         req.transfer_id = ""
+        req.prompt_logprobs = []  # a prompt still to score is scored again from its start
         self.waiting.push_front(req)
 
     def release(self, req: Request) -> None:

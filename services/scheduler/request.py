@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.sampling_params import SamplingParams, TokenLogprobs
@@ -26,6 +27,7 @@ class Output:
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     finish_reason: str = ""      # "", "stop", "length", "abort", "error"
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first token
     stop_token_id: int = -1
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -56,6 +58,8 @@ class Request:
     # from the same logits, then share its full prompt blocks on the decode worker
     leader: Request | None = None
     forks: list[Request] = field(default_factory=list)
+    # its prompt's logprobs as prefill chunks score them (tokens 1 ..), out with the first token
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -69,12 +73,29 @@ class Request:
     def max_tokens(self) -> int:
         return self.sampling.max_tokens
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt logprobs are asked for and not out yet (they go with the first
+        token): then every prompt position must be computed, none read from a cache."""
+        return self.sampling.prompt_logprobs >= 0 and not self.output_token_ids
+
     def hashes(self, block_size: int) -> list[bytes]:
-        """The chained hashes of its full blocks (extended as it grows)."""
+        """The chained hashes of its full blocks (extended as it grows). None while it scores
+        its prompt: it finds no cached prefix (vLLM skips the lookup the same way) and caches
+        no block until its first token is out."""
+        if self.scores_prompt:
+            return []
         if len(self.block_hashes) < self.num_tokens // block_size:
             extend_block_hashes(self.block_hashes, self.all_token_ids, block_size,
                                 self.cache_salt)
         return self.block_hashes
+
+    def add_prompt_logprobs(self, first: int, logprobs: Sequence[TokenLogprobs]) -> None:
+        """Scores of prompt tokens first, first + 1, ... from one prefill chunk."""
+        assert first == len(self.prompt_logprobs) + 1, (
+            f"{self.request_id}: prompt logprobs from token {first}, "
+            f"{len(self.prompt_logprobs)} scored so far")
+        self.prompt_logprobs.extend(logprobs)
 
     def check_stop(self, token_id: int, max_model_len: int) -> tuple[str, int]:
         """(finish reason, stop token id or -1) after token_id was appended."""

@@ -200,6 +200,10 @@ class Scheduler:
             req = self._current(w, err.request_id, ran)
             if req is not None:
                 outputs.append(self.lifecycle.finish(req, "error", error=err.error))
+        for p in result.prompt_logprobs:  # before the tokens: the first one takes them along
+            req = self._current(w, p.request_id, ran)
+            if req is not None and req.scores_prompt:
+                req.add_prompt_logprobs(p.start, p.logprobs)
         # forks first: they fork from their leader's blocks, which its own token may release
         forks = {s.request_id for s in result.sampled
                  if (r := self.requests.get(s.request_id)) is not None
@@ -241,6 +245,8 @@ class Scheduler:
         if leader is None or not self.forks.takes_first_token(fork, current):
             return None  # sampled for a leader that moved on since
         fork.num_cached_tokens = leader.num_cached_tokens
+        if fork.scores_prompt:  # the leader scored the prompt they share
+            fork.prompt_logprobs = list(leader.prompt_logprobs)
         out = self.lifecycle.emit(fork, s, len(fork.prompt_token_ids))
         if not out.finish_reason and not leader.transfer_id:
             self.forks.join(w, leader, fork)  # prefilled on its decode worker: its KV is here

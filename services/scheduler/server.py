@@ -251,9 +251,9 @@ class _WorkerLink:
 def _to_response(out: Output, sample: int) -> scheduler_pb2.GenerateResponse:
     return output_to_pb(GenerateOutput(
         token_ids=tuple(out.token_ids), logprobs=tuple(out.logprobs),
-        finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens, stop_token_id=out.stop_token_id,
-        error=out.error, sample=sample))
+        prompt_logprobs=tuple(out.prompt_logprobs), finish_reason=out.finish_reason,
+        num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+        stop_token_id=out.stop_token_id, error=out.error, sample=sample))
 
 
 async def create_server(config: SchedulerConfig) -> tuple[grpc.aio.Server, int, SchedulerService]:
