@@ -38,6 +38,8 @@ SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
     "static": ("pdserve 1P+1D static split",  # one core each, every prompt through P
                ["--prefill-workers", "1", "--decode-workers", "1", "--pin-cpus",
                 "--scheduler-args=--prefill-bypass-threshold 0 --no-saturated-prefill-bypass"]),
+    "no-saturated-bypass": ("pdserve 1P+1D, no saturated bypass",  # long prompts wait for P
+                            ["--scheduler-args=--no-saturated-prefill-bypass"]),
     "colocated": ("pdserve colocated 0P+2D", ["--mode", "colocated", "--decode-workers", "2"]),
     "disagg-sync": ("pdserve 1P+1D, no async sched.",
                     ["--prefill-workers", "1", "--decode-workers", "1",

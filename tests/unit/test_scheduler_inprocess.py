@@ -22,7 +22,9 @@ from services.scheduler.scheduler import RegistrationError, Scheduler
 
 class Cluster:
     def __init__(self, model_dir, roles_blocks, worker_kw=None, **sched_kw):
-        self.sched = Scheduler(SchedulerConfig(**sched_kw))
+        # a clock that stands still: no prefill speed is measured, so where a prompt goes does
+        # not depend on how fast this machine runs the steps (tests/policy times them)
+        self.sched = Scheduler(SchedulerConfig(**sched_kw), clock=lambda: 0.0)
         self.workers = {}
         self.threads = torch.get_num_threads()  # plans of workers sharing cores change it
         self.loop = asyncio.new_event_loop()  # the workers' listeners run here
