@@ -1,5 +1,7 @@
 """POST /v1/completions: prompts (text or token ids) in, one choice per (prompt, sample) out;
-best_of > n samples more and keeps each prompt's best n."""
+best_of > n samples more and keeps each prompt's best n. echo puts the prompt before each
+choice's text (and, with logprobs, the prompt's tokens before its logprobs, scored by the
+worker that prefilled it); vLLM's prompt_logprobs comes in its own field."""
 
 from __future__ import annotations
 
@@ -8,10 +10,11 @@ from collections.abc import Sequence
 from fastapi import Request
 
 from common.sampling_params import TokenLogprobs
+from services.gateway.detokenizer import text_offsets
 from services.gateway.errors import bad_request
 from services.gateway.flow import Generation
 from services.gateway.generation import Choice, SeqDelta
-from services.gateway.logprobs import completion_logprobs
+from services.gateway.logprobs import completion_logprobs, echo_logprobs, vllm_prompt_logprobs
 from services.gateway.protocol import CompletionRequest
 from services.gateway.responses import (
     CompletionChoice,
@@ -19,6 +22,7 @@ from services.gateway.responses import (
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
+    PromptLogprobs,
     Usage,
 )
 from services.gateway.serving import ServingContext
@@ -37,6 +41,8 @@ class Completion(Generation):
         super().__init__(ctx, body, raw)
         self.best_of = body.best_of or body.n
         self.texts: list[str] = []
+        self.echo_logprobs = body.echo and body.logprobs is not None
+        self.prompt_offsets: list[list[int]] = []  # where each prompt token starts in its text
         self._started: set[int] = set()
 
     async def prompts(self) -> list[list[int]]:
@@ -45,6 +51,12 @@ class Completion(Generation):
             raise bad_request(
                 f"At most {MAX_CHOICES} choices (prompts x best_of) per request.", "n"
             )
+        if self.echo_logprobs:
+            # a text prompt is echoed as sent (no BOS the tokenizer added); token ids as
+            # decoded, special tokens included
+            skip = isinstance(self.body.prompt, str) or isinstance(self.body.prompt[0], str)
+            self.prompt_offsets = await self.tokenizer.arun(
+                lambda: [text_offsets(self.tokenizer, p, skip) for p in prompts])
         return prompts
 
     async def _tokenize(self) -> tuple[list[list[int]], list[str]]:
@@ -77,6 +89,9 @@ class Completion(Generation):
             num_logprobs = max(num_logprobs, 0)
         return num_logprobs
 
+    def num_prompt_logprobs(self) -> int:
+        return self.body.num_prompt_logprobs()
+
     def response(self, choices: list[Choice]) -> CompletionResponse:
         generated = sum(len(c.token_ids) for c in choices)
         if self.best_of > self.body.n:
@@ -88,9 +103,11 @@ class Completion(Generation):
             CompletionChoice(
                 index=choice.index,
                 text=self._echo(choice.index) + choice.text,
-                logprobs=self._logprobs(choice.token_ids, choice.logprobs, choice.text_offsets),
+                logprobs=self._logprobs(choice.index, choice.token_ids, choice.logprobs,
+                                        choice.text_offsets, choice.prompt_logprobs),
                 finish_reason=choice.finish_reason,
                 stop_reason=choice.stop_reason,
+                prompt_logprobs=self._prompt_logprobs(choice.index, choice.prompt_logprobs),
                 prompt_token_ids=self._token_ids(self.prompt_ids[self._prompt_of(choice.index)]),
                 token_ids=self._token_ids(choice.token_ids),
             )
@@ -121,17 +138,20 @@ class Completion(Generation):
         return self.texts[self._prompt_of(index)] if self.body.echo else ""
 
     def _first_choice(self, delta: SeqDelta) -> CompletionStreamChoice:
-        choice = self._stream_choice(delta)
+        choice = self._stream_choice(delta, first=True)
         choice.text = self._echo(delta.index) + choice.text
         if self.body.return_token_ids:
             choice.prompt_token_ids = self.prompt_ids[self._prompt_of(delta.index)]
+        if self.body.prompt_logprobs is not None:
+            choice.prompt_logprobs = self._prompt_logprobs(delta.index, delta.prompt_logprobs)
         return choice
 
-    def _stream_choice(self, delta: SeqDelta) -> CompletionStreamChoice:
+    def _stream_choice(self, delta: SeqDelta, first: bool = False) -> CompletionStreamChoice:
         choice = CompletionStreamChoice(
             index=delta.index,
             text=delta.text,
-            logprobs=self._logprobs(delta.token_ids, delta.logprobs, delta.text_offsets),
+            logprobs=self._logprobs(delta.index, delta.token_ids, delta.logprobs,
+                                    delta.text_offsets, delta.prompt_logprobs if first else None),
             finish_reason=delta.finish_reason,
         )
         if delta.finish_reason is not None:
@@ -148,15 +168,33 @@ class Completion(Generation):
 
     def _logprobs(
         self,
+        index: int,
         token_ids: Sequence[int],
         logprobs: Sequence[TokenLogprobs],
         offsets: Sequence[int],
+        prompt_logprobs: Sequence[TokenLogprobs] | None,
     ) -> CompletionLogprobs | None:
+        """Choice `index`'s logprobs for these tokens; prompt_logprobs (not None: the choice's
+        first output) puts the echoed prompt's before them."""
         if self.body.logprobs is None:
             return None
-        return completion_logprobs(
-            self.tokenizer, token_ids, logprobs, offsets, self.body.logprobs
+        shift = len(self._echo(index))  # offsets count the echoed prompt
+        out = completion_logprobs(
+            self.tokenizer, token_ids, logprobs, [o + shift for o in offsets], self.body.logprobs
         )
+        if prompt_logprobs is None or not self.echo_logprobs:
+            return out
+        prompt = self._prompt_of(index)
+        return echo_logprobs(self.tokenizer, self.prompt_ids[prompt], prompt_logprobs,
+                             self.prompt_offsets[prompt], self.body.logprobs, then=out)
+
+    def _prompt_logprobs(
+        self, index: int, prompt_logprobs: Sequence[TokenLogprobs]
+    ) -> PromptLogprobs | None:
+        if self.body.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.tokenizer, self.prompt_ids[self._prompt_of(index)],
+                                    prompt_logprobs, self.body.prompt_logprobs)
 
     def _token_ids(self, ids: list[int]) -> list[int] | None:
         return list(ids) if self.body.return_token_ids else None

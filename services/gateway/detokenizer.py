@@ -91,3 +91,17 @@ def _clean_context(
         if REPLACEMENT_CHAR not in text:
             return suffix
     return []
+
+
+def text_offsets(
+    tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool
+) -> list[int]:
+    """Where each token's text starts in tokenizer.decode(token_ids), as the generated tokens'
+    offsets are counted: a token that starts a character split over several gets that
+    character's start, and so does the rest of it."""
+    detok = IncrementalDetokenizer(tokenizer, (), skip_special_tokens)
+    offsets, length = [], 0
+    for token_id in token_ids:
+        offsets.append(length)
+        length += len(detok.add(token_id))
+    return offsets

@@ -24,7 +24,7 @@ from services.gateway.disconnect import until_disconnected
 from services.gateway.generation import Choice, DeltaStream, GenerationError, SeqDelta, merge
 from services.gateway.protocol import SamplingRequest
 from services.gateway.request_builder import output_options
-from services.gateway.responses import Usage
+from services.gateway.responses import StreamChunk, Usage
 from services.gateway.serving import ServingContext
 from services.gateway.sse import DONE_EVENT, SSEStart, error_event, event, prime, sse
 from services.gateway.usage import UsageCounter
@@ -49,11 +49,12 @@ class Generation(ABC):
         self.prompt_ids: list[list[int]] = []
 
     async def serve(self) -> Response:
+        self.tokenizer.check_token_ids([t for t, _ in self.body.logit_bias_pairs()], "logit_bias")
         with tracing.span("gateway.tokenize"):
             self.prompt_ids = await self.prompts()
         requests = self.ctx.builder.build(
             self.scheduler_id, self.prompt_ids, self.body, self.num_logprobs(),
-            self.samples_per_prompt(),
+            self.samples_per_prompt(), self.num_prompt_logprobs(),
         )
         await self.ctx.wait_for_workers()
         streams = self.ctx.sequences(requests, output_options(self.body))
@@ -67,14 +68,19 @@ class Generation(ABC):
 
     async def _stream(self, start: SSEStart) -> AsyncGenerator[str, None]:
         usage = self.usage_counter()
+        continuous = self.body.continuous_usage()
         async with aclosing(start.deltas()) as deltas:
             try:
-                for opening in self.opening_chunks():
+                for index, opening in enumerate(self.opening_chunks()):
+                    if continuous:
+                        opening.usage = usage.of_choice(index)
                     yield event(opening)
                 async for delta in deltas:
                     usage.add(delta)
                     chunk = self.chunk(delta)
                     if chunk is not None:
+                        if continuous:
+                            chunk.usage = usage.of_choice(delta.index)
                         yield event(chunk)
                 if self.body.include_usage():
                     yield event(self.usage_chunk(usage.usage()))
@@ -91,9 +97,13 @@ class Generation(ABC):
     def samples_per_prompt(self) -> int:
         return self.body.n
 
-    def opening_chunks(self) -> Sequence[BaseModel]:
-        """Chunks sent before any delta."""
+    def opening_chunks(self) -> Sequence[StreamChunk]:
+        """Chunks sent before any delta: the i-th one is choice i's."""
         return ()
+
+    def num_prompt_logprobs(self) -> int:
+        """-1: none; otherwise the top-k the workers report per prompt token."""
+        return -1
 
     @abstractmethod
     async def prompts(self) -> list[list[int]]:
@@ -108,7 +118,7 @@ class Generation(ABC):
         """The JSON body; choices are in index order, prompt i's samples at i*samples + j."""
 
     @abstractmethod
-    def chunk(self, delta: SeqDelta) -> BaseModel | None:
+    def chunk(self, delta: SeqDelta) -> StreamChunk | None:
         """The SSE chunk for a delta; None when it carries nothing the client asked for."""
 
     @abstractmethod

@@ -39,13 +39,16 @@ class OutputOptions:
 @dataclass
 class SeqDelta:
     """New output of choice `index`. text_offsets[i] is where token_ids[i]'s text starts in the
-    choice's (untruncated) text; logprobs, when asked, has one entry per token id."""
+    choice's (untruncated) text; logprobs, when asked, has one entry per token id;
+    prompt_logprobs, when asked, comes with the first delta (one per prompt token but the
+    first)."""
 
     index: int
     text: str
     token_ids: list[int]
     text_offsets: list[int]
     logprobs: Sequence[TokenLogprobs] = ()
+    prompt_logprobs: Sequence[TokenLogprobs] = ()
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -63,6 +66,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: Sequence[TokenLogprobs] = ()
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -72,6 +76,8 @@ class Choice:
         self.token_ids.extend(delta.token_ids)
         self.text_offsets.extend(delta.text_offsets)
         self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
@@ -123,7 +129,7 @@ async def run_sequence(
             if telemetry.tracing:
                 telemetry.detokenize_s += time.perf_counter() - detok_start
             text = stops.feed("".join(pieces), check=num_tokens > options.min_tokens)
-            delta = SeqDelta(index, text, ids, offsets, output.logprobs)
+            delta = SeqDelta(index, text, ids, offsets, output.logprobs, output.prompt_logprobs)
             scheduler_finished = bool(output.finish_reason)
             if stops.matched is not None:
                 delta.finish_reason, delta.stop_reason = "stop", stops.matched

@@ -1,7 +1,9 @@
-"""Scheduler logprobs -> the two OpenAI logprob shapes.
+"""Scheduler logprobs -> the two OpenAI logprob shapes, and vLLM's prompt_logprobs.
 
 completions: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}
+             (with echo, the prompt's tokens first: None for the first, which nothing predicts)
 chat:        {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
+vLLM:        prompt_logprobs: [None, {token id: {logprob, rank, decoded_token}}, ...]
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from services.gateway.responses import (
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionLogprobs,
+    Logprob,
+    PromptLogprobs,
 )
 from services.gateway.tokenizer import Tokenizer
 
@@ -33,7 +37,9 @@ def completion_logprobs(
     num_top: int,
 ) -> CompletionLogprobs:
     """The sampled token is always in its top_logprobs dict, as in vLLM."""
-    out = CompletionLogprobs(text_offset=list(text_offsets))
+    # every field given: streamed chunks leave out fields never set
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[],
+                             text_offset=list(text_offsets))
     for k, token_id in enumerate(token_ids):
         token = tokenizer.token_text(token_id)
         out.tokens.append(token)
@@ -46,6 +52,47 @@ def completion_logprobs(
         top.setdefault(token, _clamp(entry.logprob))
         out.token_logprobs.append(_clamp(entry.logprob))
         out.top_logprobs.append(top)
+    return out
+
+
+def echo_logprobs(
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    prompt_logprobs: Sequence[TokenLogprobs],
+    text_offsets: Sequence[int],
+    num_top: int,
+    then: CompletionLogprobs,
+) -> CompletionLogprobs:
+    """The prompt's tokens (prompt_logprobs scores tokens 1..), then the completion's (`then`,
+    its offsets already counting the echoed prompt)."""
+    rest = completion_logprobs(
+        tokenizer, prompt_ids[1:], prompt_logprobs, text_offsets[1:], num_top
+    )
+    return CompletionLogprobs(
+        tokens=[tokenizer.token_text(prompt_ids[0]), *rest.tokens, *then.tokens],
+        token_logprobs=[None, *rest.token_logprobs, *then.token_logprobs],
+        top_logprobs=[None, *rest.top_logprobs, *then.top_logprobs],
+        text_offset=[text_offsets[0], *rest.text_offset, *then.text_offset],
+    )
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    prompt_logprobs: Sequence[TokenLogprobs],
+    num_top: int,
+) -> PromptLogprobs:
+    """Per prompt token, as vLLM: None for the first; then the token itself (with its rank) and
+    the top num_top, keyed by token id."""
+    out: PromptLogprobs = [None]
+    for token_id, entry in zip(prompt_ids[1:], prompt_logprobs):
+        here = {str(token_id): Logprob(logprob=_clamp(entry.logprob), rank=entry.rank or None,
+                                       decoded_token=tokenizer.token_text(token_id))}
+        for rank, top in enumerate(entry.top[:num_top], start=1):
+            here.setdefault(str(top.token_id), Logprob(
+                logprob=_clamp(top.logprob), rank=rank,
+                decoded_token=tokenizer.token_text(top.token_id)))
+        out.append(here)
     return out
 
 

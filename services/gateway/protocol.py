@@ -15,12 +15,14 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias, either way
 INT32 = 2**31
 INT64 = 2**63
 
@@ -65,10 +67,26 @@ class SamplingRequest(OpenAIBaseModel):
     priority: int = Field(0, ge=-INT32, lt=INT32)
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are token ids (JSON keys are strings); the vocabulary bound is checked against
+        the tokenizer once the request reaches the model (flow.py)."""
+        for key, bias in (value or {}).items():
+            if not key.strip().isdecimal():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), "
+                                 f"got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be between {-MAX_LOGIT_BIAS:g} and "
+                                 f"{MAX_LOGIT_BIAS:g}, got {bias:g} for token {key.strip()}")
+        return value
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """(token id, bias), sorted by id, as SamplingParams carries them."""
+        return tuple(sorted((int(k), b) for k, b in (self.logit_bias or {}).items()))
+
     @model_validator(mode="after")
     def _check_sampling(self) -> SamplingRequest:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
         limit = self.requested_max_tokens()
@@ -90,6 +108,12 @@ class SamplingRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk: vLLM's continuous_usage_stats, which, as there, needs
+        include_usage too."""
+        return self.include_usage() and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
@@ -98,6 +122,7 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extension
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -115,17 +140,38 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("prompt must not be empty")
         return prompt
 
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError(
+                "suffix is not supported: inserting the completion before a suffix "
+                "(fill-in-the-middle) needs a FIM prompt format, which pdserve does not build "
+                "for any model; send the text before the insertion point as the prompt instead"
+            )
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and info.data.get("stream"):  # as vLLM's: no streamed shape carries them
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        return value
+
     @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
-        if self.suffix:
-            raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError("best_of must be greater than or equal to n")
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise ValueError("best_of > n cannot be streamed")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
         return self
+
+    def num_prompt_logprobs(self) -> int:
+        """-1: none; otherwise the top-k the workers report per prompt token (echo with logprobs
+        shows them in `logprobs`, prompt_logprobs in vLLM's own field)."""
+        wanted = [self.logprobs if self.echo and self.logprobs is not None else -1,
+                  -1 if self.prompt_logprobs is None else self.prompt_logprobs]
+        return max(wanted)
 
 
 class ContentPart(BaseModel):

@@ -52,7 +52,8 @@ class RequestBuilder:
         return requested
 
     def sampling_params(
-        self, req: SamplingRequest, max_tokens: int, num_logprobs: int
+        self, req: SamplingRequest, max_tokens: int, num_logprobs: int,
+        num_prompt_logprobs: int = -1,
     ) -> SamplingParams:
         defaults = self.sampling_defaults
 
@@ -76,6 +77,8 @@ class RequestBuilder:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=num_logprobs,
+            prompt_logprobs=num_prompt_logprobs,
+            logit_bias=req.logit_bias_pairs(),
         )
 
     def build(
@@ -85,6 +88,7 @@ class RequestBuilder:
         req: SamplingRequest,
         num_logprobs: int,
         samples: int,
+        num_prompt_logprobs: int = -1,
     ) -> list[GenerateRequest]:
         """One request per prompt i carrying its samples j < samples: choice index
         i*samples + j, request id "<base_id>-<index>" (just base_id for a single choice),
@@ -100,7 +104,8 @@ class RequestBuilder:
                 request_id=ids[0],
                 sample_ids=tuple(ids[1:]),
                 prompt_token_ids=tuple(prompt_ids),
-                sampling=self.sampling_params(req, max_tokens, num_logprobs),
+                sampling=self.sampling_params(req, max_tokens, num_logprobs,
+                                              num_prompt_logprobs),
                 eos_token_ids=self.eos_token_ids,
                 priority=req.priority,
                 cache_salt=req.cache_salt or "",

@@ -46,12 +46,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class Logprob(BaseModel):
+    """vLLM's logprob of one token, as its prompt_logprobs report it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: Logprob} for
+# the token itself and the top k there
+PromptLogprobs = list[dict[str, Logprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM: with prompt_logprobs
     prompt_token_ids: list[int] | None = None  # vLLM: with return_token_ids
     token_ids: list[int] | None = None  # vLLM: with return_token_ids
 
@@ -141,6 +155,9 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
+
+
+StreamChunk = CompletionStreamResponse | ChatCompletionStreamResponse
 
 
 # -- models, tokenize, health -----------------------------------------------------------------

@@ -62,6 +62,10 @@ class Tokenizer:
     async def _off_loop(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
+    async def arun(self, fn: Callable[[], T]) -> T:
+        """fn, blocking work that drives this tokenizer, on the tokenizer's own thread."""
+        return await self._off_loop(fn)
+
     # -- encode -------------------------------------------------------------------------------
 
     def encode_batch(

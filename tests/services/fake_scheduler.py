@@ -5,7 +5,8 @@ served by a real grpc.aio server, so tests exercise HTTP, SSE and gRPC end to en
 
 Output token k of a request is `output_ids[k % len]` when `output_ids` is set, else the prompt's
 ids cyclically. It honors max_tokens, min_tokens, eos (unless ignore_eos) and stop_token_ids the
-way the scheduler does, reports fake logprobs, and records requests, aborts and cancellations.
+way the scheduler does, reports fake logprobs (and fake prompt logprobs with the first token,
+when asked: `fake_prompt_logprobs`), and records requests, aborts and cancellations.
 It reads requests and writes outputs through the gateway's codec, from the scheduler's side;
 `requests` keeps the messages as they came off the wire.
 """
@@ -131,6 +132,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 _fake_logprobs(token, start + k, num_logprobs) for k, token in enumerate(chunk)
             ) if num_logprobs >= 0 else ()
             output = GenerateOutput(token_ids=chunk, logprobs=logprobs)
+            if start == 0 and request.sampling.prompt_logprobs >= 0:
+                output = replace(output, prompt_logprobs=fake_prompt_logprobs(
+                    request.prompt_token_ids, request.sampling.prompt_logprobs))
             if start + step >= len(ids):
                 output = replace(
                     output,
@@ -173,6 +177,16 @@ def _fake_logprobs(token: int, position: int, k: int) -> TokenLogprobs:
     top = [TopLogprob(token, logprob)]
     top += [TopLogprob(abs(token - i), logprob - i) for i in range(1, k)]
     return TokenLogprobs(logprob, tuple(top[:k]))
+
+
+def fake_prompt_logprobs(prompt_ids: tuple[int, ...] | list[int],
+                         k: int) -> tuple[TokenLogprobs, ...]:
+    """Prompt token i >= 1 scores -i/8 at rank i; its top k: token 7 at -1/16, then token i."""
+    out = []
+    for i, token in enumerate(prompt_ids[1:], start=1):
+        top = (TopLogprob(7, -0.0625), TopLogprob(token, -i / 8))[:k]
+        out.append(TokenLogprobs(-i / 8, top, rank=i))
+    return tuple(out)
 
 
 async def start_fake_scheduler(
