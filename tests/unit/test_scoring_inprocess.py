@@ -91,8 +91,8 @@ def test_a_prompt_scored_again_after_its_prefill_worker_is_lost(cluster, hf):
     c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=8)
     prompt = _prompt(30, 6)
     c.submit("a", prompt, max_tokens=4, prompt_logprobs=3)
-    c.step()
-    c.step()  # two chunks scored on the prefill worker
+    while _by_role(c, "prefill").counters.prompt_tokens_computed < 16:
+        c.step()  # until two chunks are scored on the prefill worker
     assert not c.outputs["a"]
     pid = _by_role(c, "prefill").worker_id
     c.sched.remove_worker(pid)
@@ -117,4 +117,6 @@ def test_logit_bias_forces_and_bans_tokens_from_the_first_one(cluster, hf, roles
     assert c.tokens("forced") == [7] * 5
     assert c.tokens("banned") == [runner_up]
     assert c.tokens("sampled") == [11] * 5
+    if "prefill" in roles:  # the first tokens were sampled there
+        assert _by_role(c, "decode").counters.prompt_tokens_computed == 0
     c.assert_all_free()
