@@ -58,6 +58,7 @@ class Prefill:
         self.transfers = transfers
         self.placement = placement
         self._next_id = next_id
+        self.num_long_on_decode = 0  # long prompts decode workers took (saturated bypass)
 
     def admits(self, w: WorkerState) -> bool:
         """Whether w may take requests from the waiting queue at all."""
@@ -146,6 +147,8 @@ class Prefill:
         req.num_computed_tokens = len(prefix) * w.kv.block_size
         if req.num_cached_tokens is None:  # first admission: the hit the client is told
             req.num_cached_tokens = req.num_computed_tokens
+        if w.role == "decode" and self.workers.has_prefill and self._long_here(req):
+            self.num_long_on_decode += 1
         w.prefilling.append(req)
         if dst is not None:
             self.transfers.open(req, w, dst, dst_prefix or [],

@@ -68,6 +68,11 @@ class Scheduler:
     def num_preemptions(self) -> int:
         return self.lifecycle.num_preemptions
 
+    @property
+    def num_long_prefills_on_decode(self) -> int:
+        """Long prompts a decode worker took while every prefill worker was busy."""
+        return self.prefill.num_long_on_decode
+
     # ---- workers and requests ------------------------------------------------------------------
 
     def add_worker(self, reg: Registration) -> WorkerState:

@@ -141,6 +141,10 @@ class _StateCollector:
                                 "Number of requests waiting to be admitted.", value=len(s.waiting))
         yield CounterMetricFamily(PREFIX + "num_preemptions",
                                   "Cumulative number of preemptions.", value=s.num_preemptions)
+        yield CounterMetricFamily(PREFIX + "decode_worker_long_prefills",
+                                  "Long prompts a decode worker prefilled itself because it "
+                                  "would finish them before a busy prefill worker.",
+                                  value=s.num_long_prefills_on_decode)
         labels = ["worker_id", "role"]
         usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
                                   "KV-cache usage of a worker: 1 means 100 percent.",
@@ -151,10 +155,15 @@ class _StateCollector:
                                    "Prefix cache hits, in cached tokens.", labels=labels)
         running = GaugeMetricFamily(PREFIX + "worker_num_requests",
                                     "Requests holding KV blocks on a worker.", labels=labels)
+        speed = GaugeMetricFamily(PREFIX + "worker_prefill_seconds_per_token",
+                                  "A worker's measured seconds per prompt token in its steps "
+                                  "that prefill (0: none timed yet); long prompts are placed "
+                                  "by it.", labels=labels)
         for w in list(s.workers.values()):
             key = [w.worker_id, w.role]
             usage.add_metric(key, 1.0 - w.kv.num_free_blocks / w.kv.num_blocks)
             queries.add_metric(key, w.kv.num_queried_tokens)
             hits.add_metric(key, w.kv.num_hit_tokens)
             running.add_metric(key, len(w.kv.request_ids()))
-        yield from (usage, queries, hits, running)
+            speed.add_metric(key, w.prefill_speed.seconds_per_token)
+        yield from (usage, queries, hits, running, speed)

@@ -196,6 +196,7 @@ def test_a_decode_worker_takes_a_long_prompt_only_if_done_sooner_there(decode_ms
     assert _scheduled(c.plan("p0")) == [("long1", 8)]
     c.submit("long2", list(range(200, 220)), max_tokens=1)
     assert _scheduled(c.plan("d0")) == ([("long2", 8)] if taken else [])
+    assert c.sched.num_long_prefills_on_decode == taken
     c.run()
     assert c.workers["d0"].prompt_tokens == (20 if taken else 0)
     assert c.workers["p0"].prompt_tokens == (20 if taken else 40)

@@ -95,4 +95,10 @@ def test_scheduler_metrics_read_its_state():
     assert samples["pdserve:prefix_cache_queries_total", key] == 12
     assert samples["pdserve:num_requests_waiting", ()] == 0
     assert samples["pdserve:num_preemptions_total", ()] == 0
+    assert samples["pdserve:decode_worker_long_prefills_total", ()] == 0
+    assert samples["pdserve:worker_prefill_seconds_per_token", key] == 0  # none timed yet
+    w.prefill_speed.observe(32, 0.064)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in telemetry.registry.collect() for s in f.samples}
+    assert samples["pdserve:worker_prefill_seconds_per_token", key] == pytest.approx(0.002)
     assert not telemetry.active  # no metrics server, no tracing: per-request hooks do nothing
