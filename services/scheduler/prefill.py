@@ -77,8 +77,7 @@ class Prefill:
         worker holding a long prompt (saturated bypass) keeps its steps to
         --decode-long-prefill-tokens, short prompts first, the long prompt's chunk last."""
         partials = self._partials(w)
-        held = [r for r in partials if self._long_here(r)] \
-            if w.role == "decode" and self.workers.has_prefill else []
+        held = [r for r in partials if self._beside_batch(w, r)]
         if held:
             budget = min(budget, self.config.decode_long_prefill_tokens)
         for req in partials:
@@ -147,7 +146,7 @@ class Prefill:
         req.num_computed_tokens = len(prefix) * w.kv.block_size
         if req.num_cached_tokens is None:  # first admission: the hit the client is told
             req.num_cached_tokens = req.num_computed_tokens
-        if w.role == "decode" and self.workers.has_prefill and self._long_here(req):
+        if self._beside_batch(w, req):
             self.num_long_on_decode += 1
         w.prefilling.append(req)
         if dst is not None:
@@ -228,6 +227,10 @@ class Prefill:
         (--decode-long-prefill-tokens), one such prompt at a time."""
         return req.num_tokens - (req.num_cached_tokens or 0) > self.config.prefill_bypass_threshold
 
+    def _beside_batch(self, w: WorkerState, req: Request) -> bool:
+        """Whether req is such a long prompt on decode worker w, beside its batch."""
+        return w.role == "decode" and self.workers.has_prefill and self._long_here(req)
+
     def _free(self, p: WorkerState) -> bool:
         """A prefill worker that could start a prompt now: no step running, none partial."""
         return p.is_idle and p.num_seqs < self.config.max_num_seqs and not self.has_partial(p)
@@ -264,8 +267,8 @@ class Prefill:
 
     def _schedule_chunk(self, w: WorkerState, plan: StepPlan, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap())
-        if w.role == "decode" and self.workers.has_prefill and self._long_here(req):
-            n = min(n, self.config.decode_long_prefill_tokens)  # beside a batch
+        if self._beside_batch(w, req):
+            n = min(n, self.config.decode_long_prefill_tokens)
         plan.scheduled.append(ScheduledTokens(req.request_id, n))
         req.num_computed_tokens += n
         w.cache(req, req.num_computed_tokens)
