@@ -18,7 +18,8 @@ class SchedulerConfig:
     prefill_bypass_threshold: int = 256  # short prompts: their decode worker may prefill them
     saturated_prefill_bypass: bool = True  # ... and long ones while every prefill worker is busy
     decode_prefill_tokens: int = 256   # most prompt tokens a decode worker computes in a step
-    decode_long_prefill_tokens: int = 32  # ... of them, of a long prompt (saturated bypass)
+    decode_long_prefill_tokens: int = 32  # ... while it holds a long prompt, until timed
+    decode_step_target_ms: float = 200.0  # ... then sized to steps of this length (0: fixed)
     max_num_partial_prefills: int = 2  # a short prompt's fast lane beside one long prompt
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: half the step budget when partials > 1
@@ -46,6 +47,8 @@ class SchedulerConfig:
                              "--max-num-partial-prefills")
         if self.decode_long_prefill_tokens < 1:
             raise ValueError("--decode-long-prefill-tokens must be >= 1")
+        if self.decode_step_target_ms < 0:
+            raise ValueError("--decode-step-target-ms must be >= 0")
         if self.decode_prefill_tokens < 1:
             raise ValueError("--decode-prefill-tokens must be >= 1")
         for name in ("prefill_bypass_threshold", "long_prefill_token_threshold",

@@ -55,9 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the step time of every request it decodes")
     p.add_argument("--decode-long-prefill-tokens", type=int,
                    default=d.decode_long_prefill_tokens,
-                   help="of those, the most of a prompt longer than --prefill-bypass-threshold "
-                        "(taken under --saturated-prefill-bypass): small chunks keep the step "
-                        "time of the batch beside it short")
+                   help="while it holds a prompt longer than --prefill-bypass-threshold "
+                        "(taken under --saturated-prefill-bypass), the prompt tokens of its "
+                        "steps until one of them is timed (then --decode-step-target-ms)")
+    p.add_argument("--decode-step-target-ms", type=float, default=d.decode_step_target_ms,
+                   help="while a decode worker holds such a long prompt, its steps carry the "
+                        "prompt tokens (between 16 and --decode-prefill-tokens) that its "
+                        "measured steps say fit in this many ms beside its batch: about the "
+                        "TPOT its requests see meanwhile; 0: always "
+                        "--decode-long-prefill-tokens")
     p.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
                    help="prompts a worker may have started and not finished prefilling at once")
     p.add_argument("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
@@ -89,6 +95,7 @@ def config_from_args(args) -> SchedulerConfig:
                            saturated_prefill_bypass=args.saturated_prefill_bypass,
                            decode_prefill_tokens=args.decode_prefill_tokens,
                            decode_long_prefill_tokens=args.decode_long_prefill_tokens,
+                           decode_step_target_ms=args.decode_step_target_ms,
                            max_num_partial_prefills=args.max_num_partial_prefills,
                            max_long_partial_prefills=args.max_long_partial_prefills,
                            long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -27,10 +27,12 @@ Who prefills a prompt:
 
 So a free prefill worker takes every prompt (no interference with decoding), and while prefill
 workers are busy short prompts do not queue behind long ones. When long prompts arrive faster
-than the prefill workers finish them, a decode worker takes its share in chunks of
---decode-long-prefill-tokens (32) a step: a step of a few sequences costs nearly what a step
-of none does (the weights are read either way), so its core computes prompts beside its batch
-instead of stepping nearly empty, at a step time its requests' TPOT can bear.
+than the prefill workers finish them, a decode worker takes its share beside its batch: a
+step of a few sequences costs nearly what a step of none does (the weights are read either
+way), so its core computes prompts instead of stepping nearly empty. While it holds a long
+prompt its steps carry the prompt tokens that fit in --decode-step-target-ms (200) at the pace
+of its last such step (--decode-long-prefill-tokens, 32, before one is timed): the TPOT its
+requests see meanwhile, whatever its batch, model or hardware.
 """
 from __future__ import annotations
 
@@ -43,10 +45,12 @@ from services.scheduler.placement import Placement
 from services.scheduler.request import Request, Status
 from services.scheduler.request_queue import RequestQueue
 from services.scheduler.transfers import Transfers
-from services.scheduler.worker_state import WorkerState, transport_between
+from services.scheduler.worker_state import Step, WorkerState, transport_between
 from services.scheduler.workers import Workers
 
 ADMISSION_LOOKAHEAD = 8  # waiting requests a worker looks past a head that cannot start now
+MIN_HELD_STEP_TOKENS = 16  # prompt tokens a decode worker's step beside a long prompt carries
+                           # at least, however long its batch makes the step
 
 
 class Prefill:
@@ -72,14 +76,14 @@ class Prefill:
     def lookahead(self) -> int:
         return self.config.max_num_partial_prefills + ADMISSION_LOOKAHEAD
 
-    def schedule(self, w: WorkerState, plan: StepPlan, budget: int) -> None:
+    def schedule(self, w: WorkerState, plan: StepPlan, budget: int) -> bool:
         """Chunks of w's partial prefills, then new prompts, while the budget lasts. A decode
-        worker holding a long prompt (saturated bypass) keeps its steps to
-        --decode-long-prefill-tokens, short prompts first, the long prompt's chunk last."""
+        worker holding a long prompt (saturated bypass) keeps its steps to `held_tokens`,
+        short prompts first, the long prompt's chunk last; returns whether it holds one."""
         partials = self._partials(w)
         held = [r for r in partials if self._beside_batch(w, r)]
         if held:
-            budget = min(budget, self.config.decode_long_prefill_tokens)
+            budget = min(budget, self.held_tokens(w))
         for req in partials:
             if budget <= 0:
                 break
@@ -89,6 +93,30 @@ class Prefill:
         for req in held:
             if budget > 0:
                 budget -= self._schedule_chunk(w, plan, req, budget)
+        return any(self._holds(w, r) for r in w.prefilling)  # held, or taken in this step
+
+    def _holds(self, w: WorkerState, req: Request) -> bool:
+        """Whether decode worker w prefills req, a long prompt, beside its batch."""
+        return req.status is Status.PREFILLING and req.prefill_worker == w.worker_id and \
+            self._beside_batch(w, req)
+
+    def held_tokens(self, w: WorkerState) -> int:
+        """Prompt tokens of decode worker w's next step while it holds a long prompt."""
+        return w.held_step_tokens or self.config.decode_long_prefill_tokens
+
+    def held_step_timed(self, w: WorkerState, step: Step, seconds: float) -> None:
+        """Sizes w's next steps beside its long prompt from one such step, `seconds` from plan
+        out to result in: as many prompt tokens as fit in --decode-step-target-ms at that
+        step's pace, between MIN_HELD_STEP_TOKENS and --decode-prefill-tokens. The step time
+        is its batch's plus its prompt tokens', so sizing again from each step converges on
+        the target. A step with fewer prompt tokens (the prompt's last chunk) says little of a
+        full one: it leaves the size as it is."""
+        target = self.config.decode_step_target_ms / 1000
+        if not target or step.prefill_tokens < MIN_HELD_STEP_TOKENS or seconds <= 0:
+            return
+        fit = round(step.prefill_tokens * target / seconds)
+        w.held_step_tokens = max(MIN_HELD_STEP_TOKENS,
+                                 min(self.config.decode_prefill_tokens, fit))
 
     def _admit(self, w: WorkerState, plan: StepPlan, budget: int) -> int:
         """New prompts from the waiting queue while the budget lasts; returns what is left."""
@@ -199,8 +227,8 @@ class Prefill:
                           prefills: list[WorkerState]) -> bool:
         """Whether decode worker w, at its measured prefill speed, finishes req's prefill
         before the soonest prefill worker would: that one first finishes what it has started
-        and the longer prompts queued ahead of req. A decode worker prefills in small chunks
-        beside its batch, slower than a prefill worker; a prompt it takes stays with it, so it
+        and the longer prompts queued ahead of req. A decode worker prefills in chunks beside
+        its batch, slower than a prefill worker; a prompt it takes stays with it, so it
         takes one only when the prefill workers are far enough behind. Unmeasured speeds
         (no step timed yet): it takes it."""
         if not w.prefill_speed.seconds_per_token:
@@ -223,8 +251,8 @@ class Prefill:
 
     def _long_here(self, req: Request) -> bool:
         """A prompt a decode worker took because the prefill workers were saturated: more
-        uncached tokens than --prefill-bypass-threshold. It goes in small chunks
-        (--decode-long-prefill-tokens), one such prompt at a time."""
+        uncached tokens than --prefill-bypass-threshold. It goes in chunks sized to
+        --decode-step-target-ms (`held_tokens`), one such prompt at a time."""
         return req.num_tokens - (req.num_cached_tokens or 0) > self.config.prefill_bypass_threshold
 
     def _beside_batch(self, w: WorkerState, req: Request) -> bool:
@@ -268,7 +296,7 @@ class Prefill:
     def _schedule_chunk(self, w: WorkerState, plan: StepPlan, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap())
         if self._beside_batch(w, req):
-            n = min(n, self.config.decode_long_prefill_tokens)
+            n = min(n, self.held_tokens(w))
         plan.scheduled.append(ScheduledTokens(req.request_id, n))
         req.num_computed_tokens += n
         w.cache(req, req.num_computed_tokens)

@@ -128,7 +128,7 @@ class Scheduler:
             budget -= self.decode.schedule(w, plan)
             if self.workers.has_prefill:  # its prefills are lent cycles: bounded per step
                 budget = min(budget, self.config.decode_prefill_tokens)
-        self.prefill.schedule(w, plan, budget)
+        held = self.prefill.schedule(w, plan, budget)
         # last: planning above may preempt; the worker drops before it adds
         plan.finished_request_ids.extend(w.to_drop)
         plan.recvs.extend(w.recvs)
@@ -146,6 +146,7 @@ class Scheduler:
         step.prefill_tokens = sum(s.num_tokens for s in plan.scheduled
                                   if self.requests[s.request_id].status is Status.PREFILLING)
         step.planned_at = self.clock()
+        step.held = held
         step.decodes_only = bool(
             plan.scheduled and not (plan.new_requests or plan.sends or plan.recvs or plan.copies)
             and all(s.num_tokens == 1 for s in plan.scheduled)
@@ -195,8 +196,11 @@ class Scheduler:
             raise ValueError(f"worker {worker_id} answered step {result.step_id}, not the "
                              "oldest it runs")
         step = w.steps.popleft()
+        seconds = self.clock() - step.planned_at
         if step.prefill_tokens >= MIN_TIMED_PREFILL:
-            w.prefill_speed.observe(step.prefill_tokens, self.clock() - step.planned_at)
+            w.prefill_speed.observe(step.prefill_tokens, seconds)
+        if step.held:
+            self.prefill.held_step_timed(w, step, seconds)
         ran = step.request_ids
         w.counters = result.counters
         self.transfers.receivers_ready(step.recvs)

@@ -55,6 +55,8 @@ class WorkerState:
     steps: deque[Step] = field(default_factory=deque)     # planned, result not in yet; oldest first
     counters: WorkerCounters = WorkerCounters()
     prefill_speed: PrefillSpeed = field(default_factory=PrefillSpeed)
+    held_step_tokens: int = 0  # a decode worker holding a long prompt: the prompt tokens of its
+                               # next step, sized from the last such step's time (0: not yet)
 
     @property
     def is_idle(self) -> bool:
@@ -106,6 +108,7 @@ class Step:
     prefill_tokens: int = 0     # prompt tokens it computes
     planned_at: float = 0.0     # the scheduler's clock when its plan left; its worker was
                                 # idle then
+    held: bool = False          # a decode worker's step beside a long prompt it holds
 
 
 @dataclass(eq=False)

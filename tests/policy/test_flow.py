@@ -182,6 +182,47 @@ def test_a_long_prompt_on_the_decode_worker_takes_small_chunks_after_short_ones(
     c.assert_all_free()
 
 
+def test_steps_beside_a_long_prompt_are_sized_to_the_decode_step_target():
+    """While d0 holds a long prompt its first step carries --decode-long-prefill-tokens (16);
+    each later one the tokens that fit in --decode-step-target-ms (100) at the pace of the step
+    before: 16 in 50 ms -> 32; 32 in 160 ms -> 20; a step of 20 that took a second -> the floor
+    of 16; one of 16 in a millisecond -> the --decode-prefill-tokens ceiling of 64."""
+    c = Cluster({"p0": 128, "d0": 256}, prefill_bypass_threshold=4, decode_prefill_tokens=64,
+                decode_long_prefill_tokens=16, decode_step_target_ms=100)
+    c.submit("long1", list(range(1000, 1200)), max_tokens=1)
+    c.plan("p0")
+    c.submit("long2", list(range(2000, 2156)), max_tokens=1)
+    chunks = []
+    for seconds in (0.050, 0.160, 1.0, 0.001, 0.001):
+        chunks.append(_scheduled(c.plan("d0")))
+        c.now += seconds
+        c.run_step("d0")
+    assert chunks == [[("long2", 16)], [("long2", 32)], [("long2", 20)], [("long2", 16)],
+                      [("long2", 64)]]
+    assert c.sched.workers["d0"].held_step_tokens == 64
+    assert _scheduled(c.plan("d0")) == [("long2", 8)]
+    c.now += 5.0  # the prompt's last 8 tokens: too few to time, the size stays
+    c.run_step("d0")
+    assert c.sched.workers["d0"].held_step_tokens == 64
+    c.run()
+    assert c.workers["d0"].prompt_tokens == 156 and c.workers["p0"].prompt_tokens == 200
+    c.assert_all_free()
+
+
+def test_a_decode_step_target_of_zero_keeps_the_long_prompt_chunk_fixed():
+    c = Cluster({"p0": 128, "d0": 256}, prefill_bypass_threshold=4, decode_prefill_tokens=64,
+                decode_long_prefill_tokens=16, decode_step_target_ms=0)
+    c.submit("long1", list(range(1000, 1200)), max_tokens=1)
+    c.plan("p0")
+    c.submit("long2", list(range(2000, 2200)), max_tokens=1)
+    for _ in range(3):
+        assert _scheduled(c.plan("d0")) == [("long2", 16)]
+        c.now += 0.001
+        c.run_step("d0")
+    c.run()
+    c.assert_all_free()
+
+
 @pytest.mark.parametrize("decode_ms_per_token, taken", [(3.0, False), (1.5, True)])
 def test_a_decode_worker_takes_a_long_prompt_only_if_done_sooner_there(decode_ms_per_token,
                                                                        taken):
