@@ -40,6 +40,8 @@ SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
                 "--scheduler-args=--prefill-bypass-threshold 0 --no-saturated-prefill-bypass"]),
     "no-saturated-bypass": ("pdserve 1P+1D, no saturated bypass",  # long prompts wait for P
                             ["--scheduler-args=--no-saturated-prefill-bypass"]),
+    "fixed-held-chunk": ("pdserve, 32-token chunks beside the batch",  # no step-time target
+                         ["--scheduler-args=--decode-step-target-ms=0"]),
     "colocated": ("pdserve colocated 0P+2D", ["--mode", "colocated", "--decode-workers", "2"]),
     "disagg-sync": ("pdserve 1P+1D, no async sched.",
                     ["--prefill-workers", "1", "--decode-workers", "1",
