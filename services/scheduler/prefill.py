@@ -93,12 +93,8 @@ class Prefill:
         for req in held:
             if budget > 0:
                 budget -= self._schedule_chunk(w, plan, req, budget)
-        return any(self._holds(w, r) for r in w.prefilling)  # held, or taken in this step
-
-    def _holds(self, w: WorkerState, req: Request) -> bool:
-        """Whether decode worker w prefills req, a long prompt, beside its batch."""
-        return req.status is Status.PREFILLING and req.prefill_worker == w.worker_id and \
-            self._beside_batch(w, req)
+        return any(r.status is Status.PREFILLING and self._beside_batch(w, r)
+                   for r in w.prefilling)  # held before, or taken in this step
 
     def held_tokens(self, w: WorkerState) -> int:
         """Prompt tokens of decode worker w's next step while it holds a long prompt."""
