@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from common.plans import PromptLogprobs
-from common.sampling_params import TokenLogprobs, TopLogprob
+from common.sampling_params import TokenLogprobs
+from common.worker.sampler import token_logprobs
 
 ROWS_PER_SLICE = 256
 
@@ -51,31 +52,16 @@ def prompt_logprobs(hidden: torch.Tensor, compute_logits, vocab_size: int,
     rows of it to [rows, >= vocab_size] logits. One PromptLogprobs per chunk, in order."""
     rows = torch.cat([torch.arange(c.row, c.row + len(c.targets)) for c in chunks])
     targets = torch.tensor([t for c in chunks for t in c.targets], dtype=torch.long)
-    max_k = min(max(c.k for c in chunks), vocab_size)
+    ks = [c.k for c in chunks for _ in c.targets]
     device = hidden.device
-    scored, ranks, top_lp, top_ids = [], [], [], []
+    entries: list[TokenLogprobs] = []
     for lo in range(0, len(rows), ROWS_PER_SLICE):
         idx = rows[lo:lo + ROWS_PER_SLICE].to(device)
-        tgt = targets[lo:lo + ROWS_PER_SLICE].to(device).unsqueeze(1)  # [R, 1]
         logits = compute_logits(hidden[idx])[:, :vocab_size].float()  # [R, V]
-        logprobs = torch.log_softmax(logits, dim=-1)
-        lp = logprobs.gather(1, tgt)  # [R, 1]
-        scored.append(lp.squeeze(1))
-        ranks.append((logprobs > lp).sum(dim=1) + 1)  # ties rank as the best of them
-        if max_k > 0:
-            values, ids = logprobs.topk(max_k, dim=-1)  # [R, max_k], best first
-            top_lp.append(values)
-            top_ids.append(ids)
-    scored_l = torch.cat(scored).tolist()
-    ranks_l = torch.cat(ranks).tolist()
-    top_lp_l = torch.cat(top_lp).tolist() if top_lp else [[] for _ in scored_l]
-    top_ids_l = torch.cat(top_ids).tolist() if top_ids else [[] for _ in scored_l]
+        entries += token_logprobs(logits, targets[lo:lo + ROWS_PER_SLICE].to(device),
+                                  ks[lo:lo + ROWS_PER_SLICE], rank=True)
     out, i = [], 0
     for c in chunks:
-        entries = []
-        for _ in c.targets:
-            top = tuple(TopLogprob(t, lp) for t, lp in zip(top_ids_l[i][:c.k], top_lp_l[i][:c.k]))
-            entries.append(TokenLogprobs(scored_l[i], top, ranks_l[i]))
-            i += 1
-        out.append(PromptLogprobs(c.request_id, c.first, tuple(entries)))
+        out.append(PromptLogprobs(c.request_id, c.first, tuple(entries[i:i + len(c.targets)])))
+        i += len(c.targets)
     return out

@@ -70,11 +70,13 @@ def _flat_index(id_lists: list[list[int]], rows: list[int], vocab: int,
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
     """Adds each row's logit_bias to its logits (OpenAI's, applied before penalties as vLLM v1
-    does), in place; returns logits. Ids outside the vocabulary are ignored: the gateway refuses
-    them, and one stray id from another client must not fail the whole batch."""
+    does); returns a new tensor, or logits itself when no row has a bias. Ids outside the
+    vocabulary are ignored: the gateway refuses them, and one stray id from another client must
+    not fail the whole batch."""
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     if not biased:
         return logits
+    logits = logits.clone()
     vocab = logits.shape[1]
     pairs = [[(t, b) for t, b in rows[i].params.logit_bias if 0 <= t < vocab] for i in biased]
     flat = _flat_index([[t for t, _ in p] for p in pairs], biased, vocab, logits.device)
@@ -186,9 +188,7 @@ class Sampler:
             f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}"
         logits = logits[:, :self.vocab_size].float().contiguous()  # [B, V]
 
-        biased = apply_logit_bias(logits.clone(), rows) if any(
-            r.params.logit_bias for r in rows) else logits
-        processed = apply_min_tokens(apply_penalties(biased, rows), rows)
+        processed = apply_min_tokens(apply_penalties(apply_logit_bias(logits, rows), rows), rows)
         greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
         if all(greedy):
             token_ids = processed.argmax(dim=-1)
@@ -247,17 +247,22 @@ class Sampler:
         wanted = [r.params.logprobs for r in rows]
         if max(wanted, default=-1) < 0:
             return [None] * len(rows)
-        logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-        sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()  # [B]
-        max_k = min(max(wanted), logprobs.shape[1])
-        top_lp, top_ids = (logprobs.topk(max_k, dim=-1) if max_k > 0  # [B, max_k], best first
-                           else (logprobs[:, :0], logprobs[:, :0].long()))
-        top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
-        out: list[TokenLogprobs | None] = []
-        for i, k in enumerate(wanted):
-            if k < 0:
-                out.append(None)
-                continue
-            top = tuple(TopLogprob(t, lp) for t, lp in zip(top_id_rows[i][:k], top_lp_rows[i][:k]))
-            out.append(TokenLogprobs(sampled[i], top))
-        return out
+        entries = token_logprobs(logits, token_ids, [max(k, 0) for k in wanted])
+        return [e if k >= 0 else None for e, k in zip(entries, wanted)]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int],
+                   rank: bool = False) -> list[TokenLogprobs]:
+    """logits: [R, V]. Row i's log_softmax at token_ids[i] with its ks[i] most likely tokens,
+    best first, and with `rank` the token's 1-based rank in the vocabulary (ties rank as the
+    best of them; 0 without)."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # [R, V]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [R, 1]
+    max_k = min(max(ks, default=0), logprobs.shape[1])
+    top_lp, top_ids = (logprobs.topk(max_k, dim=-1) if max_k > 0  # [R, max_k], best first
+                       else (logprobs[:, :0], logprobs[:, :0].long()))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist() if rank else [0] * len(ks)
+    top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
+    return [TokenLogprobs(lp, tuple(TopLogprob(t, v) for t, v in
+                                    zip(top_id_rows[i][:k], top_lp_rows[i][:k])), ranks[i])
+            for i, (lp, k) in enumerate(zip(chosen.squeeze(1).tolist(), ks))]
