@@ -45,12 +45,10 @@ from services.scheduler.placement import Placement
 from services.scheduler.request import Request, Status
 from services.scheduler.request_queue import RequestQueue
 from services.scheduler.transfers import Transfers
-from services.scheduler.worker_state import Step, WorkerState, transport_between
+from services.scheduler.worker_state import MIN_TIMED_PREFILL, WorkerState, transport_between
 from services.scheduler.workers import Workers
 
 ADMISSION_LOOKAHEAD = 8  # waiting requests a worker looks past a head that cannot start now
-MIN_HELD_STEP_TOKENS = 16  # prompt tokens a decode worker's step beside a long prompt carries
-                           # at least, however long its batch makes the step
 
 
 class Prefill:
@@ -100,19 +98,18 @@ class Prefill:
         """Prompt tokens of decode worker w's next step while it holds a long prompt."""
         return w.held_step_tokens or self.config.decode_long_prefill_tokens
 
-    def held_step_timed(self, w: WorkerState, step: Step, seconds: float) -> None:
-        """Sizes w's next steps beside its long prompt from one such step, `seconds` from plan
-        out to result in: as many prompt tokens as fit in --decode-step-target-ms at that
-        step's pace, between MIN_HELD_STEP_TOKENS and --decode-prefill-tokens. The step time
-        is its batch's plus its prompt tokens', so sizing again from each step converges on
-        the target. A step with fewer prompt tokens (the prompt's last chunk) says little of a
-        full one: it leaves the size as it is."""
+    def held_step_timed(self, w: WorkerState, prompt_tokens: int, seconds: float) -> None:
+        """Sizes w's next steps beside its long prompt from one such step that computed
+        prompt_tokens in `seconds` (plan out to result in): as many as fit in
+        --decode-step-target-ms at that step's pace, between MIN_TIMED_PREFILL (however long
+        its batch makes the step, so that its steps stay timed) and --decode-prefill-tokens.
+        The step time is its batch's plus its prompt tokens', so sizing again from each step
+        converges on the target."""
         target = self.config.decode_step_target_ms / 1000
-        if not target or step.prefill_tokens < MIN_HELD_STEP_TOKENS or seconds <= 0:
+        if not target or seconds <= 0:
             return
-        fit = round(step.prefill_tokens * target / seconds)
-        w.held_step_tokens = max(MIN_HELD_STEP_TOKENS,
-                                 min(self.config.decode_prefill_tokens, fit))
+        fit = round(prompt_tokens * target / seconds)
+        w.held_step_tokens = max(MIN_TIMED_PREFILL, min(self.config.decode_prefill_tokens, fit))
 
     def _admit(self, w: WorkerState, plan: StepPlan, budget: int) -> int:
         """New prompts from the waiting queue while the budget lasts; returns what is left."""

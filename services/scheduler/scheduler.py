@@ -32,13 +32,10 @@ from services.scheduler.prefill import Prefill
 from services.scheduler.request import Output, Request, Status
 from services.scheduler.request_queue import create_request_queue
 from services.scheduler.transfers import Transfers
-from services.scheduler.worker_state import Step, WorkerState, step_event
+from services.scheduler.worker_state import MIN_TIMED_PREFILL, Step, WorkerState, step_event
 from services.scheduler.workers import RegistrationError, Workers
 
 log = logging.getLogger(__name__)
-
-MIN_TIMED_PREFILL = 16  # prompt tokens a step computes for its time to measure its worker's
-                        # prefill speed (fewer: its decodes would be most of that time)
 
 __all__ = ["QueueFull", "RegistrationError", "Scheduler"]  # what server.py catches
 
@@ -196,11 +193,11 @@ class Scheduler:
             raise ValueError(f"worker {worker_id} answered step {result.step_id}, not the "
                              "oldest it runs")
         step = w.steps.popleft()
-        seconds = self.clock() - step.planned_at
-        if step.prefill_tokens >= MIN_TIMED_PREFILL:
+        if step.prefill_tokens >= MIN_TIMED_PREFILL:  # fewer (a last chunk) say little
+            seconds = self.clock() - step.planned_at
             w.prefill_speed.observe(step.prefill_tokens, seconds)
-        if step.held:
-            self.prefill.held_step_timed(w, step, seconds)
+            if step.held:
+                self.prefill.held_step_timed(w, step.prefill_tokens, seconds)
         ran = step.request_ids
         w.counters = result.counters
         self.transfers.receivers_ready(step.recvs)

@@ -12,6 +12,8 @@ from services.scheduler.request import Request
 
 SAME_HOST_TRANSPORTS = ("shm", "cuda_ipc")
 SPEED_SMOOTHING = 0.2  # weight of the newest step in a worker's measured prefill speed
+MIN_TIMED_PREFILL = 16  # prompt tokens a step computes for its time to measure its worker's
+                        # prefill speed (fewer: its decodes would be most of that time)
 
 
 @dataclass
