@@ -27,6 +27,7 @@ class SamplingParams:
     logprobs: int = -1              # -1: none; 0: the sampled token's; k: and the top k
     prompt_logprobs: int = -1       # -1: none; k: each prompt token's (after the first) + top k
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted
+    grammar: str = ""  # EBNF (xgrammar's dialect) the output matches, then an eos; "": free
 
     def __post_init__(self) -> None:
         assert self.seed is None or 0 <= self.seed < UINT64, f"seed {self.seed} is not uint64"

@@ -23,7 +23,8 @@ def sampling_to_pb(p: SamplingParams) -> scheduler_pb2.SamplingParams:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, max_tokens=p.max_tokens,
         min_tokens=p.min_tokens, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, logit_bias=dict(p.logit_bias))
+        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, logit_bias=dict(p.logit_bias),
+        grammar=p.grammar)
     if p.seed is not None:
         pb.seed = p.seed
     return pb
@@ -36,7 +37,8 @@ def sampling_from_pb(pb: scheduler_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
         repetition_penalty=pb.repetition_penalty, min_tokens=pb.min_tokens,
         stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos, logprobs=pb.logprobs,
-        prompt_logprobs=pb.prompt_logprobs, logit_bias=tuple(sorted(pb.logit_bias.items())))
+        prompt_logprobs=pb.prompt_logprobs, logit_bias=tuple(sorted(pb.logit_bias.items())),
+        grammar=pb.grammar)
 
 
 def logprobs_to_pb(lp: TokenLogprobs) -> scheduler_pb2.TokenLogprobs:

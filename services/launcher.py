@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only 1: tensor parallelism is not built yet")
     p.add_argument("--speculative-config", default=None,
                    help="refused: speculative decoding is not built yet")
+    p.add_argument("--structured-outputs-config", default="",
+                   help="see `pdserve gateway`: vLLM's JSON object (backend, "
+                        "disable_any_whitespace)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated",
                    help="colocated: no prefill workers; the decode workers do both phases")
     p.add_argument("--scheduler-args", default="",
@@ -195,6 +198,8 @@ def commands(args) -> list[list[str]]:
         gateway += ["--max-model-len", str(args.max_model_len)]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
+    if args.structured_outputs_config:
+        gateway += ["--structured-outputs-config", args.structured_outputs_config]
     return cmds + [gateway]
 
 

@@ -8,9 +8,10 @@ import torch
 from common.kv_cache import PagedKVCache
 from common.models.attention import AttentionMetadata
 from common.models.llama import LlamaForCausalLM
-from common.plans import Fork, PromptLogprobs
+from common.plans import Fork, PromptLogprobs, RequestError
 from common.sampling_params import SamplingParams, TokenLogprobs
 from common.worker.cuda_graphs import DecodeGraphs
+from common.worker.grammars import GrammarError, Grammars, Guide, mask_logits
 from common.worker.prompt_logprobs import PromptChunk, prompt_logprobs, score_chunk
 from common.worker.sampler import Sampler, SamplingRequest
 
@@ -30,6 +31,7 @@ class RequestState:
     sampling: SamplingParams
     eos_token_ids: list[int]
     forks: list[Fork] = field(default_factory=list)  # sampled with the first token
+    guide: Guide | None = None  # its grammar's matcher, once it samples under one
 
     @property
     def is_decode(self) -> bool:
@@ -54,14 +56,16 @@ class StepStats:
     prompt_tokens: int = 0
     decode_tokens: int = 0
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)  # requests that failed the step
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, sampler: Sampler,
-                 decode_graphs: DecodeGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, grammars: Grammars | None = None):
         self.model = model
         self.cache = cache
         self.sampler = sampler
+        self.grammars = grammars  # None: a request with a grammar fails
         self.block_size = cache.layout.block_size
         self.decode_graphs = decode_graphs  # decode-only steps replay these where they fit
 
@@ -70,7 +74,8 @@ class ModelRunner:
         """Computes num_tokens of each request; samples for those that reach their last token,
         and for the forks of those that sample their first (same logits, their own params).
         Prefill chunks of requests asking for prompt logprobs score their prompt tokens
-        (stats.prompt_logprobs)."""
+        (stats.prompt_logprobs). Requests with a grammar sample what it allows; one that cannot
+        (its grammar does not compile, or its output left it) fails (stats.errors)."""
         for req, n in scheduled:
             assert 0 < n <= len(req.token_ids) - req.num_computed_tokens, (
                 f"{req.request_id}: {n} tokens scheduled, "
@@ -127,6 +132,8 @@ class ModelRunner:
             return [], stats
         logits = self.model.compute_logits(hidden[torch.tensor(last_token_idx, device=device)])
         batch = [self._sampling_row(r, r.sampling) for r in rows]
+        failed: dict[str, str] = {}
+        guides = [self._guide(r, failed) for r in rows]
         row_of = list(range(len(rows)))  # logits row of each sampled row
         forks = []
         for i, r in enumerate(rows):
@@ -137,14 +144,43 @@ class ModelRunner:
             r.forks = []
         if forks:
             logits = logits[torch.tensor(row_of, device=device)]
+        if any(guides):  # a fork's first token: its leader's grammar, at the same (first) state
+            mask_logits(logits, [guides[i] for i in row_of], self.sampler.vocab_size)
         out = self.sampler(logits, batch)
         sampled = []
-        for r, token, logprobs in zip(rows, out.token_ids, out.logprobs):
+        for r, guide, token, logprobs in zip(rows, guides, out.token_ids, out.logprobs):
+            if r.request_id in failed:
+                continue
             r.token_ids.append(token)
+            try:
+                if guide is not None:
+                    guide.follow(r.token_ids[r.num_prompt_tokens:])
+            except GrammarError as e:
+                failed[r.request_id] = str(e)
+                continue
             sampled.append(Sampled(r.request_id, token, logprobs))
-        for f, token, logprobs in zip(forks, out.token_ids[len(rows):], out.logprobs[len(rows):]):
-            sampled.append(Sampled(f.request_id, token, logprobs))
+        for f, i, token, logprobs in zip(forks, row_of[len(rows):], out.token_ids[len(rows):],
+                                         out.logprobs[len(rows):]):
+            if rows[i].request_id not in failed:
+                sampled.append(Sampled(f.request_id, token, logprobs))
+        stats.errors = [RequestError(rid, error) for rid, error in failed.items()]
         return sampled, stats
+
+    def _guide(self, r: RequestState, failed: dict[str, str]) -> Guide | None:
+        """r's matcher, caught up with its output tokens; None without a grammar, or when it
+        fails (then in `failed`)."""
+        if not r.sampling.grammar:
+            return None
+        try:
+            if self.grammars is None:
+                raise GrammarError("this worker does not sample under grammars")
+            if r.guide is None:
+                r.guide = Guide(self.grammars.matcher(r.sampling.grammar, r.eos_token_ids))
+            r.guide.follow(r.token_ids[r.num_prompt_tokens:])
+        except GrammarError as e:
+            failed[r.request_id] = str(e)
+            return None
+        return r.guide
 
     @staticmethod
     def _sampling_row(r: RequestState, params: SamplingParams) -> SamplingRequest:

@@ -35,6 +35,7 @@ from common.models.llama import load_model
 from common.plans import Registration
 from common.worker.config import WorkerConfig
 from common.worker.cuda_graphs import DecodeGraphs
+from common.worker.grammars import Grammars
 from common.worker.memory import num_kv_blocks
 from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
@@ -93,7 +94,9 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
                               cfg.max_cudagraph_capture_size)
         with on_device(device):
             graphs.capture()
-    worker = Worker(ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed), graphs), cache,
+    runner = ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed), graphs,
+                         Grammars(cfg.model, mc.vocab_size))
+    worker = Worker(runner, cache,
                     {t: create_sender(t, layout, tcfg) for t in cfg.kv_transports}, receiver,
                     {t: create_listener(t, cache, receiver, tcfg) for t in cfg.kv_transports})
     reg = Registration(

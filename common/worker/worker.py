@@ -112,6 +112,7 @@ class Worker:
                 raise
             sampled = [SampledToken(s.request_id, s.token_id, s.logprobs) for s in out]
             prompt_logprobs = stats.prompt_logprobs
+            errors.extend(stats.errors)
             self._counts.prompt_tokens += stats.prompt_tokens
             self._counts.decoded += stats.decode_tokens
         self._counts.steps += 1

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from common.models.gguf import find_gguf, gguf_info
 from services.gateway.sampling_defaults import SamplingDefaults, load_sampling_defaults
+from services.gateway.structured_outputs import StructuredOutputsConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # deadline of every scheduler call
     connect_timeout_s: float = 5.0  # how long startup waits for the scheduler channel
     no_worker_wait_s: float = 5.0  # how long a request waits for a worker path before its 503
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     sampling_defaults: SamplingDefaults = field(init=False, default=SamplingDefaults())
 
     def __post_init__(self) -> None:

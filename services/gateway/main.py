@@ -15,6 +15,7 @@ from common import tracing
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.structured_outputs import StructuredOutputsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "max_new_tokens as max_tokens), vllm (none: the API's own defaults), or a directory "
         "holding a generation_config.json.",
     )
+    parser.add_argument(
+        "--structured-outputs-config",
+        default="",
+        help='Structured outputs, as vLLM\'s JSON object: {"backend": "auto" or "xgrammar", '
+        '"disable_any_whitespace": true: JSON without free whitespace for every request}.',
+    )
     tracing.add_arguments(parser)
 
 
@@ -104,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=args.request_timeout,
         connect_timeout_s=args.connect_timeout,
         no_worker_wait_s=args.no_worker_wait,
+        structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
     )
 
 

@@ -6,7 +6,7 @@ is a pydantic error, which errors.py turns into a 400 naming the field.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -38,6 +38,34 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(OpenAIBaseModel):
+    """vLLM's `structured_outputs`: one of json, regex, choice, grammar, json_object."""
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    # objects take no property their schema does not name whatever this says (strict schemas)
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None  # refused: xgrammar has no whitespace pattern
+    structural_tag: str | None = None  # refused
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by both generation APIs."""
 
@@ -66,6 +94,15 @@ class SamplingRequest(OpenAIBaseModel):
     return_token_ids: bool = False
     priority: int = Field(0, ge=-INT32, lt=INT32)
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    # structured outputs (structured_outputs.py): OpenAI's, vLLM's, and vLLM's older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -211,7 +248,6 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -226,8 +262,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tools:
             raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported")
         for message in self.messages:
             message.for_template()  # surfaces unsupported content parts as a 400
         return self

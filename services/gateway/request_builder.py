@@ -11,18 +11,21 @@ from services.gateway.errors import bad_request
 from services.gateway.generation import OutputOptions
 from services.gateway.protocol import SamplingRequest
 from services.gateway.sampling_defaults import SamplingDefaults
+from services.gateway.structured_outputs import StructuredOutputsConfig, request_grammar
 
 
 class RequestBuilder:
     """Invariant: every request it builds fits max_model_len (prompt + max_tokens)."""
 
     def __init__(
-        self, max_model_len: int, eos_token_ids: list[int], sampling_defaults: SamplingDefaults
+        self, max_model_len: int, eos_token_ids: list[int], sampling_defaults: SamplingDefaults,
+        structured_outputs: StructuredOutputsConfig | None = None,
     ) -> None:
         """sampling_defaults: generation_config.json's values, for fields the client left out."""
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampling_defaults = sampling_defaults
+        self.structured_outputs = structured_outputs or StructuredOutputsConfig()
 
     def check_prompt(self, prompt_ids: list[int], param: str = "prompt") -> None:
         if not prompt_ids:
@@ -53,7 +56,7 @@ class RequestBuilder:
 
     def sampling_params(
         self, req: SamplingRequest, max_tokens: int, num_logprobs: int,
-        num_prompt_logprobs: int = -1,
+        num_prompt_logprobs: int = -1, grammar: str = "",
     ) -> SamplingParams:
         defaults = self.sampling_defaults
 
@@ -79,6 +82,7 @@ class RequestBuilder:
             logprobs=num_logprobs,
             prompt_logprobs=num_prompt_logprobs,
             logit_bias=req.logit_bias_pairs(),
+            grammar=grammar,
         )
 
     def build(
@@ -95,6 +99,7 @@ class RequestBuilder:
         seed + j (the scheduler derives it). Raises before returning any request if one
         prompt does not fit."""
         total = len(prompts) * samples
+        grammar = request_grammar(req, self.structured_outputs)
         requests = []
         for i, prompt_ids in enumerate(prompts):
             max_tokens = self.max_tokens(req.requested_max_tokens(), len(prompt_ids))
@@ -105,7 +110,7 @@ class RequestBuilder:
                 sample_ids=tuple(ids[1:]),
                 prompt_token_ids=tuple(prompt_ids),
                 sampling=self.sampling_params(req, max_tokens, num_logprobs,
-                                              num_prompt_logprobs),
+                                              num_prompt_logprobs, grammar),
                 eos_token_ids=self.eos_token_ids,
                 priority=req.priority,
                 cache_salt=req.cache_salt or "",

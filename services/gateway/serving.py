@@ -38,7 +38,8 @@ class ServingContext:
         self.max_model_len: int = config.max_model_len
         self.metrics = GatewayMetrics(config.served_model_name[0])
         self.builder = RequestBuilder(
-            self.max_model_len, tokenizer.eos_token_ids, config.sampling_defaults
+            self.max_model_len, tokenizer.eos_token_ids, config.sampling_defaults,
+            config.structured_outputs,
         )
 
     async def encode_chat(self, body) -> list[int]:

@@ -13,13 +13,13 @@ import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import jinja2
 from tokenizers import decoders
-from transformers import AutoTokenizer
 
 from common.models.gguf import find_gguf, gguf_info
+from common.models.hf_tokenizer import load_hf_tokenizer
 from services.gateway.errors import bad_request
 
 T = TypeVar("T")
@@ -34,17 +34,14 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 class Tokenizer:
     """Invariants: `eos_token_ids` comes from generation_config.json (int or list), else a
     GGUF's end-of-sequence/turn ids, else the tokenizer's eos; `vocab_size` bounds every token
-    id the gateway accepts from a client.
-
-    A GGUF model's tokenizer is tokenizer.json + tokenizer_config.json beside the file when
-    they are there (`pdserve fetch-model` writes them, converted once from the same file),
-    else the one its metadata describes, converted by transformers at start-up.
+    id the gateway accepts from a client. The HF tokenizer (a GGUF's included) is the one
+    common/models/hf_tokenizer.py loads, as the workers' grammars do.
     """
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
         gguf_file = find_gguf(model_dir)
-        self.hf = _load_hf_tokenizer(model_dir, gguf_file)
+        self.hf = load_hf_tokenizer(model_dir)
         generation_config = _read_json(model_dir / "generation_config.json")
         model_eos = gguf_info(gguf_file).eos_token_ids if gguf_file else ()
         self.eos_token_ids = _eos_token_ids(generation_config, model_eos or self.hf.eos_token_id)
@@ -161,15 +158,6 @@ class Tokenizer:
                 raise bad_request(
                     f"Token id {token_id} is out of vocabulary (size {self.vocab_size}).", param
                 )
-
-
-def _load_hf_tokenizer(model_dir: Path, gguf_file: Path | None) -> Any:
-    if gguf_file is None:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    beside = gguf_file.parent
-    if (beside / "tokenizer.json").is_file() and (beside / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(beside))
-    return AutoTokenizer.from_pretrained(str(beside), gguf_file=gguf_file.name)
 
 
 def _byte_level_alphabet() -> dict[str, int]:

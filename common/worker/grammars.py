@@ -1,0 +1,99 @@
+"""Structured outputs on a worker: each guided request's grammar matcher, and the token masks
+that hold its samples to its grammar.
+
+The gateway turns every form a client sends (a JSON schema, a regex, choices, EBNF) into one
+EBNF text, SamplingParams.grammar; a worker compiles it against the model's vocabulary (once per
+text: xgrammar caches compiled grammars) and keeps a matcher per request. A matcher's state is a
+function of the grammar and the request's output tokens alone, so a request that reaches a worker
+with output tokens (prefill -> decode, a resume after a worker died, a recompute) replays them
+into a fresh matcher and goes on where it stood.
+
+    before sampling   each guided row's matcher takes the output tokens it has not seen yet;
+                      logits [B, V] of its rows -> -inf where the matcher allows no token
+    after sampling    the matcher takes the sampled token; one it refuses fails the request
+
+A matcher that accepted a stop token is done: a request that goes on past it (ignore_eos)
+samples freely.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from common.models.hf_tokenizer import load_hf_tokenizer
+
+log = logging.getLogger(__name__)
+
+CACHE_BYTES = 256 << 20  # compiled grammars kept, across requests
+
+
+class GrammarError(Exception):
+    """A request's output left its grammar: a token its matcher refused."""
+
+
+class Grammars:
+    """Compiles grammars for one model's vocabulary; the tokenizer loads on first use."""
+
+    def __init__(self, model_dir: str | Path, vocab_size: int):
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self._compiler: xgr.GrammarCompiler | None = None
+
+    def compiler(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:
+            start = time.monotonic()
+            info = xgr.TokenizerInfo.from_huggingface(load_hf_tokenizer(self.model_dir),
+                                                      vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1,
+                                                 cache_limit_bytes=CACHE_BYTES)
+            log.info("grammar compiler for %d tokens ready in %.2f s", self.vocab_size,
+                     time.monotonic() - start)
+        return self._compiler
+
+    def matcher(self, grammar: str, stop_token_ids: list[int]) -> xgr.GrammarMatcher:
+        """A fresh matcher; the grammar ends with one of stop_token_ids (the request's eos ids;
+        none: the tokenizer's eos)."""
+        compiled = self.compiler().compile_grammar(grammar)
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+
+
+class Guide:
+    """One request's matcher and how many of its output tokens it has taken."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher):
+        self.matcher = matcher
+        self.seen = 0
+
+    def follow(self, output_token_ids: list[int]) -> None:
+        """Takes the output tokens it has not seen; raises GrammarError at one it refuses."""
+        for token in output_token_ids[self.seen:]:
+            if self.matcher.is_terminated():
+                break
+            if not self.matcher.accept_token(token):
+                raise GrammarError(f"token {token} (output token {self.seen}) does not match "
+                                   "the request's grammar")
+            self.seen += 1
+        self.seen = len(output_token_ids)
+
+    @property
+    def constrains(self) -> bool:
+        return not self.matcher.is_terminated()
+
+
+def mask_logits(logits: torch.Tensor, guides: list[Guide | None], vocab_size: int) -> None:
+    """logits: [B, >= vocab_size]; row i keeps only what guides[i] allows (None: every token).
+    In place."""
+    rows = [i for i, g in enumerate(guides) if g is not None and g.constrains]
+    if not rows:
+        return
+    bitmask = xgr.allocate_token_bitmask(len(guides), vocab_size)  # [B, ceil(V / 32)] int32
+    for i in rows:
+        guide: Any = guides[i]
+        guide.matcher.fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size,
+                                    indices=rows)
