@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from common.models import dtype as dtypes
+from services.gateway.tools import PARSERS
 
 DEFAULT_MODEL = "models/tiny-llama"
 GPU_MEMORY_SHARE = 0.9  # of one GPU's memory, split between the workers `pdserve up` puts on it
@@ -78,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-outputs-config", default="",
                    help="see `pdserve gateway`: vLLM's JSON object (backend, "
                         "disable_any_whitespace)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="see `pdserve gateway`")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="see `pdserve gateway`")
     p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated",
                    help="colocated: no prefill workers; the decode workers do both phases")
     p.add_argument("--scheduler-args", default="",
@@ -200,6 +205,10 @@ def commands(args) -> list[list[str]]:
         gateway += ["--api-key", args.api_key]
     if args.structured_outputs_config:
         gateway += ["--structured-outputs-config", args.structured_outputs_config]
+    if args.enable_auto_tool_choice:
+        gateway += ["--enable-auto-tool-choice"]
+    if args.tool_call_parser:
+        gateway += ["--tool-call-parser", args.tool_call_parser]
     return cmds + [gateway]
 
 

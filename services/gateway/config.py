@@ -9,6 +9,7 @@ from pathlib import Path
 from common.models.gguf import find_gguf, gguf_info
 from services.gateway.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from services.gateway.structured_outputs import StructuredOutputsConfig
+from services.gateway.tools import PARSERS
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class GatewayConfig:
     connect_timeout_s: float = 5.0  # how long startup waits for the scheduler channel
     no_worker_wait_s: float = 5.0  # how long a request waits for a worker path before its 503
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's calls are parsed
+    tool_call_parser: str | None = None  # how: hermes or llama3_json (tools.py)
     sampling_defaults: SamplingDefaults = field(init=False, default=SamplingDefaults())
 
     def __post_init__(self) -> None:
@@ -54,6 +57,11 @@ class GatewayConfig:
             raise ValueError("request and connect timeouts must be positive")
         if self.no_worker_wait_s < 0:
             raise ValueError("--no-worker-wait must be >= 0")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r}: choose from "
+                             f"{', '.join(PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         self._set_served_model_name()
         self._set_max_model_len(model_dir)
         if not self.api_key:

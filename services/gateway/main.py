@@ -16,6 +16,7 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.structured_outputs import StructuredOutputsConfig
+from services.gateway.tools import PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='Structured outputs, as vLLM\'s JSON object: {"backend": "auto" or "xgrammar", '
         '"disable_any_whitespace": true: JSON without free whitespace for every request}.',
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default with tools): the model decides, and '
+        "--tool-call-parser finds its calls in its text.",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="How tool calls are written: hermes (<tool_call>{...}</tool_call>, Qwen, Hermes) "
+        "or llama3_json (Llama 3's JSON calls).",
+    )
     tracing.add_arguments(parser)
 
 
@@ -112,6 +126,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         connect_timeout_s=args.connect_timeout,
         no_worker_wait_s=args.no_worker_wait,
         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -6,6 +6,7 @@ is a pydantic error, which errors.py turns into a 400 naming the field.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import (
@@ -19,6 +20,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from services.gateway.tools import forced_schema
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -136,6 +139,10 @@ class SamplingRequest(OpenAIBaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        """The schema tool_choice holds the output to (chat completions only)."""
+        return None
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -223,8 +230,17 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
     def for_template(self) -> dict:
-        """The message as the chat template sees it: content flattened to text."""
+        """The message as the chat template sees it: content flattened to text, and the
+        arguments of an assistant's tool calls as objects (templates write them with tojson),
+        where the API carries them as JSON text."""
         message = self.model_dump(exclude_none=True)
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    raise ValueError("tool call arguments must be JSON text") from None
         if isinstance(self.content, list):
             texts = []
             for part in self.content:
@@ -237,6 +253,27 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no parameters
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -246,8 +283,9 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -256,12 +294,31 @@ class ChatCompletionRequest(SamplingRequest):
         """-1: none; otherwise the top-k to report (0: the sampled token only)."""
         return (self.top_logprobs or 0) if self.logprobs else -1
 
+    def resolved_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: auto with tools, none without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        choice = self.resolved_tool_choice()
+        if choice in ("none", "auto"):
+            return None
+        return forced_schema(template_tools(self.tools) or [],
+                             choice.model_dump() if isinstance(choice, NamedToolChoice)
+                             else choice, self.parallel_tool_calls)
+
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice other than none and auto needs tools")
+        names = [t.function.name for t in self.tools or ()]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among "
+                             f"the tools ({', '.join(names)})")
         for message in self.messages:
             message.for_template()  # surfaces unsupported content parts as a 400
         return self
@@ -274,9 +331,15 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
     return_token_strs: bool = False
 
 
+def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """Tools as chat templates take them (OpenAI's JSON)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

@@ -17,6 +17,7 @@ from protos.scheduler_codec import request_to_pb
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import model_not_found
 from services.gateway.generation import DeltaStream, OutputOptions, run_sequence
+from services.gateway.protocol import template_tools
 from services.gateway.request_builder import RequestBuilder
 from services.gateway.scheduler_client import SampleStreams, SchedulerClient
 from services.gateway.telemetry import GatewayMetrics
@@ -51,6 +52,7 @@ class ServingContext:
             continue_final_message=body.continue_final_message,
             template_kwargs=body.chat_template_kwargs,
             add_special_tokens=body.add_special_tokens,
+            tools=template_tools(body.tools),
         )
 
     def check_model(self, name: str | None) -> str:

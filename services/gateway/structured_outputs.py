@@ -5,6 +5,7 @@
     structured_outputs vLLM's: json | regex | choice | grammar | json_object
     guided_*           vLLM's older names: guided_json, guided_regex, guided_choice,
                        guided_grammar
+    tool_choice        "required" or a named function (tools.py)
 
 At most one per request. A schema, regex or grammar the engine cannot handle is a 400 here,
 before any worker sees it. JSON schemas are strict, as OpenAI's strict mode and vLLM's xgrammar
@@ -113,6 +114,9 @@ def _asks(req: SamplingRequest) -> list[_Ask]:
                 asks.append(_spec(kind, getattr(so, kind), f"structured_outputs.{kind}"))
         if so.structural_tag is not None:
             raise bad_request("structural_tag is not supported", "structured_outputs")
+    tool_schema = req.forced_tool_schema()
+    if tool_schema is not None:
+        asks.append(_Ask("json", json.dumps(tool_schema), "tool_choice"))
     if req.guided_json is not None:
         asks.append(_Ask("json", _schema_text(req.guided_json, "guided_json"), "guided_json"))
     for kind in ("regex", "choice", "grammar"):

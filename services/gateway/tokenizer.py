@@ -83,8 +83,10 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The chat template applied to `messages`; a template error is the client's (400)."""
+        """The chat template applied to `messages` (and `tools`, for templates that describe
+        them); a template error is the client's (400)."""
         if self.hf.chat_template is None:
             raise bad_request("This model has no chat template; use /v1/completions.")
         if add_generation_prompt and continue_final_message:
@@ -100,6 +102,7 @@ class Tokenizer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
                 **extra,
             )
         except (jinja2.TemplateError, TypeError, ValueError) as err:
@@ -115,10 +118,11 @@ class Tokenizer:
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
         add_special_tokens: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         def work() -> list[int]:
             text = self.render_chat(
-                messages, add_generation_prompt, continue_final_message, template_kwargs
+                messages, add_generation_prompt, continue_final_message, template_kwargs, tools
             )
             # The template already wrote BOS and friends, as vLLM assumes.
             return self.encode_batch([text], add_special_tokens)[0]
