@@ -6,6 +6,7 @@ worker that prefilled it); vLLM's prompt_logprobs comes in its own field."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from fastapi import Request
 
@@ -39,6 +40,9 @@ class Completion(Generation):
 
     def __init__(self, ctx: ServingContext, body: CompletionRequest, raw: Request) -> None:
         super().__init__(ctx, body, raw)
+        if body.max_tokens == 0 and not body.echo:
+            raise bad_request("max_tokens must be at least 1; 0 needs echo, which returns the "
+                              "prompt alone (with logprobs, its scores)", "max_tokens")
         self.best_of = body.best_of or body.n
         self.texts: list[str] = []
         self.echo_logprobs = body.echo and body.logprobs is not None
@@ -82,6 +86,15 @@ class Completion(Generation):
 
     def samples_per_prompt(self) -> int:
         return self.best_of
+
+    def shape(self, delta: SeqDelta) -> SeqDelta:
+        """echo with max_tokens 0 scores the prompt alone: the one token the workers sampled
+        (a request samples at least one) is not reported, and the choice ends at its length."""
+        if not self.body.scores_only():
+            return delta
+        finish = "length" if delta.finish_reason == "stop" else delta.finish_reason
+        return replace(delta, text="", token_ids=[], text_offsets=[], logprobs=(),
+                       finish_reason=finish, stop_reason=None)
 
     def num_logprobs(self) -> int:
         num_logprobs = -1 if self.body.logprobs is None else self.body.logprobs

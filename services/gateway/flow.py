@@ -57,7 +57,8 @@ class Generation(ABC):
             self.samples_per_prompt(), self.num_prompt_logprobs(),
         )
         await self.ctx.wait_for_workers()
-        streams = self.ctx.sequences(requests, output_options(self.body))
+        streams = [self._shaped(s) for s in self.ctx.sequences(requests,
+                                                             output_options(self.body))]
         if self.body.stream:
             return sse(self._stream, await prime(self.raw, streams), self.request_id)
         choices = await until_disconnected(self.raw, collect(streams))
@@ -87,6 +88,15 @@ class Generation(ABC):
             except GenerationError as exc:
                 yield error_event(exc)
         yield DONE_EVENT
+
+    async def _shaped(self, stream: DeltaStream) -> DeltaStream:
+        async with aclosing(stream) as deltas:
+            async for delta in deltas:
+                yield self.shape(delta)
+
+    def shape(self, delta: SeqDelta) -> SeqDelta:
+        """What of a delta the API reports, before usage is counted; all of it by default."""
+        return delta
 
     def usage_counter(self, choices: Sequence[Choice] = ()) -> UsageCounter:
         usage = UsageCounter(self.prompt_ids, self.body.n)

@@ -161,6 +161,7 @@ class SamplingRequest(OpenAIBaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, score the prompt alone
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
@@ -209,6 +210,13 @@ class CompletionRequest(SamplingRequest):
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise ValueError("best_of > n cannot be streamed")
         return self
+
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0, as vLLM: the prompt (and its logprobs), no completion."""
+        return self.echo and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.scores_only() else self.max_tokens  # the one token is not reported
 
     def num_prompt_logprobs(self) -> int:
         """-1: none; otherwise the top-k the workers report per prompt token (echo with logprobs

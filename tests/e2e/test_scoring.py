@@ -1,6 +1,7 @@
 """Scoring and steering through the four real processes: /v1/completions with echo and logprobs
 returns the prompt's logprobs as transformers computes them on the same weights (scored by the
-worker that prefilled the prompt), streamed or not, and vLLM's prompt_logprobs the same;
+worker that prefilled the prompt), streamed or not, with max_tokens 0 the prompt's alone, and
+vLLM's prompt_logprobs the same;
 logit_bias 100 forces a token and -100 bans the greedy one, from the first token on."""
 import json
 
@@ -79,6 +80,18 @@ def test_streamed_echo_equals_the_whole_response(stack, client):
     assert [u["completion_tokens"] for u in usage[:-1]] == sorted(
         u["completion_tokens"] for u in usage[:-1])
     assert usage[-1]["completion_tokens"] == 5 and chunks[-1]["choices"] == []
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(stack, client, hf):
+    prompt = _prompt(24, 5)
+    choice = _complete(client, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    assert choice["usage"]["completion_tokens"] == 0
+    choice = choice["choices"][0]
+    assert choice["token_ids"] == [] and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]["token_logprobs"]
+    assert len(lp) == len(prompt) and lp[0] is None
+    ref = _log_softmax(hf, prompt)
+    _close(lp[1:], ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])])
 
 
 def test_vllm_prompt_logprobs_match_hf(stack, client, hf):

@@ -105,6 +105,36 @@ async def test_token_id_prompts_echo_their_decoded_text_and_its_offsets(
         assert lp["text_offset"][len(prompt)] == len(echoed)
 
 
+async def test_echo_with_max_tokens_0_scores_the_prompt_alone(
+    model_dir: str, tokenizer: Tokenizer
+) -> None:
+    prompt = "the old server"
+    ids = encode(tokenizer, prompt)
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1,
+            "return_token_ids": True}
+    async with fake_gateway(model_dir, tokenizer) as gw:
+        async with http_client(gw.url) as http:
+            whole = (await http.post("/v1/completions", json=body)).json()
+            streamed = await http.post("/v1/completions", json={
+                **body, "stream": True, "stream_options": {"include_usage": True}})
+            refused = await http.post("/v1/completions", json={"prompt": prompt,
+                                                               "max_tokens": 0})
+    choice = whole["choices"][0]
+    assert choice["text"] == prompt and choice["token_ids"] == []
+    assert choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == [None, *(-i / 8 for i in range(1, len(ids)))]
+    assert choice["logprobs"]["tokens"] == [tokenizer.token_text(t) for t in ids]
+    assert whole["usage"]["completion_tokens"] == 0
+    assert gw.scheduler.requests[0].sampling.max_tokens == 1  # sampled, not reported
+    events = [json.loads(e) for e in sse_events(streamed.text)[:-1]]
+    choices = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in choices) == prompt
+    assert [t for c in choices for t in c["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
+    assert choices[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    assert refused.status_code == 400 and "echo" in refused.json()["error"]["message"]
+
+
 async def test_vllm_prompt_logprobs_for_every_choice(
     model_dir: str, tokenizer: Tokenizer
 ) -> None:
