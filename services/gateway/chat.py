@@ -11,7 +11,7 @@ from common.sampling_params import TokenLogprobs
 from services.gateway.errors import bad_request
 from services.gateway.flow import Generation
 from services.gateway.generation import Choice, SeqDelta
-from services.gateway.logprobs import chat_logprobs
+from services.gateway.logprobs import chat_logprobs, vllm_prompt_logprobs
 from services.gateway.protocol import ChatCompletionRequest, NamedToolChoice
 from services.gateway.responses import (
     ChatChoice,
@@ -65,6 +65,9 @@ class ChatCompletion(Generation):
     def num_logprobs(self) -> int:
         return self.body.num_logprobs()
 
+    def num_prompt_logprobs(self) -> int:
+        return -1 if self.body.prompt_logprobs is None else self.body.prompt_logprobs
+
     def response(self, choices: list[Choice]) -> ChatCompletionResponse:
         return_ids = self.body.return_token_ids
         return ChatCompletionResponse(
@@ -83,6 +86,9 @@ class ChatCompletion(Generation):
             ],
             usage=self.usage_counter(choices).usage(),
             prompt_token_ids=self.prompt_ids[0] if return_ids else None,
+            prompt_logprobs=None if self.body.prompt_logprobs is None else vllm_prompt_logprobs(
+                self.tokenizer, self.prompt_ids[0], choices[0].prompt_logprobs,
+                self.body.prompt_logprobs),
         )
 
     def opening_chunks(self) -> list[ChatCompletionStreamResponse]:

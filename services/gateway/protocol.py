@@ -97,6 +97,7 @@ class SamplingRequest(OpenAIBaseModel):
     return_token_ids: bool = False
     priority: int = Field(0, ge=-INT32, lt=INT32)
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    prompt_logprobs: int | None = Field(None, le=MAX_LOGPROBS)  # each prompt token's + top k
     # structured outputs (structured_outputs.py): OpenAI's, vLLM's, and vLLM's older names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -119,6 +120,18 @@ class SamplingRequest(OpenAIBaseModel):
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be between {-MAX_LOGIT_BIAS:g} and "
                                  f"{MAX_LOGIT_BIAS:g}, got {bias:g} for token {key.strip()}")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == -1:  # vLLM's "the whole vocabulary", past its default --max-logprobs too
+            raise ValueError(f"prompt_logprobs -1 asks for every token of the vocabulary; at "
+                             f"most {MAX_LOGPROBS} are reported per token")
+        if value is not None and value < 0:
+            raise ValueError("prompt_logprobs must be >= 0")
+        if value and info.data.get("stream"):  # as vLLM's: no streamed shape carries them
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         return value
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -167,7 +180,6 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extension
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -194,13 +206,6 @@ class CompletionRequest(SamplingRequest):
                 "(fill-in-the-middle) needs a FIM prompt format, which pdserve does not build "
                 "for any model; send the text before the insertion point as the prompt instead"
             )
-        return value
-
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _check_prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value and info.data.get("stream"):  # as vLLM's: no streamed shape carries them
-            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         return value
 
     @model_validator(mode="after")

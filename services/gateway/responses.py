@@ -154,6 +154,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM: with prompt_logprobs
     prompt_token_ids: list[int] | None = None  # vLLM: with return_token_ids
 
 

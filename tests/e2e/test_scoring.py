@@ -1,7 +1,7 @@
 """Scoring and steering through the four real processes: /v1/completions with echo and logprobs
 returns the prompt's logprobs as transformers computes them on the same weights (scored by the
 worker that prefilled the prompt), streamed or not, with max_tokens 0 the prompt's alone, and
-vLLM's prompt_logprobs the same;
+vLLM's prompt_logprobs the same (on chat completions too);
 logit_bias 100 forces a token and -100 bans the greedy one, from the first token on."""
 import json
 
@@ -108,6 +108,24 @@ def test_vllm_prompt_logprobs_match_hf(stack, client, hf):
         assert lo <= mine["rank"] <= hi  # tokens within ATOL of it may rank either way
         best = sorted((v for v in here.values() if v["rank"] <= 2), key=lambda v: v["rank"])
         _close([v["logprob"] for v in best], ref[i].topk(2).values)
+
+
+def test_chat_prompt_logprobs_match_hf(stack, client, hf):
+    messages = [{"role": "user", "content": "Score every token of this conversation."}]
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    prompt = client.post("/tokenize", json={"model": model, "messages": messages}).json()
+    prompt = prompt["tokens"]
+    r = client.post("/v1/chat/completions", json={
+        "model": model, "messages": messages, "max_tokens": 1, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    scores = r.json()["prompt_logprobs"]
+    assert len(scores) == len(prompt) and scores[0] is None
+    ref = _log_softmax(hf, prompt)
+    _close([here[str(t)]["logprob"] for here, t in zip(scores[1:], prompt[1:])],
+           ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])])
+    refused = client.post("/v1/chat/completions", json={
+        "model": model, "messages": messages, "max_tokens": 1, "prompt_logprobs": -1})
+    assert refused.status_code == 400 and "vocabulary" in refused.json()["error"]["message"]
 
 
 def test_logit_bias_forces_and_bans_through_the_stack(stack, client, hf):
