@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 2000  # prompt token ids are drawn below this: valid for every model here
@@ -196,23 +197,27 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: Prompt, max_tokens
 
 
 async def run_load(url: str, prompts: list[Prompt], rate: float, max_tokens: int,
-                   seed: int) -> tuple[list[Record], float]:
+                   seed: int, label: str = "") -> tuple[list[Record], float]:
     """Sends the prompts at `rate` requests/s (Poisson; 0: all at once; -1: one at a time,
     each after the one before has ended) after one warm-up request; returns their records
-    and the wall time until the last one ended."""
+    and the wall time until the last one ended. A progress bar named `label` counts finished
+    requests on a terminal."""
     rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        await _one(client, model, prompts[0][:16], 2, time.perf_counter())
-        t0 = time.perf_counter()
-        tasks = []
-        for p in prompts:
-            tasks.append(asyncio.create_task(_one(client, model, p, max_tokens, t0)))
-            if rate < 0:
-                await tasks[-1]
-            elif rate > 0:
-                await asyncio.sleep(rng.expovariate(rate))
-        records = await asyncio.gather(*tasks)
+    with tqdm(total=len(prompts), desc=label or url, unit="req", disable=None,
+              leave=False) as bar:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            await _one(client, model, prompts[0][:16], 2, time.perf_counter())
+            t0 = time.perf_counter()
+            tasks = []
+            for p in prompts:
+                tasks.append(asyncio.create_task(_one(client, model, p, max_tokens, t0)))
+                tasks[-1].add_done_callback(lambda _: bar.update())
+                if rate < 0:
+                    await tasks[-1]
+                elif rate > 0:
+                    await asyncio.sleep(rng.expovariate(rate))
+            records = await asyncio.gather(*tasks)
     return list(records), time.perf_counter() - t0
 
 

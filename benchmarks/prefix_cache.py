@@ -54,7 +54,7 @@ def main() -> int:
         try:
             base = prefill_tokens(sched)
             results, wall = asyncio.run(run_load(url, prompts, args.rate, args.max_tokens,
-                                                 args.seed))
+                                                 args.seed, name))
             computed = prefill_tokens(sched) - base
         finally:
             proc.send_signal(signal.SIGINT)

@@ -166,7 +166,8 @@ def main() -> int:
             proc, url, _ = launch(args.model, flags, log)
         try:
             for rate in rates:
-                recs, wall = asyncio.run(run_load(url, prompts, rate, args.max_tokens, args.seed))
+                recs, wall = asyncio.run(run_load(url, prompts, rate, args.max_tokens, args.seed,
+                                                  f"{name} @ {rate:g} req/s"))
                 records.setdefault(name, {})[rate] = recs
                 summaries.setdefault(name, {})[rate] = summarize(
                     recs, wall, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
