@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     p.add_argument("--scheduler-port", type=int, default=50051, help="scheduler gRPC port")
+    p.add_argument("--gateways", type=int, default=1,
+                   help="gateway processes serving --port (`pdserve gateway --workers`)")
     p.add_argument("--prefill-workers", type=int, default=1, help="prefill-worker processes")
     p.add_argument("--decode-workers", type=int, default=1, help="decode-worker processes")
     p.add_argument("--cpu-threads", type=int, default=0,
@@ -209,6 +211,8 @@ def commands(args) -> list[list[str]]:
         gateway += ["--enable-auto-tool-choice"]
     if args.tool_call_parser:
         gateway += ["--tool-call-parser", args.tool_call_parser]
+    if args.gateways != 1:
+        gateway += ["--workers", str(args.gateways)]
     return cmds + [gateway]
 
 

@@ -14,11 +14,12 @@ With an api_key, /v1/*, /tokenize and /detokenize require `Authorization: Bearer
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Awaitable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,6 +29,7 @@ from services.gateway.completions import Completion
 from services.gateway.config import GatewayConfig
 from services.gateway.disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected
 from services.gateway.errors import install_error_handlers, unauthorized
+from services.gateway.processes import MULTIPROC_ENV
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -82,7 +84,11 @@ def create_app(
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
-        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        registry = ctx.metrics.registry
+        if os.environ.get(MULTIPROC_ENV):  # one of several gateway processes: all of them
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     tracing.instrument_fastapi(app)
     return app

@@ -14,6 +14,7 @@ import uvicorn
 from common import tracing
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
+from services.gateway.processes import run_processes
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.structured_outputs import StructuredOutputsConfig
 from services.gateway.tools import PARSERS
@@ -27,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_model = os.environ.get("PDSERVE_MODEL")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address.")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port.")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="Gateway processes serving the port (tokenizing, detokenizing and streaming "
+        "spread over them); /metrics sums them.",
+    )
     parser.add_argument(
         "--scheduler",
         default=os.environ.get("PDSERVE_SCHEDULER", "127.0.0.1:50051"),
@@ -147,6 +155,12 @@ def run(args: argparse.Namespace) -> int:
             "sampling defaults from --generation-config %s: %s (`--generation-config vllm` "
             "drops them)", config.generation_config, config.sampling_defaults.given()
         )
+    if args.workers < 1:
+        print("pdserve gateway: --workers must be >= 1", file=sys.stderr)
+        return 2
+    if args.workers > 1:
+        return run_processes(config, args.workers, args.uvicorn_log_level,
+                             args.otlp_traces_endpoint)
     tracing.setup_tracing("pdserve-gateway", args.otlp_traces_endpoint)
     try:
         return asyncio.run(serve(config, log_level=args.uvicorn_log_level))
