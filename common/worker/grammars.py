@@ -33,7 +33,8 @@ CACHE_BYTES = 256 << 20  # compiled grammars kept, across requests
 
 
 class GrammarError(Exception):
-    """A request's output left its grammar: a token its matcher refused."""
+    """A request's output left its grammar (a token its matcher refused), or its grammar does
+    not compile."""
 
 
 class Grammars:
@@ -57,8 +58,13 @@ class Grammars:
 
     def matcher(self, grammar: str, stop_token_ids: list[int]) -> xgr.GrammarMatcher:
         """A fresh matcher; the grammar ends with one of stop_token_ids (the request's eos ids;
-        none: the tokenizer's eos)."""
-        compiled = self.compiler().compile_grammar(grammar)
+        none: the tokenizer's eos). Raises GrammarError for a grammar that does not compile: the
+        gateway refuses those, and one that gets here must fail its request, not the step."""
+        compiler = self.compiler()
+        try:
+            compiled = compiler.compile_grammar(grammar)
+        except RuntimeError as e:  # what xgrammar raises for what it cannot parse or support
+            raise GrammarError(f"the request's grammar does not compile: {e}") from None
         return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
 
 

@@ -1,0 +1,210 @@
+"""Structured outputs through the four real processes, asked with the openai client as a user
+would: outputs for random bounded JSON schemas parse and validate against them, whole and
+streamed, chat and completions, and stop on their own; the first token honours the grammar where
+the prefill worker samples it, and so do the forks of n=3; a schema the engine cannot serve is a
+400.
+
+One stack for the module, started with --structured-outputs-config disable_any_whitespace: the
+model has random weights, and free whitespace (like an unbounded string) can fill any budget.
+Every schema here bounds its output, so an output that does not stop is a bug.
+"""
+import asyncio
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.e2e.conftest import Stack
+
+MAX_TOKENS = 200
+PROMPT = "Answer in JSON."
+LONG_PROMPT = list(range(100, 160))  # 60 tokens: the idle prefill worker takes it
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    s = Stack(tiny_llama, tmp_path_factory.mktemp("structured"), "--num-kv-blocks", "256",
+              "--structured-outputs-config", '{"disable_any_whitespace": true}')
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def model(stack) -> str:
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none") as client:
+        return client.models.list().data[0].id
+
+
+@pytest.fixture
+def client(stack):
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+# -- bounded schemas: every output they allow is at most max_bytes long -------------------------
+
+NAMES = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=6)
+LEAVES = st.one_of(
+    st.integers(0, 8).flatmap(lambda n: st.fixed_dictionaries(
+        {"type": st.just("string"), "maxLength": st.just(n)},
+        optional={"minLength": st.integers(0, n)})),
+    st.tuples(st.integers(-1000, 1000), st.integers(0, 1000)).map(
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.lists(st.text("abcxyz", min_size=1, max_size=5), min_size=1, max_size=4,
+             unique=True).map(lambda values: {"enum": values}),
+)
+ARRAYS = st.tuples(LEAVES, st.integers(0, 3)).flatmap(lambda t: st.fixed_dictionaries(
+    {"type": st.just("array"), "items": st.just(t[0]), "maxItems": st.just(t[1])},
+    optional={"minItems": st.integers(0, t[1])}))
+
+
+def objects(values: st.SearchStrategy) -> st.SearchStrategy:
+    return st.dictionaries(NAMES, values, min_size=1, max_size=3).map(lambda props: {
+        "type": "object", "properties": props, "required": sorted(props),
+        "additionalProperties": False})
+
+
+def max_bytes(schema: dict) -> int:
+    """The longest JSON text the schema allows without free whitespace: a string character
+    takes at most 4 bytes, and a token at least one."""
+    if "enum" in schema:
+        return max(len(json.dumps(v)) for v in schema["enum"])
+    kind = schema["type"]
+    if kind == "string":
+        return 2 + 4 * schema["maxLength"]
+    if kind == "integer":
+        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
+    if kind in ("boolean", "null"):
+        return 5
+    if kind == "array":
+        n = schema["maxItems"]
+        return 2 + n * max_bytes(schema["items"]) + 2 * max(n - 1, 0)
+    props = schema["properties"]
+    return 2 + sum(len(json.dumps(k)) + 2 + max_bytes(v) for k, v in props.items()) \
+        + 2 * (len(props) - 1)
+
+
+SCHEMAS = objects(st.one_of(LEAVES, ARRAYS, objects(st.one_of(LEAVES, ARRAYS)))).filter(
+    lambda s: max_bytes(s) < MAX_TOKENS)  # and the eos
+
+
+STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def check_json(text: str, schema: dict) -> None:
+    # strict=False: raw control characters in strings with a maxLength are xgrammar 0.2.8's bug
+    # (test_gateway_structured.py::test_a_bounded_string_takes_no_raw_control_character)
+    jsonschema.validate(json.loads(text, strict=False), schema)
+    # no whitespace outside strings but xgrammar's separators: disable_any_whitespace held
+    outside = STRING.sub('""', text).replace(", ", ",").replace(": ", ":")
+    assert not re.search(r"\s", outside), text
+
+
+async def _both(url: str, model: str, schema: dict, seed: int):
+    """A whole chat completion (OpenAI's response_format) and a streamed completion (vLLM's
+    response_format on /v1/completions), at once."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                                  timeout=120) as client:
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPT}], response_format=fmt,
+            max_tokens=MAX_TOKENS, temperature=1.0, seed=seed)
+
+        async def streamed():
+            chunks = [c async for c in await client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed,
+                stream=True, extra_body={"response_format": fmt})]
+            return ("".join(c.choices[0].text for c in chunks if c.choices),
+                    [c.choices[0].finish_reason for c in chunks if c.choices])
+        return await asyncio.gather(chat, streamed())
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(schema=SCHEMAS, seed=st.integers(0, 2**32))
+def test_random_bounded_schemas_hold_whole_and_streamed(stack, model, schema, seed):
+    whole, (text, finishes) = asyncio.run(_both(stack.url, model, schema, seed))
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop", (schema, choice)
+    check_json(choice.message.content, schema)
+    assert finishes[-1] == "stop" and set(finishes[:-1]) <= {None}, (schema, finishes)
+    check_json(text, schema)
+
+
+NESTED = {"type": "object", "additionalProperties": False, "required": ["id", "tags", "meta"],
+          "properties": {
+              "id": {"type": "integer", "minimum": 1, "maximum": 999},
+              "tags": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 3},
+              "meta": {"type": "object", "additionalProperties": False,
+                       "required": ["ok", "note"],
+                       "properties": {"ok": {"type": "boolean"},
+                                      "note": {"type": "string", "maxLength": 5}}}}}
+
+
+def test_chat_streamed_and_completions_whole(client, model):
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": NESTED}}
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS,
+        response_format=fmt, stream=True, temperature=0)
+    chunks = [c for c in stream if c.choices]
+    check_json("".join(c.choices[0].delta.content or "" for c in chunks), NESTED)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body={"response_format": fmt})
+    check_json(whole.choices[0].text, NESTED)
+    assert whole.choices[0].finish_reason == "stop"
+
+
+def _worker_counters(stack) -> dict[str, dict]:
+    return {w["role"]: w for w in stack.wait_idle()["workers"]}
+
+
+def test_the_prefill_worker_samples_the_first_token_under_the_grammar(stack, client, model):
+    choices = ["alpha", "#beta", "7 gamma"]
+    before = _worker_counters(stack)
+    one = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=1,
+                                    extra_body={"guided_choice": choices})
+    after = _worker_counters(stack)
+    # it never reached the decode worker: the prefill worker sampled its one token
+    assert after["prefill"]["prompt_tokens_computed"] - before["prefill"][
+        "prompt_tokens_computed"] == len(LONG_PROMPT)
+    assert after["decode"]["prompt_tokens_computed"] == before["decode"]["prompt_tokens_computed"]
+    text = one.choices[0].text
+    assert text and any(c.startswith(text) for c in choices), text
+
+    whole = client.completions.create(model=model, prompt=LONG_PROMPT[::-1],
+                                      max_tokens=MAX_TOKENS,
+                                      extra_body={"guided_regex": r"[0-9]{2}-[A-Z]{1,3}"})
+    assert re.fullmatch(r"[0-9]{2}-[A-Z]{1,3}", whole.choices[0].text), whole.choices[0].text
+    assert whole.choices[0].finish_reason == "stop"
+    final = _worker_counters(stack)
+    assert final["decode"]["prompt_tokens_computed"] == after["decode"]["prompt_tokens_computed"]
+    assert final["decode"]["kv_blocks_received"] > after["decode"]["kv_blocks_received"]
+
+
+def test_n3_samples_all_hold_the_regex(client, model):
+    regex = r"[0-9]{2}( [a-z]{2,5}){1,3}\."
+    out = client.completions.create(model=model, prompt=LONG_PROMPT[5:45], n=3,
+                                    temperature=0.8, seed=7, max_tokens=MAX_TOKENS,
+                                    extra_body={"structured_outputs": {"regex": regex}})
+    assert len(out.choices) == 3
+    for c in out.choices:
+        assert re.fullmatch(regex, c.text), c.text
+        assert c.finish_reason == "stop"
+
+
+def test_a_schema_the_engine_cannot_serve_is_a_400(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "string", "pattern": "(?<=a)b"}}})
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == "response_format"
+    assert "Lookbehind" in e.value.body["message"]
