@@ -1,4 +1,4 @@
-"""The Grafana dashboard (compose/grafana/dashboards/pdserve.json) queries only what pdserve
+"""The Grafana dashboard (compose/helm/dashboards/pdserve.json) queries only what pdserve
 exports: every metric name and label in its PromQL is checked against the metrics the gateway,
 scheduler and worker telemetry register, read from those classes' own registries; and every
 metric they export has a panel."""
@@ -21,7 +21,7 @@ from services.scheduler.scheduler import Scheduler
 from services.scheduler.telemetry import SchedulerTelemetry
 
 ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = ROOT / "compose" / "grafana" / "dashboards" / "pdserve.json"
+DASHBOARD = ROOT / "compose" / "helm" / "dashboards" / "pdserve.json"
 TARGET_LABELS = {"job", "instance"}           # what Prometheus adds to every scraped series
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__range_s", "__interval_ms"}
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
