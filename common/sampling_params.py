@@ -55,6 +55,15 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class ResumedSample:
+    """What sample `sample` of a resubmitted request had streamed before its scheduler was
+    lost."""
+    sample: int
+    output_token_ids: tuple[int, ...] = ()
+    finished: bool = False
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One prompt and its samples: sample j > 0 runs as sample_ids[j - 1] with seed + j."""
     request_id: str
@@ -64,6 +73,7 @@ class GenerateRequest:
     priority: int = 0
     cache_salt: str = ""  # "": shares the prefix cache with every unsalted request
     sample_ids: tuple[str, ...] = ()
+    resumed: tuple[ResumedSample, ...] = ()  # a resubmission: each sample's tokens so far
 
     @property
     def request_ids(self) -> tuple[str, ...]:

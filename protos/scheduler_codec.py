@@ -8,6 +8,7 @@ from __future__ import annotations
 from common.sampling_params import (
     GenerateOutput,
     GenerateRequest,
+    ResumedSample,
     SamplingParams,
     TokenLogprobs,
     TopLogprob,
@@ -57,14 +58,18 @@ def request_to_pb(r: GenerateRequest) -> scheduler_pb2.GenerateRequest:
     return scheduler_pb2.GenerateRequest(
         request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
         sampling=sampling_to_pb(r.sampling), eos_token_ids=r.eos_token_ids,
-        priority=r.priority, cache_salt=r.cache_salt, sample_ids=r.sample_ids)
+        priority=r.priority, cache_salt=r.cache_salt, sample_ids=r.sample_ids,
+        resumed=[scheduler_pb2.ResumedSample(sample=s.sample, output_token_ids=s.output_token_ids,
+                                             finished=s.finished) for s in r.resumed])
 
 
 def request_from_pb(pb: scheduler_pb2.GenerateRequest) -> GenerateRequest:
     return GenerateRequest(
         request_id=pb.request_id, prompt_token_ids=tuple(pb.prompt_token_ids),
         sampling=sampling_from_pb(pb.sampling), eos_token_ids=tuple(pb.eos_token_ids),
-        priority=pb.priority, cache_salt=pb.cache_salt, sample_ids=tuple(pb.sample_ids))
+        priority=pb.priority, cache_salt=pb.cache_salt, sample_ids=tuple(pb.sample_ids),
+        resumed=tuple(ResumedSample(s.sample, tuple(s.output_token_ids), s.finished)
+                      for s in pb.resumed))
 
 
 def output_to_pb(o: GenerateOutput) -> scheduler_pb2.GenerateResponse:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x11pdserve.scheduler\"\xc7\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x0e \x01(\x05\x12\x44\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x30.pdserve.scheduler.SamplingParams.LogitBiasEntry\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xc5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.scheduler.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nsample_ids\x18\x07 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.pdserve.scheduler.TopLogprob\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\x97\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x32\n\x08logprobs\x18\x02 \x03(\x0b\x32 .pdserve.scheduler.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rstop_token_id\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0e\n\x06sample\x18\x08 \x01(\x05\x12\x39\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32 .pdserve.scheduler.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x80\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x1e\n\x16prompt_tokens_computed\x18\x07 \x01(\x03\x12\x16\n\x0etokens_decoded\x18\x08 \x01(\x03\x12\x16\n\x0ekv_blocks_sent\x18\t \x01(\x03\x12\x1a\n\x12kv_blocks_received\x18\n \x01(\x03\x12\r\n\x05steps\x18\x0b \x01(\x03\"\x99\x01\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x14\n\x0cnum_finished\x18\x03 \x01(\x03\x12/\n\x07workers\x18\x04 \x03(\x0b\x32\x1e.pdserve.scheduler.WorkerStats\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x03\x32\xfa\x01\n\tScheduler\x12U\n\x08Generate\x12\".pdserve.scheduler.GenerateRequest\x1a#.pdserve.scheduler.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.pdserve.scheduler.AbortRequest\x1a .pdserve.scheduler.AbortResponse\x12J\n\x05Stats\x12\x1f.pdserve.scheduler.StatsRequest\x1a .pdserve.scheduler.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x11pdserve.scheduler\"\xc7\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x0e \x01(\x05\x12\x44\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x30.pdserve.scheduler.SamplingParams.LogitBiasEntry\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xf8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.scheduler.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nsample_ids\x18\x07 \x03(\t\x12\x31\n\x07resumed\x18\x08 \x03(\x0b\x32 .pdserve.scheduler.ResumedSample\"K\n\rResumedSample\x12\x0e\n\x06sample\x18\x01 \x01(\x05\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.pdserve.scheduler.TopLogprob\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\x97\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x32\n\x08logprobs\x18\x02 \x03(\x0b\x32 .pdserve.scheduler.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rstop_token_id\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0e\n\x06sample\x18\x08 \x01(\x05\x12\x39\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32 .pdserve.scheduler.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x80\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x1e\n\x16prompt_tokens_computed\x18\x07 \x01(\x03\x12\x16\n\x0etokens_decoded\x18\x08 \x01(\x03\x12\x16\n\x0ekv_blocks_sent\x18\t \x01(\x03\x12\x1a\n\x12kv_blocks_received\x18\n \x01(\x03\x12\r\n\x05steps\x18\x0b \x01(\x03\"\x99\x01\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x14\n\x0cnum_finished\x18\x03 \x01(\x03\x12/\n\x07workers\x18\x04 \x03(\x0b\x32\x1e.pdserve.scheduler.WorkerStats\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x03\x32\xfa\x01\n\tScheduler\x12U\n\x08Generate\x12\".pdserve.scheduler.GenerateRequest\x1a#.pdserve.scheduler.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.pdserve.scheduler.AbortRequest\x1a .pdserve.scheduler.AbortResponse\x12J\n\x05Stats\x12\x1f.pdserve.scheduler.StatsRequest\x1a .pdserve.scheduler.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=444
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=492
   _globals['_GENERATEREQUEST']._serialized_start=504
-  _globals['_GENERATEREQUEST']._serialized_end=701
-  _globals['_TOPLOGPROB']._serialized_start=703
-  _globals['_TOPLOGPROB']._serialized_end=750
-  _globals['_TOKENLOGPROBS']._serialized_start=752
-  _globals['_TOKENLOGPROBS']._serialized_end=842
-  _globals['_GENERATERESPONSE']._serialized_start=845
-  _globals['_GENERATERESPONSE']._serialized_end=1124
-  _globals['_ABORTREQUEST']._serialized_start=1126
-  _globals['_ABORTREQUEST']._serialized_end=1160
-  _globals['_ABORTRESPONSE']._serialized_start=1162
-  _globals['_ABORTRESPONSE']._serialized_end=1192
-  _globals['_STATSREQUEST']._serialized_start=1194
-  _globals['_STATSREQUEST']._serialized_end=1208
-  _globals['_WORKERSTATS']._serialized_start=1211
-  _globals['_WORKERSTATS']._serialized_end=1467
-  _globals['_STATSRESPONSE']._serialized_start=1470
-  _globals['_STATSRESPONSE']._serialized_end=1623
-  _globals['_SCHEDULER']._serialized_start=1626
-  _globals['_SCHEDULER']._serialized_end=1876
+  _globals['_GENERATEREQUEST']._serialized_end=752
+  _globals['_RESUMEDSAMPLE']._serialized_start=754
+  _globals['_RESUMEDSAMPLE']._serialized_end=829
+  _globals['_TOPLOGPROB']._serialized_start=831
+  _globals['_TOPLOGPROB']._serialized_end=878
+  _globals['_TOKENLOGPROBS']._serialized_start=880
+  _globals['_TOKENLOGPROBS']._serialized_end=970
+  _globals['_GENERATERESPONSE']._serialized_start=973
+  _globals['_GENERATERESPONSE']._serialized_end=1252
+  _globals['_ABORTREQUEST']._serialized_start=1254
+  _globals['_ABORTREQUEST']._serialized_end=1288
+  _globals['_ABORTRESPONSE']._serialized_start=1290
+  _globals['_ABORTRESPONSE']._serialized_end=1320
+  _globals['_STATSREQUEST']._serialized_start=1322
+  _globals['_STATSREQUEST']._serialized_end=1336
+  _globals['_WORKERSTATS']._serialized_start=1339
+  _globals['_WORKERSTATS']._serialized_end=1595
+  _globals['_STATSRESPONSE']._serialized_start=1598
+  _globals['_STATSRESPONSE']._serialized_end=1751
+  _globals['_SCHEDULER']._serialized_start=1754
+  _globals['_SCHEDULER']._serialized_end=2004
 # @@protoc_insertion_point(module_scope)

@@ -102,8 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="more `pdserve prefill-worker` flags, as one string")
     p.add_argument("--decode-worker-args", default="",
                    help="more `pdserve decode-worker` flags, as one string")
-    p.add_argument("--max-worker-restarts", type=int, default=10,
-                   help="workers that die are restarted, this many times in all")
+    p.add_argument("--max-restarts", "--max-worker-restarts", type=int, default=10,
+                   dest="max_restarts",
+                   help="services that die (a worker, the scheduler, the gateway) are "
+                        "restarted, this many times in all")
     p.add_argument("--ready-timeout", type=float, default=180.0,
                    help="seconds to wait for every service to come up")
     p.add_argument("--metrics-port", type=int, default=0,
@@ -328,15 +330,16 @@ def run(args) -> int:
                 if p.poll() is None:
                     continue
                 role = c[len(_pdserve())]
-                if not role.endswith("-worker") or restarts >= args.max_worker_restarts:
+                if restarts >= args.max_restarts:
                     print(f"pdserve {args.command}: `{role}` exited with {p.returncode}; stopping",
                           file=sys.stderr)
                     return 1
                 # a worker that dies takes only its own requests down (they are recomputed
-                # elsewhere); it comes back and registers afresh
+                # elsewhere) and registers afresh; a new scheduler gets the workers back (they
+                # re-attach) and the gateways' unfinished requests (they resubmit them)
                 restarts += 1
                 print(f"pdserve {args.command}: `{role}` exited with {p.returncode}; restarting it "
-                      f"({restarts}/{args.max_worker_restarts})", file=sys.stderr, flush=True)
+                      f"({restarts}/{args.max_restarts})", file=sys.stderr, flush=True)
                 from common.kv_cache import sweep_stale_segments
                 sweep_stale_segments()
                 procs[i] = subprocess.Popen(c, env=environment(c))

@@ -221,7 +221,8 @@ async def serve(cfg: WorkerConfig) -> int:
                 log.error("the scheduler refused this worker: %s", e)
                 print(f"pdserve {cfg.role}-worker refused: {e}", flush=True)
                 return 1
-            except (TimeoutError, grpc.aio.AioRpcError, OSError) as e:
+            # InvalidStateError: a write to a stream the scheduler's end already closed
+            except (TimeoutError, grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as e:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e)
                 log.warning("scheduler %s unreachable or stream broken: %s", cfg.scheduler, detail)
             worker.reset()

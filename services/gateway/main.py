@@ -85,6 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(or cannot be reached); then it gets 503 with Retry-After.",
     )
     parser.add_argument(
+        "--scheduler-recovery-timeout",
+        type=float,
+        default=30.0,
+        help="Seconds the streams of a lost scheduler wait for one that serves again; then "
+        "each resubmits what it had not finished, with the tokens it had streamed, and goes on "
+        "(0: they fail at once).",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -133,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=args.request_timeout,
         connect_timeout_s=args.connect_timeout,
         no_worker_wait_s=args.no_worker_wait,
+        scheduler_recovery_s=args.scheduler_recovery_timeout,
         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
@@ -173,7 +182,8 @@ async def serve(
 ) -> int:
     """Run the gateway in the current event loop (on `sock` if given, else host:port)."""
     client = SchedulerClient.connect(
-        config.scheduler, config.request_timeout_s, config.connect_timeout_s
+        config.scheduler, config.request_timeout_s, config.connect_timeout_s,
+        config.scheduler_recovery_s,
     )
     try:
         if not await client.ready():

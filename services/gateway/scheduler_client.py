@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
@@ -19,6 +20,7 @@ from services.gateway.readiness import SchedulerReadiness
 logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 10.0
+RESUBMIT_PAUSE_S = 0.2  # between a lost stream and its resubmission, and between tries
 
 
 DRAIN_TIMEOUT_S = 1.0
@@ -38,28 +40,33 @@ async def _drain(responses: AsyncIterator) -> None:
 class SchedulerClient:
     """Invariant: a `generate` stream that is closed early (aclose, cancellation) cancels its
     gRPC call; freeing the request's blocks is the caller's job, via `abort` / `abort_soon`.
-    `readiness` follows the scheduler's health once `connect` made the client."""
+    `readiness` follows the scheduler's health once `connect` made the client.
+    `recovery_s`: how long a stream whose scheduler was lost waits for one that serves again,
+    to resubmit what it had not finished (SampleStreams); 0: it fails at once."""
 
     def __init__(
-        self, channel: grpc.aio.Channel, request_timeout_s: float, connect_timeout_s: float
+        self, channel: grpc.aio.Channel, request_timeout_s: float, connect_timeout_s: float,
+        recovery_s: float = 0.0,
     ) -> None:
         self._channel = channel
         self._stub = scheduler_pb2_grpc.SchedulerStub(channel)
         self._request_timeout_s = request_timeout_s
         self._connect_timeout_s = connect_timeout_s
+        self.recovery_s = recovery_s
         self._background: set[asyncio.Task] = set()
         self.readiness = SchedulerReadiness(channel)
 
     @classmethod
     def connect(
-        cls, address: str, request_timeout_s: float = 600.0, connect_timeout_s: float = 5.0
+        cls, address: str, request_timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
+        recovery_s: float = 0.0,
     ) -> SchedulerClient:
         """Open a channel (lazily connected) in the running event loop."""
         options = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
         channel = grpc.aio.insecure_channel(
             address, options=options, interceptors=tracing.aio_client_interceptors() or None
         )
-        client = cls(channel, request_timeout_s, connect_timeout_s)
+        client = cls(channel, request_timeout_s, connect_timeout_s, recovery_s)
         client.readiness.start()
         return client
 
@@ -154,13 +161,61 @@ class SampleStreams:
                 self._pump_task.cancel()
 
     async def _pump(self, span) -> None:
+        """Forwards the call's responses; when the scheduler is lost (the call fails
+        UNAVAILABLE), waits up to the client's recovery_s for one that serves and resubmits
+        what had not finished, each sample with the tokens it had streamed, and goes on."""
+        tokens: list[list[int]] = [[] for _ in self._queues]
+        finished = [False] * len(self._queues)
+        request, lost_at = self.request, None
         try:
-            async for response in self.client.generate(self.request, span):
-                if 0 <= response.sample < len(self._queues):
-                    self._queues[response.sample].put_nowait(response)
+            while True:
+                try:
+                    async for response in self.client.generate(request, span):
+                        if 0 <= response.sample < len(self._queues):
+                            tokens[response.sample] += response.token_ids
+                            finished[response.sample] |= bool(response.finish_reason)
+                            self._queues[response.sample].put_nowait(response)
+                            if lost_at is not None:
+                                logger.info("request %s goes on %.2f s after its scheduler "
+                                            "was lost", self.request.request_id,
+                                            time.monotonic() - lost_at)
+                                lost_at = None
+                    return
+                except grpc.aio.AioRpcError as err:
+                    if all(finished) or not await self._recovered(err, lost_at):
+                        raise
+                    lost_at = lost_at or time.monotonic()
+                    request = resubmission(self.request, tokens, finished)
         except Exception as err:  # every sample's stream raises it
             for queue in self._queues:
                 queue.put_nowait(err)
         finally:
             for queue in self._queues:
                 queue.put_nowait(None)
+
+    async def _recovered(self, err: grpc.aio.AioRpcError, lost_at: float | None) -> bool:
+        """Whether to resubmit after err: the scheduler was lost (or still holds the ids of a
+        resubmission, as it notices the old stream's end) and one serves again in time."""
+        if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS) \
+                or (err.code() is grpc.StatusCode.ALREADY_EXISTS and lost_at is None):
+            return False
+        left = self.client.recovery_s - (time.monotonic() - (lost_at or time.monotonic()))
+        if left <= 0:
+            return False
+        if lost_at is None:
+            logger.warning("request %s: scheduler lost (%s); resubmitting once one serves "
+                           "(up to %.0f s)", self.request.request_id, err.details(), left)
+        await asyncio.sleep(min(left, RESUBMIT_PAUSE_S))
+        return await self.client.readiness.wait_serving(left)
+
+
+def resubmission(request: scheduler_pb2.GenerateRequest, tokens: list[list[int]],
+                 finished: list[bool]) -> scheduler_pb2.GenerateRequest:
+    """The request again, each sample's streamed tokens (and whether it finished) in it."""
+    again = scheduler_pb2.GenerateRequest()
+    again.CopyFrom(request)
+    del again.resumed[:]
+    for j, (ids, done) in enumerate(zip(tokens, finished)):
+        if ids or done:
+            again.resumed.add(sample=j, output_token_ids=ids, finished=done)
+    return again

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from common.sampling_params import SamplingParams, TokenLogprobs
+from common.sampling_params import ResumedSample, SamplingParams, TokenLogprobs
 from services.scheduler.block_hash import extend_block_hashes
 
 
@@ -108,3 +108,27 @@ class Request:
         if n >= self.max_tokens or self.num_tokens >= max_model_len:
             return "length", -1
         return "", -1
+
+
+def resume(samples: list[Request], resumed: Sequence[ResumedSample]) -> list[Request]:
+    """The samples of a resubmitted request that still have to run (a new scheduler took over
+    from one that was lost), each holding the tokens it had streamed: its positions, seed and
+    max_tokens count them as they did. Raises ValueError for a resume that does not fit."""
+    given: dict[int, ResumedSample] = {}
+    for r in resumed:
+        if not 0 <= r.sample < len(samples) or r.sample in given:
+            raise ValueError(f"resumed sample {r.sample}: the request has samples "
+                             f"0..{len(samples) - 1}, each resumed once")
+        given[r.sample] = r
+    out = []
+    for j, req in enumerate(samples):
+        was = given.get(j)
+        if was is not None and was.finished:
+            continue
+        if was is not None:
+            if len(was.output_token_ids) >= req.max_tokens:
+                raise ValueError(f"resumed sample {j} has {len(was.output_token_ids)} tokens, "
+                                 f"its max_tokens ({req.max_tokens}): it is finished")
+            req.output_token_ids = list(was.output_token_ids)
+        out.append(req)
+    return out

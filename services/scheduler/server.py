@@ -29,7 +29,7 @@ from protos.worker_codec import (
     transfers_done_from_pb,
 )
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.request import Output, Request
+from services.scheduler.request import Output, Request, resume
 from services.scheduler.scheduler import QueueFull, RegistrationError, Scheduler
 from services.scheduler.telemetry import SchedulerTelemetry
 
@@ -82,18 +82,28 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                            eos_token_ids=list(gen.eos_token_ids), priority=gen.priority,
                            cache_salt=gen.cache_salt)
                    for j, i in enumerate(ids)]
+        index = {i: j for j, i in enumerate(ids)}
         try:
-            self.scheduler.add_request(samples[0], samples[1:])
+            samples = resume(samples, gen.resumed)
+            ids = [s.request_id for s in samples]
+            if any(s.output_token_ids for s in samples):  # each goes on from its own tokens
+                for s in samples:
+                    self.scheduler.add_request(s)
+            elif samples:
+                self.scheduler.add_request(samples[0], samples[1:])
         except ValueError as e:
+            for s in samples:
+                self.scheduler.abort(s.request_id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
+            for s in samples:
+                self.scheduler.abort(s.request_id)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         queue: asyncio.Queue[Output] = asyncio.Queue()
         for j, req in enumerate(samples):
             self._streams[req.request_id] = queue
             self.telemetry.on_generate(req, j)
         self._wake_all()
-        index = {i: j for j, i in enumerate(ids)}
         num_output_tokens = dict.fromkeys(ids, 0)
         running = set(ids)
         try:

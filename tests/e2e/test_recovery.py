@@ -1,4 +1,5 @@
-"""A scheduler that restarts: the workers re-dial and register afresh, and serving goes on."""
+"""A scheduler that restarts: the workers re-dial and register afresh, and serving goes on; under
+`pdserve up`, streams in flight go on through it with the tokens of an undisturbed run."""
 import json
 import signal
 import subprocess
@@ -63,3 +64,55 @@ def test_workers_reattach_to_a_restarted_scheduler(tiny_llama, tmp_path):
         assert all(w["num_free_blocks"] == w["num_blocks"] for w in s["workers"])
     finally:
         stop_all(procs)
+
+
+def _stream(url: str, i: int, kill_at: float | None = None) -> tuple[list[int], list[float]]:
+    """Choice tokens and arrival times of stream i (greedy when i is even, else seeded)."""
+    import httpx
+    body = {"model": "m", "prompt": f"Stream {i} keeps going through a failover", "stream": True,
+            "max_tokens": 96, "ignore_eos": True, "return_token_ids": True,
+            "temperature": 0.0 if i % 2 == 0 else 0.9, "seed": 1000 + i}
+    ids, times = [], []
+    with httpx.Client(base_url=url, timeout=120) as c:
+        body["model"] = c.get("/v1/models").json()["data"][0]["id"]
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    for choice in event["choices"]:
+                        ids += choice.get("token_ids") or []
+                        times.append(time.monotonic())
+    return ids, times
+
+
+def test_streams_go_on_through_a_scheduler_killed_under_load(tiny_llama, tmp_path):
+    """SIGKILL of the scheduler under 16 streams: `pdserve up` restarts it, the workers
+    re-attach, the gateway resubmits each stream with its tokens so far, and every stream ends
+    with the tokens of an undisturbed run (greedy and seeded); every block is free after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.conftest import Stack
+    stack = Stack(tiny_llama, tmp_path, "--num-kv-blocks", "512")
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            want = [ids for ids, _ in pool.map(lambda i: _stream(stack.url, i), range(16))]
+            running = [pool.submit(_stream, stack.url, i) for i in range(16)]
+            time.sleep(1.0)
+            scheduler = [pid for pid, cmd in stack.children().items() if " scheduler " in cmd]
+            assert len(scheduler) == 1
+            killed_at = time.monotonic()
+            subprocess.run(["kill", "-KILL", str(scheduler[0])], check=True)
+            got = [f.result() for f in running]
+        assert [ids for ids, _ in got] == want
+        assert all(len(ids) == 96 for ids in want)
+        resumed = [next(t for t in times if t > killed_at) - killed_at
+                   for _, times in got if times[-1] > killed_at]
+        assert resumed, "the streams ended before the kill"
+        print(f"\nscheduler killed: next token after {min(resumed):.2f}-{max(resumed):.2f} s")
+        stats = stack.wait_idle()
+        assert stats["num_running"] == 0
+        assert all(w["num_free_blocks"] == w["num_blocks"] for w in stats["workers"])
+        assert "exited with -9; restarting it" in stack.log.read_text()
+    finally:
+        stack.stop()
