@@ -39,6 +39,9 @@ class StructuredOutputsConfig:
     disable_any_whitespace: bool = False  # JSON without free whitespace, for every request
 
     def __post_init__(self) -> None:
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("--structured-outputs-config: disable_any_whitespace must be true "
+                             f"or false, got {self.disable_any_whitespace!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"structured outputs backend {self.backend!r}: pdserve serves "
                              f"with xgrammar (choose from {', '.join(BACKENDS)})")
@@ -75,10 +78,12 @@ def request_grammar(req: SamplingRequest, config: StructuredOutputsConfig) -> st
                           + ", ".join(a.param for a in asks), asks[1].param)
     ask = asks[0]
     options = req.structured_outputs
-    if options is not None and options.whitespace_pattern is not None \
-            or req.guided_whitespace_pattern is not None:
-        raise bad_request("whitespace_pattern is not supported by the xgrammar engine; use "
-                          "disable_any_whitespace", "whitespace_pattern")
+    for given, param in ((options and options.whitespace_pattern,
+                          "structured_outputs.whitespace_pattern"),
+                         (req.guided_whitespace_pattern, "guided_whitespace_pattern")):
+        if given is not None:
+            raise bad_request("whitespace_pattern is not supported by the xgrammar engine; use "
+                              "disable_any_whitespace", param)
     if req.guided_decoding_backend not in (None, *BACKENDS):
         raise bad_request(f"guided_decoding_backend {req.guided_decoding_backend!r}: pdserve "
                           "serves structured outputs with xgrammar", "guided_decoding_backend")
@@ -113,7 +118,8 @@ def _asks(req: SamplingRequest) -> list[_Ask]:
             if getattr(so, kind) is not None:
                 asks.append(_spec(kind, getattr(so, kind), f"structured_outputs.{kind}"))
         if so.structural_tag is not None:
-            raise bad_request("structural_tag is not supported", "structured_outputs")
+            raise bad_request("structural_tag is not supported",
+                              "structured_outputs.structural_tag")
     tool_schema = req.forced_tool_schema()
     if tool_schema is not None:
         asks.append(_Ask("json", json.dumps(tool_schema), "tool_choice"))
@@ -147,7 +153,8 @@ def _schema_text(schema: str | dict[str, Any], param: str) -> str:
 def _grammar(kind: str, spec: str, any_whitespace: bool) -> str:
     """EBNF text of one ask; raises RuntimeError (xgrammar's) for one it cannot serve."""
     if kind == "json":
-        grammar = xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace)
+        grammar = xgr.Grammar.from_json_schema(json.dumps(_bounded_strings(json.loads(spec))),
+                                               any_whitespace=any_whitespace)
     elif kind == "json_object":
         grammar = xgr.Grammar.from_json_schema('{"type": "object"}',
                                                any_whitespace=any_whitespace)
@@ -162,8 +169,26 @@ def _grammar(kind: str, spec: str, any_whitespace: bool) -> str:
     return str(grammar)
 
 
+def _bounded_strings(schema: Any) -> Any:
+    """The schema with each plain string's minLength / maxLength as a pattern of as many
+    characters that JSON takes raw: xgrammar 0.2.8 compiles a length-bounded string to a class
+    that admits control characters (a tab, 0x1c), which JSON strings may not hold. The pattern
+    leaves out the quote and the backslash too, so such a string holds no escape."""
+    if isinstance(schema, list):
+        return [_bounded_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_strings(v) for k, v in schema.items()}
+    lengths = ("minLength" in out or "maxLength" in out)
+    if out.get("type") == "string" and lengths and not {"pattern", "format"} & set(out):
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{"" if high is None else int(high)}}}$'
+    return out
+
+
 def _ebnf_literal(text: str) -> str:
     """An EBNF sequence matching exactly `text`: a literal per character (JSON's escapes are
     EBNF's), since xgrammar 0.2.8 mis-compiles one literal holding several multi-byte
     characters among others ("\u00fcn\u00efc" refuses its own tokens)."""
-    return "(" + " ".join(json.dumps(ch) for ch in text) + ")" if text else '""'
+    return ("(" + " ".join(json.dumps(ch, ensure_ascii=False) for ch in text) + ")"
+            if text else '""')

@@ -2,7 +2,8 @@
 would: outputs for random bounded JSON schemas parse and validate against them, whole and
 streamed, chat and completions, and stop on their own; the first token honours the grammar where
 the prefill worker samples it, and so do the forks of n=3; a schema the engine cannot serve is a
-400.
+400; tool calls forced by tool_choice (required, a named function) are valid calls,
+whole and streamed.
 
 One stack for the module, started with --structured-outputs-config disable_any_whitespace: the
 model has random weights, and free whitespace (like an unbounded string) can fill any budget.
@@ -99,9 +100,7 @@ STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 def check_json(text: str, schema: dict) -> None:
-    # strict=False: raw control characters in strings with a maxLength are xgrammar 0.2.8's bug
-    # (test_gateway_structured.py::test_a_bounded_string_takes_no_raw_control_character)
-    jsonschema.validate(json.loads(text, strict=False), schema)
+    jsonschema.validate(json.loads(text), schema)
     # no whitespace outside strings but xgrammar's separators: disable_any_whitespace held
     outside = STRING.sub('""', text).replace(", ", ",").replace(": ", ":")
     assert not re.search(r"\s", outside), text
@@ -208,3 +207,55 @@ def test_a_schema_the_engine_cannot_serve_is_a_400(client, model):
     assert e.value.status_code == 400
     assert e.value.body["param"] == "response_format"
     assert "Lookbehind" in e.value.body["message"]
+
+
+# -- tool calling: required and named choices hold even a random-weight model to valid calls ----
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "days"],
+        "properties": {"city": {"type": "string", "maxLength": 8},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}},
+    {"type": "function", "function": {"name": "convert", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["unit"],
+        "properties": {"unit": {"enum": ["C", "F"]}, "round": {"type": "boolean"}}}}},
+]
+SCHEMAS_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _streamed_calls(stream) -> tuple[dict[int, list], str | None]:
+    calls: dict[int, list] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, [None, ""])
+                if d.function and d.function.name:
+                    assert entry[0] is None, "a call is named once"
+                    entry[0] = d.function.name
+                entry[1] += (d.function.arguments or "") if d.function else ""
+    return calls, finish
+
+
+@pytest.mark.parametrize("choice", [
+    "required", {"type": "function", "function": {"name": "convert"}}])
+def test_forced_tool_calls_are_valid_whole_and_streamed(client, model, choice):
+    # one call (parallel_tool_calls false): a random model would append calls to the budget
+    ask = dict(model=model, tools=TOOLS, tool_choice=choice, max_tokens=MAX_TOKENS,
+               temperature=0, parallel_tool_calls=False,
+               messages=[{"role": "user", "content": "What is the weather in Oslo, in C?"}])
+    whole = client.chat.completions.create(**ask)
+    stream = client.chat.completions.create(**ask, stream=True)
+    calls, finish = _streamed_calls(stream)
+    message = whole.choices[0].message
+    assert message.tool_calls, message
+    got = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert [tuple(v) for _, v in sorted(calls.items())] == got  # same greedy output
+    for name, arguments in got:
+        jsonschema.validate(json.loads(arguments), SCHEMAS_BY_NAME[name])
+    if isinstance(choice, dict):
+        assert [name for name, _ in got] == ["convert"]
+        assert whole.choices[0].finish_reason == finish == "stop"
+    else:
+        assert whole.choices[0].finish_reason == finish == "tool_calls"
