@@ -18,9 +18,9 @@ samples freely.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import xgrammar as xgr
@@ -38,29 +38,45 @@ class GrammarError(Exception):
 
 
 class Grammars:
-    """Compiles grammars for one model's vocabulary; the tokenizer loads on first use."""
+    """Compiles grammars for one model's vocabulary. The tokenizer loads on first use, or in the
+    background from `warm()`, so that the first guided request need not wait for it."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int):
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def warm(self) -> None:
+        threading.Thread(target=self._warm, name="grammars-warm", daemon=True).start()
+
+    def _warm(self) -> None:
+        try:
+            self.compiler()
+        except (OSError, ValueError) as e:  # a request that needs it fails with the reason
+            log.warning("no grammar compiler for %s: %s", self.model_dir, e)
 
     def compiler(self) -> xgr.GrammarCompiler:
-        if self._compiler is None:
-            start = time.monotonic()
-            info = xgr.TokenizerInfo.from_huggingface(load_hf_tokenizer(self.model_dir),
-                                                      vocab_size=self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1,
-                                                 cache_limit_bytes=CACHE_BYTES)
-            log.info("grammar compiler for %d tokens ready in %.2f s", self.vocab_size,
-                     time.monotonic() - start)
+        with self._lock:
+            return self._compiler or self._build()
+
+    def _build(self) -> xgr.GrammarCompiler:
+        start = time.monotonic()
+        info = xgr.TokenizerInfo.from_huggingface(load_hf_tokenizer(self.model_dir),
+                                                  vocab_size=self.vocab_size)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
+        log.info("grammar compiler for %d tokens ready in %.2f s", self.vocab_size,
+                 time.monotonic() - start)
         return self._compiler
 
     def matcher(self, grammar: str, stop_token_ids: list[int]) -> xgr.GrammarMatcher:
         """A fresh matcher; the grammar ends with one of stop_token_ids (the request's eos ids;
         none: the tokenizer's eos). Raises GrammarError for a grammar that does not compile: the
         gateway refuses those, and one that gets here must fail its request, not the step."""
-        compiler = self.compiler()
+        try:
+            compiler = self.compiler()
+        except (OSError, ValueError) as e:  # the model's tokenizer does not load
+            raise GrammarError(f"no grammar compiler for this model: {e}") from None
         try:
             compiled = compiler.compile_grammar(grammar)
         except RuntimeError as e:  # what xgrammar raises for what it cannot parse or support
@@ -94,12 +110,11 @@ class Guide:
 def mask_logits(logits: torch.Tensor, guides: list[Guide | None], vocab_size: int) -> None:
     """logits: [B, >= vocab_size]; row i keeps only what guides[i] allows (None: every token).
     In place."""
-    rows = [i for i, g in enumerate(guides) if g is not None and g.constrains]
+    rows = [(i, g) for i, g in enumerate(guides) if g is not None and g.constrains]
     if not rows:
         return
     bitmask = xgr.allocate_token_bitmask(len(guides), vocab_size)  # [B, ceil(V / 32)] int32
-    for i in rows:
-        guide: Any = guides[i]
+    for i, guide in rows:
         guide.matcher.fill_next_token_bitmask(bitmask, i)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size,
-                                    indices=rows)
+                                    indices=[i for i, _ in rows])

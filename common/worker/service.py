@@ -94,8 +94,9 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
                               cfg.max_cudagraph_capture_size)
         with on_device(device):
             graphs.capture()
-    runner = ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed), graphs,
-                         Grammars(cfg.model, mc.vocab_size))
+    grammars = Grammars(cfg.model, mc.vocab_size)
+    grammars.warm()
+    runner = ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed), graphs, grammars)
     worker = Worker(runner, cache,
                     {t: create_sender(t, layout, tcfg) for t in cfg.kv_transports}, receiver,
                     {t: create_listener(t, cache, receiver, tcfg) for t in cfg.kv_transports})
