@@ -153,8 +153,8 @@ def _schema_text(schema: str | dict[str, Any], param: str) -> str:
 def _grammar(kind: str, spec: str, any_whitespace: bool) -> str:
     """EBNF text of one ask; raises RuntimeError (xgrammar's) for one it cannot serve."""
     if kind == "json":
-        grammar = xgr.Grammar.from_json_schema(json.dumps(_bounded_strings(json.loads(spec))),
-                                               any_whitespace=any_whitespace)
+        ebnf = str(xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace))
+        grammar = xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS))
     elif kind == "json_object":
         grammar = xgr.Grammar.from_json_schema('{"type": "object"}',
                                                any_whitespace=any_whitespace)
@@ -169,21 +169,11 @@ def _grammar(kind: str, spec: str, any_whitespace: bool) -> str:
     return str(grammar)
 
 
-def _bounded_strings(schema: Any) -> Any:
-    """The schema with each plain string's minLength / maxLength as a pattern of as many
-    characters that JSON takes raw: xgrammar 0.2.8 compiles a length-bounded string to a class
-    that admits control characters (a tab, 0x1c), which JSON strings may not hold. The pattern
-    leaves out the quote and the backslash too, so such a string holds no escape."""
-    if isinstance(schema, list):
-        return [_bounded_strings(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _bounded_strings(v) for k, v in schema.items()}
-    lengths = ("minLength" in out or "maxLength" in out)
-    if out.get("type") == "string" and lengths and not {"pattern", "format"} & set(out):
-        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{"" if high is None else int(high)}}}$'
-    return out
+# xgrammar 0.2.8 writes the characters of a length-bounded JSON string as this class, which
+# admits raw control characters (a tab, 0x1c) that JSON strings may not hold; the second is the
+# class JSON allows unescaped (such a string still holds no escape, as xgrammar has it)
+_BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
 
 
 def _ebnf_literal(text: str) -> str:

@@ -158,11 +158,12 @@ async def test_a_choice_beyond_the_basic_plane_matches_itself(
     assert accepts(compiler, tokenizer, grammar, "𝔘")
 
 
+@pytest.mark.parametrize("max_length", [4, 300, 5000])  # long bounds must compile too
 async def test_a_bounded_string_takes_no_raw_control_character(
-    model_dir: str, tokenizer: Tokenizer, compiler: xgr.GrammarCompiler
+    model_dir: str, tokenizer: Tokenizer, compiler: xgr.GrammarCompiler, max_length: int
 ) -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}},
-              "required": ["a"]}
+    schema = {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "string", "maxLength": max_length}}}
     async with fake_gateway(model_dir, tokenizer) as gw:
         grammar = (await grammars_of(gw, {"guided_json": schema}))[0]
     assert accepts(compiler, tokenizer, grammar, '{"a": "ok"}')
