@@ -136,6 +136,7 @@ class SampleStreams:
         self.request_ids = [request.request_id, *request.sample_ids]
         self._queues: list[asyncio.Queue] = [asyncio.Queue() for _ in self.request_ids]
         self._open = len(self.request_ids)
+        self._closed = [False] * len(self.request_ids)  # by its reader: never resubmitted
         self._pump_task: asyncio.Task | None = None
 
     async def stream(
@@ -157,16 +158,18 @@ class SampleStreams:
                     return
         finally:
             self._open -= 1
+            self._closed[sample] = True
             if self._open == 0:
                 self._pump_task.cancel()
 
     async def _pump(self, span) -> None:
         """Forwards the call's responses; when the scheduler is lost (the call fails
-        UNAVAILABLE), waits up to the client's recovery_s for one that serves and resubmits
-        what had not finished, each sample with the tokens it had streamed, and goes on."""
+        UNAVAILABLE), waits until the client's recovery_s has passed since the loss for one
+        that serves, and resubmits what had not finished (nor been closed by its reader), each
+        sample with the tokens it had streamed, and goes on."""
         tokens: list[list[int]] = [[] for _ in self._queues]
         finished = [False] * len(self._queues)
-        request, lost_at = self.request, None
+        request, deadline = self.request, None
         try:
             while True:
                 try:
@@ -175,17 +178,23 @@ class SampleStreams:
                             tokens[response.sample] += response.token_ids
                             finished[response.sample] |= bool(response.finish_reason)
                             self._queues[response.sample].put_nowait(response)
-                            if lost_at is not None:
+                            if deadline is not None:
                                 logger.info("request %s goes on %.2f s after its scheduler "
                                             "was lost", self.request.request_id,
-                                            time.monotonic() - lost_at)
-                                lost_at = None
+                                            time.monotonic() - deadline + self.client.recovery_s)
+                                deadline = None
                     return
                 except grpc.aio.AioRpcError as err:
-                    if all(finished) or not await self._recovered(err, lost_at):
+                    if deadline is None and err.code() is grpc.StatusCode.UNAVAILABLE:
+                        deadline = time.monotonic() + self.client.recovery_s
+                        logger.warning("request %s: scheduler lost (%s); resubmitting once one "
+                                       "serves (up to %.0f s)", self.request.request_id,
+                                       err.details(), self.client.recovery_s)
+                    if deadline is None or all(self._done(finished)) or \
+                            not await self._wait_to_resubmit(err, deadline, finished):
                         raise
-                    lost_at = lost_at or time.monotonic()
-                    request = resubmission(self.request, tokens, finished)
+                    # what readers closed while it waited does not run again either
+                    request = resubmission(self.request, tokens, self._done(finished))
         except Exception as err:  # every sample's stream raises it
             for queue in self._queues:
                 queue.put_nowait(err)
@@ -193,20 +202,32 @@ class SampleStreams:
             for queue in self._queues:
                 queue.put_nowait(None)
 
-    async def _recovered(self, err: grpc.aio.AioRpcError, lost_at: float | None) -> bool:
-        """Whether to resubmit after err: the scheduler was lost (or still holds the ids of a
-        resubmission, as it notices the old stream's end) and one serves again in time."""
-        if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS) \
-                or (err.code() is grpc.StatusCode.ALREADY_EXISTS and lost_at is None):
+    def _done(self, finished: list[bool]) -> list[bool]:
+        return [f or c for f, c in zip(finished, self._closed)]
+
+    async def _wait_to_resubmit(self, err: grpc.aio.AioRpcError, deadline: float,
+                                finished: list[bool]) -> bool:
+        """Waits (until `deadline`) for a scheduler that serves; whether to resubmit. A
+        scheduler that still holds the request's ids (it has not noticed the lost stream, or it
+        never died: the connection did) is told to abort the samples first, so that they run
+        once, from the tokens this side saw."""
+        if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS):
             return False
-        left = self.client.recovery_s - (time.monotonic() - (lost_at or time.monotonic()))
+        left = deadline - time.monotonic()
         if left <= 0:
             return False
-        if lost_at is None:
-            logger.warning("request %s: scheduler lost (%s); resubmitting once one serves "
-                           "(up to %.0f s)", self.request.request_id, err.details(), left)
         await asyncio.sleep(min(left, RESUBMIT_PAUSE_S))
-        return await self.client.readiness.wait_serving(left)
+        if not await self.client.readiness.wait_serving(deadline - time.monotonic()):
+            return False
+        if err.code() is grpc.StatusCode.ALREADY_EXISTS:
+            for rid, was_done in zip(self.request_ids, self._done(finished)):
+                if not was_done:
+                    try:
+                        await self.client.abort(rid)
+                    except grpc.aio.AioRpcError as e:
+                        logger.warning("abort of %s before its resubmission failed: %s", rid,
+                                       e.details())
+        return True
 
 
 def resubmission(request: scheduler_pb2.GenerateRequest, tokens: list[list[int]],
