@@ -254,14 +254,20 @@ class TransfersDone(_message.Message):
     def __init__(self, done: _Optional[_Iterable[_Union[TransferDone, _Mapping]]] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("register", "result", "transfers")
+    __slots__ = ("register", "result", "transfers", "leave")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
     register: Register
     result: StepResult
     transfers: TransfersDone
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., transfers: _Optional[_Union[TransfersDone, _Mapping]] = ...) -> None: ...
+    leave: Leave
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., transfers: _Optional[_Union[TransfersDone, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
+
+class Leave(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class SchedulerMessage(_message.Message):
     __slots__ = ("ack", "plan")

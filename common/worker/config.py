@@ -51,6 +51,7 @@ class WorkerConfig:
     otlp_traces_endpoint: str = ""   # "": the OTEL_EXPORTER_OTLP_* env vars, else no tracing
     detailed_traces: bool = False    # a span per decode step too
     reconnect_s: float = 1.0
+    drain_timeout_s: float = 30.0    # SIGTERM: how long its requests may run on before it leaves
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode"):
@@ -65,6 +66,8 @@ class WorkerConfig:
             raise ValueError("--max-cudagraph-capture-size must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1")
+        if self.drain_timeout_s < 0:
+            raise ValueError("--drain-timeout must be >= 0")
         if not 0 <= self.health_port <= 65535:
             raise ValueError("--health-port must be in 0..65535")
         if not 0 <= self.cpu_nice <= 19:
@@ -200,6 +203,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "eagerly")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded sampling")
     metrics.add_arguments(p)
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                   help="on SIGTERM the worker takes no new request and leaves once its requests "
+                        "finished, or after this many seconds (the rest are recomputed "
+                        "elsewhere); a second signal: at once")
     p.add_argument("--health-port", type=int, default=int(env("PDSERVE_HEALTH_PORT", 0)),
                    help="serve the gRPC health protocol (grpc.health.v1) on this port once the "
                         "model is loaded: SERVING while attached to the scheduler; 0: off "
@@ -232,5 +239,6 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         health_port=args.health_port, health_host=args.health_host,
+                        drain_timeout_s=args.drain_timeout,
                         otlp_traces_endpoint=args.otlp_traces_endpoint or "",
                         detailed_traces=args.detailed_traces)

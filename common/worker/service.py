@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -136,8 +137,10 @@ def default_host_id() -> str:
 
 async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
                       telemetry: WorkerTelemetry | None = None,
-                      health: Health | None = None) -> None:
-    """Registers and runs plans until the stream ends; health SERVING meanwhile."""
+                      health: Health | None = None,
+                      leaving: asyncio.Event | None = None) -> None:
+    """Registers and runs plans until the stream ends; health SERVING meanwhile. Once
+    `leaving` is set, tells the scheduler, which ends the stream when the worker is drained."""
     traced = telemetry if telemetry is not None and tracing.enabled() else None
     async with grpc.aio.insecure_channel(
             cfg.scheduler, options=[("grpc.max_receive_message_length", 64 << 20),
@@ -155,16 +158,30 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
         print(f"pdserve {cfg.role}-worker {cfg.worker_id} attached to {cfg.scheduler}", flush=True)
         if health is not None:
             await health.set("", True)
+        writes = asyncio.Lock()  # one write at a time on the stream
+        leave = asyncio.create_task(_leave_when(leaving, call, writes, health))
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="step") as steps:
-                await _run_plans(call, worker, steps, traced)
+                await _run_plans(call, worker, steps, traced, writes)
         finally:
+            leave.cancel()
             if health is not None:
                 await health.set("", False)
 
 
+async def _leave_when(leaving: asyncio.Event | None, call, writes: asyncio.Lock,
+                      health: Health | None) -> None:
+    if leaving is None:
+        return
+    await leaving.wait()
+    if health is not None:
+        await health.set("", False)
+    async with writes:
+        await call.write(worker_pb2.WorkerMessage(leave=worker_pb2.Leave()))
+
+
 async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
-                     traced: WorkerTelemetry | None) -> None:
+                     traced: WorkerTelemetry | None, writes: asyncio.Lock) -> None:
     """Every step and send on one thread: torch's thread count and OpenMP's thread team belong
     to the thread that runs them, and a second team would spin beside the first."""
     loop = asyncio.get_running_loop()
@@ -176,16 +193,29 @@ async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
         ready = worker.ready_sends(plan)
         if ready:  # KV computed by earlier steps leaves now, not after this step's forward
             done = await loop.run_in_executor(steps, worker.send_kv, ready)
-            await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
+            async with writes:
+                await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
         if traced is not None:
             traced.before_step(plan)
         result = await loop.run_in_executor(steps, worker.execute, plan)
         if traced is not None:
             traced.after_step(plan, result)
-        await call.write(worker_pb2.WorkerMessage(result=result_to_pb(result)))
+        async with writes:
+            await call.write(worker_pb2.WorkerMessage(result=result_to_pb(result)))
         if plan.sends:
             done = await loop.run_in_executor(steps, worker.send_kv, plan.sends)
-            await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
+            async with writes:
+                await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
+
+
+async def _first(task: asyncio.Task, other: Awaitable, timeout: float | None = None) -> None:
+    """Until task or other ends (or timeout passes); other is cancelled."""
+    waiter = asyncio.ensure_future(other)
+    try:
+        await asyncio.wait([task, waiter], timeout=timeout,
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
 
 
 async def start_health(cfg: WorkerConfig) -> Health | None:
@@ -203,16 +233,17 @@ async def serve(cfg: WorkerConfig) -> int:
     await start_listeners(worker, reg)
     telemetry = await start_telemetry(cfg, worker)
     health = await start_health(cfg)
-    stop = asyncio.Event()
+    stop, now = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends it
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda: now.set() if stop.is_set() else stop.set())
     try:
         while not stop.is_set():
-            task = asyncio.create_task(attach_once(cfg, worker, reg, telemetry, health))
-            stopper = asyncio.create_task(stop.wait())
-            await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
+            task = asyncio.create_task(attach_once(cfg, worker, reg, telemetry, health, stop))
+            await _first(task, stop.wait())
+            if not task.done():  # leaving: the scheduler ends the stream once drained
+                log.info("leaving: draining for up to %.0f s", cfg.drain_timeout_s)
+                await _first(task, now.wait(), timeout=cfg.drain_timeout_s)
             if not task.done():
                 task.cancel()
                 break

@@ -35,6 +35,7 @@ class GatewayConfig:
     connect_timeout_s: float = 5.0  # how long startup waits for the scheduler channel
     no_worker_wait_s: float = 5.0  # how long a request waits for a worker path before its 503
     scheduler_recovery_s: float = 30.0  # a lost scheduler's streams wait this long for another
+    drain_timeout_s: float = 30.0  # SIGTERM: how long open streams may run on before they end
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's calls are parsed
     tool_call_parser: str | None = None  # how: hermes or llama3_json (tools.py)
@@ -58,6 +59,8 @@ class GatewayConfig:
             raise ValueError("request and connect timeouts must be positive")
         if self.no_worker_wait_s < 0:
             raise ValueError("--no-worker-wait must be >= 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("--drain-timeout must be >= 0")
         if self.scheduler_recovery_s < 0:
             raise ValueError("--scheduler-recovery-timeout must be >= 0")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:

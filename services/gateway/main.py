@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import socket
 import sys
@@ -20,8 +21,6 @@ from services.gateway.structured_outputs import StructuredOutputsConfig
 from services.gateway.tools import PARSERS
 
 logger = logging.getLogger(__name__)
-
-GRACEFUL_SHUTDOWN_S = 5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(or cannot be reached); then it gets 503 with Retry-After.",
     )
     parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="On SIGTERM the gateway takes no new connection and lets open streams finish for "
+        "up to this many seconds.",
+    )
+    parser.add_argument(
         "--scheduler-recovery-timeout",
         type=float,
         default=30.0,
@@ -142,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         connect_timeout_s=args.connect_timeout,
         no_worker_wait_s=args.no_worker_wait,
         scheduler_recovery_s=args.scheduler_recovery_timeout,
+        drain_timeout_s=args.drain_timeout,
         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
@@ -197,7 +204,7 @@ async def serve(
                 host=config.host,
                 port=config.port,
                 log_level=log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                timeout_graceful_shutdown=math.ceil(config.drain_timeout_s),
             )
         )
         try:

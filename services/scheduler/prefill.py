@@ -64,6 +64,8 @@ class Prefill:
 
     def admits(self, w: WorkerState) -> bool:
         """Whether w may take requests from the waiting queue at all."""
+        if w.leaving:
+            return False
         if w.role == "prefill":
             return bool(self.workers.of_role("decode"))
         return (not self.workers.has_prefill or self.config.prefill_bypass_threshold > 0

@@ -81,10 +81,29 @@ class Scheduler:
         if w is None:
             return
         self.transfers.sender_lost(w)
-        for req in list(self.requests.values()):
-            if worker_id in (req.prefill_worker, req.decode_worker):
-                self.lifecycle.requeue(req)
-        log.warning("worker %s left; its requests were re-queued", worker_id)
+        lost = [r for r in self.requests.values()
+                if worker_id in (r.prefill_worker, r.decode_worker)]
+        for req in lost:
+            self.lifecycle.requeue(req)
+        if lost:
+            log.warning("worker %s left; its %d requests were re-queued", worker_id, len(lost))
+        else:
+            log.info("worker %s left", worker_id)
+
+    def drain_worker(self, worker_id: str) -> None:
+        """The worker leaves: nothing new goes to it, what it runs finishes (`drained`)."""
+        w = self.workers.get(worker_id)
+        if w is not None and not w.leaving:
+            w.leaving = True
+            log.info("worker %s leaves once its %d requests finished", worker_id,
+                     len(w.kv.request_ids()))
+
+    def drained(self, worker_id: str) -> bool:
+        """A leaving worker that holds and runs no request any more (its stream may end)."""
+        w = self.workers.get(worker_id)
+        return w is not None and w.leaving and w.is_idle and not (
+            w.kv.request_ids() or w.known or w.to_drop or w.recvs or w.copies or w.arrivals
+            or w.prefilling or w.decoding)
 
     @property
     def max_model_len(self) -> int:

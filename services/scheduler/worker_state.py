@@ -57,6 +57,7 @@ class WorkerState:
     steps: deque[Step] = field(default_factory=deque)     # planned, result not in yet; oldest first
     counters: WorkerCounters = WorkerCounters()
     prefill_speed: PrefillSpeed = field(default_factory=PrefillSpeed)
+    leaving: bool = False  # it asked to leave: nothing new goes to it (Workers.of_role)
     held_step_tokens: int = 0  # a decode worker holding a long prompt: the prompt tokens of its
                                # next step, sized from the last such step's time (0: not yet)
 

@@ -34,18 +34,19 @@ class Workers(Mapping[str, WorkerState]):
         return self._by_id[worker_id]
 
     def of_role(self, role: str) -> list[WorkerState]:
-        return [w for w in self._by_id.values() if w.role == role]
+        """The workers of a role that take new requests (not those leaving)."""
+        return [w for w in self._by_id.values() if w.role == role and not w.leaving]
 
     @property
     def has_prefill(self) -> bool:
-        return any(w.role == "prefill" for w in self._by_id.values())
+        return bool(self.of_role("prefill"))
 
     @property
     def can_serve(self) -> bool:
         """Whether a request can run to its end: every request decodes on a decode worker,
         which prefills it itself when no prefill worker is attached (colocated, or a prefill
         pool that is gone); prefill workers alone finish nothing."""
-        return any(w.role == "decode" for w in self._by_id.values())
+        return bool(self.of_role("decode"))
 
     @property
     def has_disaggregated_path(self) -> bool:
