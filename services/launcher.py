@@ -277,16 +277,19 @@ def _wait_ready(args, procs, deadline: float, stopping) -> bool:
 
 
 def _stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    """The gateway first (the last process), while the scheduler and the workers still serve
+    the streams it drains; then the others. Each group gets `grace` seconds, then SIGKILL."""
+    for group in (procs[-1:], procs[:-1]):
+        for p in group:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in group:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def run(args) -> int:
