@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -82,7 +83,11 @@ def measure(model: str, processes: int, args) -> list[dict]:
                          "out_tok_s": s["out tok/s"], "failed": s["failed"]})
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     return runs
 
 

@@ -45,6 +45,7 @@ class Grammars:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self._compiler: xgr.GrammarCompiler | None = None
+        self._failed: OSError | ValueError | None = None  # the tokenizer did not load: it won't
         self._lock = threading.Lock()
 
     def warm(self) -> None:
@@ -58,7 +59,13 @@ class Grammars:
 
     def compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
-            return self._compiler or self._build()
+            if self._failed is not None:
+                raise self._failed
+            try:
+                return self._compiler or self._build()
+            except (OSError, ValueError) as e:
+                self._failed = e
+                raise
 
     def _build(self) -> xgr.GrammarCompiler:
         start = time.monotonic()

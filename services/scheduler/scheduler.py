@@ -109,11 +109,13 @@ class Scheduler:
     def max_model_len(self) -> int:
         return self.workers.max_model_len
 
-    def add_request(self, req: Request, forks: Sequence[Request] = ()) -> None:
+    def add_request(self, req: Request, forks: Sequence[Request] = (),
+                    resumed: bool = False) -> None:
         """Raises ValueError for a request that can never run, QueueFull when the queue is at its
-        limit. forks: more samples of req's prompt (n > 1), prefilled once with it and sharing
-        its prompt's blocks."""
-        self.lifecycle.add(req, forks, self.config.max_waiting_requests)
+        limit (not for one `resumed` from a lost scheduler: its client streams already). forks:
+        more samples of req's prompt (n > 1), prefilled once with it and sharing its prompt's
+        blocks."""
+        self.lifecycle.add(req, forks, 0 if resumed else self.config.max_waiting_requests)
 
     def abort(self, request_id: str) -> Output | None:
         req = self.requests.get(request_id)

@@ -86,23 +86,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
         try:
             samples = resume(samples, gen.resumed)
             ids = [s.request_id for s in samples]
-            if any(s.output_token_ids for s in samples):  # each goes on from its own tokens
+            if gen.resumed:  # each goes on from its own tokens, past the waiting limit
                 for s in samples:
-                    self.scheduler.add_request(s)
+                    self.scheduler.add_request(s, resumed=True)
             elif samples:
                 self.scheduler.add_request(samples[0], samples[1:])
-        except ValueError as e:
-            for s in samples:
+        except (ValueError, QueueFull) as e:
+            for s in samples:  # those added before the one refused
                 self.scheduler.abort(s.request_id)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFull as e:
-            for s in samples:
-                self.scheduler.abort(s.request_id)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError)
+                                else grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         queue: asyncio.Queue[Output] = asyncio.Queue()
-        for j, req in enumerate(samples):
+        for req in samples:
             self._streams[req.request_id] = queue
-            self.telemetry.on_generate(req, j)
+            self.telemetry.on_generate(req, index[req.request_id])
         self._wake_all()
         num_output_tokens = dict.fromkeys(ids, 0)
         running = set(ids)
