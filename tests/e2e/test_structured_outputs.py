@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.e2e.conftest import Stack
+from tests.json_schemas import ARRAYS, LEAVES, max_bytes, objects
 
 MAX_TOKENS = 200
 PROMPT = "Answer in JSON."
@@ -48,49 +49,6 @@ def client(stack):
 
 
 # -- bounded schemas: every output they allow is at most max_bytes long -------------------------
-
-NAMES = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=6)
-LEAVES = st.one_of(
-    st.integers(0, 8).flatmap(lambda n: st.fixed_dictionaries(
-        {"type": st.just("string"), "maxLength": st.just(n)},
-        optional={"minLength": st.integers(0, n)})),
-    st.tuples(st.integers(-1000, 1000), st.integers(0, 1000)).map(
-        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}),
-    st.just({"type": "boolean"}),
-    st.just({"type": "null"}),
-    st.lists(st.text("abcxyz", min_size=1, max_size=5), min_size=1, max_size=4,
-             unique=True).map(lambda values: {"enum": values}),
-)
-ARRAYS = st.tuples(LEAVES, st.integers(0, 3)).flatmap(lambda t: st.fixed_dictionaries(
-    {"type": st.just("array"), "items": st.just(t[0]), "maxItems": st.just(t[1])},
-    optional={"minItems": st.integers(0, t[1])}))
-
-
-def objects(values: st.SearchStrategy) -> st.SearchStrategy:
-    return st.dictionaries(NAMES, values, min_size=1, max_size=3).map(lambda props: {
-        "type": "object", "properties": props, "required": sorted(props),
-        "additionalProperties": False})
-
-
-def max_bytes(schema: dict) -> int:
-    """The longest JSON text the schema allows without free whitespace: a string character
-    takes at most 4 bytes, and a token at least one."""
-    if "enum" in schema:
-        return max(len(json.dumps(v)) for v in schema["enum"])
-    kind = schema["type"]
-    if kind == "string":
-        return 2 + 4 * schema["maxLength"]
-    if kind == "integer":
-        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
-    if kind in ("boolean", "null"):
-        return 5
-    if kind == "array":
-        n = schema["maxItems"]
-        return 2 + n * max_bytes(schema["items"]) + 2 * max(n - 1, 0)
-    props = schema["properties"]
-    return 2 + sum(len(json.dumps(k)) + 2 + max_bytes(v) for k, v in props.items()) \
-        + 2 * (len(props) - 1)
-
 
 SCHEMAS = objects(st.one_of(LEAVES, ARRAYS, objects(st.one_of(LEAVES, ARRAYS)))).filter(
     lambda s: max_bytes(s) < MAX_TOKENS)  # and the eos
