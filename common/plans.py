@@ -26,6 +26,7 @@ class Registration:
     host_id: str = ""
     max_model_len: int = 0
     cpu_cores: tuple[int, ...] = ()  # a CPU worker's cores (its affinity); () on a GPU
+    cached_blocks: tuple[tuple[int, bytes], ...] = ()  # (block id, hash) its cache holds
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class StepPlan:
     finished_request_ids: list[str] = field(default_factory=list)    # drop their state
     copies: list[BlockCopy] = field(default_factory=list)
     num_threads: int = 0  # CPU threads for this step (cores lent and taken back); 0: as before
+    cached_blocks: list[tuple[int, bytes]] = field(default_factory=list)  # newly cached
 
     def is_empty(self) -> bool:
         return not (self.scheduled or self.finished_request_ids or self.recvs

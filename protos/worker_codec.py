@@ -46,7 +46,8 @@ def registration_to_pb(r: Registration) -> worker_pb2.Register:
         worker_id=r.worker_id, role=r.role, model_fingerprint=r.model_fingerprint,
         num_blocks=r.num_blocks, layout=layout_to_pb(r.layout), kv_endpoint=first,
         transports=r.transports, host_id=r.host_id, max_model_len=r.max_model_len,
-        kv_endpoints=r.kv_endpoints, cpu_cores=r.cpu_cores)
+        kv_endpoints=r.kv_endpoints, cpu_cores=r.cpu_cores,
+        cached_blocks=[worker_pb2.CachedBlock(block_id=b, hash=h) for b, h in r.cached_blocks])
 
 
 def registration_from_pb(pb: worker_pb2.Register) -> Registration:
@@ -56,12 +57,15 @@ def registration_from_pb(pb: worker_pb2.Register) -> Registration:
         worker_id=pb.worker_id, role=pb.role, model_fingerprint=pb.model_fingerprint,
         num_blocks=pb.num_blocks, layout=layout_from_pb(pb.layout),
         transports=tuple(pb.transports), kv_endpoints=endpoints, host_id=pb.host_id,
-        max_model_len=pb.max_model_len, cpu_cores=tuple(pb.cpu_cores))
+        max_model_len=pb.max_model_len, cpu_cores=tuple(pb.cpu_cores),
+        cached_blocks=tuple((c.block_id, c.hash) for c in pb.cached_blocks))
 
 
 def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
     pb = worker_pb2.StepPlan(step_id=plan.step_id, num_threads=plan.num_threads,
-                             finished_request_ids=plan.finished_request_ids)
+                             finished_request_ids=plan.finished_request_ids,
+                             cached_blocks=[worker_pb2.CachedBlock(block_id=b, hash=h)
+                                            for b, h in plan.cached_blocks])
     for n in plan.new_requests:
         pb.new_requests.add(
             request_id=n.request_id, all_token_ids=n.all_token_ids,
@@ -107,7 +111,8 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> StepPlan:
                for r in pb.recvs],
         finished_request_ids=list(pb.finished_request_ids),
         copies=[BlockCopy(b.src, b.dst, b.request_id, b.leader_id) for b in pb.copies],
-        num_threads=pb.num_threads)
+        num_threads=pb.num_threads,
+        cached_blocks=[(c.block_id, c.hash) for c in pb.cached_blocks])
 
 
 def counters_to_pb(c: WorkerCounters) -> worker_pb2.WorkerCounters:

@@ -22,7 +22,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("worker_id", "role", "model_fingerprint", "num_blocks", "layout", "kv_endpoint", "transports", "host_id", "max_model_len", "kv_endpoints", "cpu_cores")
+    __slots__ = ("worker_id", "role", "model_fingerprint", "num_blocks", "layout", "kv_endpoint", "transports", "host_id", "max_model_len", "kv_endpoints", "cpu_cores", "cached_blocks")
     class KvEndpointsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class Register(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model_fingerprint: str
@@ -52,7 +53,16 @@ class Register(_message.Message):
     max_model_len: int
     kv_endpoints: _containers.ScalarMap[str, str]
     cpu_cores: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_endpoints: _Optional[_Mapping[str, str]] = ..., cpu_cores: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_blocks: _containers.RepeatedCompositeFieldContainer[CachedBlock]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_endpoints: _Optional[_Mapping[str, str]] = ..., cpu_cores: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ...) -> None: ...
+
+class CachedBlock(_message.Message):
+    __slots__ = ("block_id", "hash")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    block_id: int
+    hash: bytes
+    def __init__(self, block_id: _Optional[int] = ..., hash: _Optional[bytes] = ...) -> None: ...
 
 class RegisterAck(_message.Message):
     __slots__ = ("worker_id", "error")
@@ -148,7 +158,7 @@ class KVRecv(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled", "sends", "recvs", "finished_request_ids", "copies", "num_threads")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled", "sends", "recvs", "finished_request_ids", "copies", "num_threads", "cached_blocks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +168,7 @@ class StepPlan(_message.Message):
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -167,7 +178,8 @@ class StepPlan(_message.Message):
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     num_threads: int
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., recvs: _Optional[_Iterable[_Union[KVRecv, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_threads: _Optional[int] = ...) -> None: ...
+    cached_blocks: _containers.RepeatedCompositeFieldContainer[CachedBlock]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., recvs: _Optional[_Iterable[_Union[KVRecv, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_threads: _Optional[int] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst", "request_id", "leader_id")

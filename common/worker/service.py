@@ -21,6 +21,7 @@ import socket
 import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 import torch
@@ -147,7 +148,8 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
                                     ("grpc.max_send_message_length", 64 << 20)]) as channel:
         await asyncio.wait_for(channel.channel_ready(), cfg.connect_timeout_s)
         call = worker_pb2_grpc.WorkerControlStub(channel).Attach()
-        await call.write(worker_pb2.WorkerMessage(register=registration_to_pb(reg)))
+        now = replace(reg, cached_blocks=tuple(worker.block_hashes.items()))
+        await call.write(worker_pb2.WorkerMessage(register=registration_to_pb(now)))
         ack = await asyncio.wait_for(call.read(), cfg.connect_timeout_s)
         if ack is grpc.aio.EOF:
             return

@@ -55,10 +55,14 @@ class Worker:
         self.listeners = listeners
         self._streamer: LayerStreamer | None = None  # sends of the step that ran last
         self.requests: dict[str, RequestState] = {}
+        # block id -> hash of the tokens it holds, as the scheduler announced it, for as long as
+        # nothing writes the block again: what a new scheduler's prefix cache starts from
+        self.block_hashes: dict[int, bytes] = {}
         self._counts = _Counts()
 
     def reset(self) -> None:
-        """Forgets every request: the scheduler that planned them is gone."""
+        """Forgets every request: the scheduler that planned them is gone (the cache's content,
+        block_hashes, stays for the next one)."""
         self.requests.clear()
         self.receiver.reset()
 
@@ -82,6 +86,7 @@ class Worker:
             self.requests.pop(rid, None)
             self.receiver.cancel_request(rid)
         for recv in plan.recvs:
+            self._overwritten(recv.block_ids)
             self.receiver.expect(recv.transfer_id, recv.request_id, list(recv.block_ids),
                                  recv.transport or "shm")
         for new in plan.new_requests:
@@ -95,10 +100,15 @@ class Worker:
             req.block_ids.extend(diff.new_block_ids)
             req.token_ids.extend(diff.new_token_ids)
         if plan.copies:
+            self._overwritten([c.dst for c in plan.copies])
             self._copy(plan.copies, failed, errors)
 
         scheduled = [(self.requests[s.request_id], s.num_tokens) for s in plan.scheduled
                      if s.request_id in self.requests]
+        bs = self.cache.layout.block_size
+        for r, n in scheduled:  # the blocks this forward writes
+            self._overwritten(r.block_ids[r.num_computed_tokens // bs:
+                                          (r.num_computed_tokens + n - 1) // bs + 1])
         self._streamer = self._layerwise(plan, scheduled)
         sampled: list[SampledToken] = []
         prompt_logprobs: list[PromptLogprobs] = []
@@ -116,8 +126,14 @@ class Worker:
             self._counts.prompt_tokens += stats.prompt_tokens
             self._counts.decoded += stats.decode_tokens
         self._counts.steps += 1
+        # after this step's writes: the plan announces the blocks it computes, among others
+        self.block_hashes.update(plan.cached_blocks)
         return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters,
                           tuple(prompt_logprobs))
+
+    def _overwritten(self, block_ids) -> None:
+        for b in block_ids:
+            self.block_hashes.pop(b, None)
 
     def ready_sends(self, plan: StepPlan) -> list[KVSend]:
         """The plan's sends of prompts that earlier steps finished computing, taken out of it:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+HASH_BYTES = 32  # sha256
+
 
 def salt_hash(cache_salt: str) -> bytes:
     return hashlib.sha256(b"pdserve-salt\0" + cache_salt.encode()).digest()

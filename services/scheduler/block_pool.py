@@ -58,14 +58,20 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 self._free[b] = None
 
+    def evict_last(self, block_id: int) -> None:
+        """A free block to the back of the free queue: reused after every other free block."""
+        self._free.move_to_end(block_id)
+
     def get_cached(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 
-    def cache(self, block_id: int, block_hash: bytes) -> None:
-        """Makes a full, computed block findable by its hash. If another block already holds the
-        same tokens, that one stays the cached copy and this one stays anonymous."""
+    def cache(self, block_id: int, block_hash: bytes) -> bool:
+        """Makes a full, computed block findable by its hash; whether it did. If another block
+        already holds the same tokens, that one stays the cached copy and this one stays
+        anonymous."""
         if not self.enable_caching or block_hash in self.cached:
-            return
+            return False
         assert self.block_hash[block_id] is None, f"block {block_id} is cached twice"
         self.cached[block_hash] = block_id
         self.block_hash[block_id] = block_hash
+        return True

@@ -14,8 +14,9 @@ keep them referenced until `done(event)`.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
+from services.scheduler.block_hash import HASH_BYTES
 from services.scheduler.block_pool import BlockPool
 
 
@@ -30,6 +31,8 @@ class KVCacheManager:
         self._blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks already in the prefix cache
         self._deferred: defaultdict[Hashable, list[list[int]]] = defaultdict(list)
+        # cached blocks the worker has not been told of (it reports them to a new scheduler)
+        self._announce: dict[int, bytes] = {}
         # prefix-cache lookups that led to an allocation, in tokens (vLLM's units for metrics)
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -82,7 +85,7 @@ class KVCacheManager:
             self.pool.touch(list(prefix))
             held = self._blocks[request_id] = list(prefix)
             self._num_registered[request_id] = len(prefix)
-        new = self.pool.allocate(max(0, self.blocks_for(num_tokens) - len(held)))
+        new = self._allocate(max(0, self.blocks_for(num_tokens) - len(held)))
         held.extend(new)
         return new
 
@@ -103,7 +106,7 @@ class KVCacheManager:
         self._num_registered[child_id] = min(full, self._num_registered[parent_id])
         if not partial:
             return None
-        own = self.pool.allocate(1)[0]
+        own = self._allocate(1)[0]
         self._blocks[child_id].append(own)
         return parent[full], own
 
@@ -115,8 +118,34 @@ class KVCacheManager:
         start = self._num_registered[request_id]
         end = min(num_tokens // self.block_size, len(block_hashes), len(held))
         for i in range(start, end):
-            self.pool.cache(held[i], block_hashes[i])
+            if self.pool.cache(held[i], block_hashes[i]):
+                self._announce[held[i]] = block_hashes[i]
         self._num_registered[request_id] = max(start, end)
+
+    def take_announcements(self) -> list[tuple[int, bytes]]:
+        """(block id, hash) cached since the last call and still cached: for the worker's
+        next plan."""
+        out, self._announce = list(self._announce.items()), {}
+        return out
+
+    def seed(self, cached: Iterable[tuple[int, bytes]]) -> int:
+        """A worker's report of the blocks its cache holds (a scheduler that starts anew):
+        each becomes a free cached block, evicted after the blocks that hold nothing. Ids out
+        of range, malformed hashes and repeats are left out. Returns how many were taken."""
+        n = 0
+        for b, h in cached:
+            if 0 <= b < self.pool.num_blocks and len(h) == HASH_BYTES and \
+                    self.pool.block_hash[b] is None and self.pool.ref_cnt[b] == 0 \
+                    and self.pool.cache(b, h):
+                self.pool.evict_last(b)
+                n += 1
+        return n
+
+    def _allocate(self, n: int) -> list[int]:
+        ids = self.pool.allocate(n)
+        for b in ids:  # evicted: its tokens will be overwritten
+            self._announce.pop(b, None)
+        return ids
 
     def num_registered(self, request_id: str) -> int:
         return self._num_registered.get(request_id, 0)

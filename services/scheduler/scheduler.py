@@ -159,6 +159,7 @@ class Scheduler:
         w.recvs.clear()
         if plan.is_empty():
             return None
+        plan.cached_blocks.extend(w.kv.take_announcements())
         plan.num_threads = self._threads(w)
         step.request_ids = {s.request_id for s in plan.scheduled}
         step.prefill_tokens = sum(s.num_tokens for s in plan.scheduled
@@ -183,6 +184,7 @@ class Scheduler:
             return None
         plan = self.decode.plan_ahead(w)
         if plan is not None:
+            plan.cached_blocks.extend(w.kv.take_announcements())
             plan.num_threads = self._threads(w)
         return plan
 

@@ -86,7 +86,9 @@ class Workers(Mapping[str, WorkerState]):
                         f"decode worker {d.worker_id} ({_offer(d)}); shm works only within one "
                         "host id: offer tcp (or nccl) on both")
         self._by_id[w.worker_id] = w
-        log.info("worker %s joined: role=%s blocks=%d", w.worker_id, w.role, reg.num_blocks)
+        cached = w.kv.seed(reg.cached_blocks)  # what it kept through a scheduler's restart
+        log.info("worker %s joined: role=%s blocks=%d (%d of them cached)", w.worker_id, w.role,
+                 reg.num_blocks, cached)
         return w
 
     def leave(self, worker_id: str) -> WorkerState | None:

@@ -88,13 +88,15 @@ def _stream(url: str, i: int, kill_at: float | None = None) -> tuple[list[int], 
 
 def test_streams_go_on_through_a_scheduler_killed_under_load(tiny_llama, tmp_path):
     """SIGKILL of the scheduler under 16 streams: `pdserve up` restarts it, the workers
-    re-attach, the gateway resubmits each stream with its tokens so far, and every stream ends
-    with the tokens of an undisturbed run (greedy and seeded); every block is free after."""
+    re-attach with what their caches hold, the gateway resubmits each stream with its tokens so
+    far, and every stream ends with the tokens of an undisturbed run (greedy and seeded); every
+    block is free after, and a prompt cached before the kill is a prefix hit after it."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.e2e.conftest import Stack
     stack = Stack(tiny_llama, tmp_path, "--num-kv-blocks", "512")
     try:
+        seen = _cached_tokens(stack.url, LONG)  # its blocks in both workers' caches
         with ThreadPoolExecutor(16) as pool:
             want = [ids for ids, _ in pool.map(lambda i: _stream(stack.url, i), range(16))]
             running = [pool.submit(_stream, stack.url, i) for i in range(16)]
@@ -114,5 +116,20 @@ def test_streams_go_on_through_a_scheduler_killed_under_load(tiny_llama, tmp_pat
         assert stats["num_running"] == 0
         assert all(w["num_free_blocks"] == w["num_blocks"] for w in stats["workers"])
         assert "exited with -9; restarting it" in stack.log.read_text()
+        # the workers reported what their caches hold: the new scheduler hits the old prompt
+        assert seen == 0 and _cached_tokens(stack.url, LONG) >= 64
     finally:
         stack.stop()
+
+
+LONG = list(range(300, 380))  # 80 tokens: five full blocks
+
+
+def _cached_tokens(url: str, prompt: list[int]) -> int:
+    import httpx
+    with httpx.Client(base_url=url, timeout=120) as c:
+        r = c.post("/v1/completions", json={
+            "model": c.get("/v1/models").json()["data"][0]["id"], "prompt": prompt,
+            "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
