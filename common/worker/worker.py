@@ -126,8 +126,11 @@ class Worker:
             self._counts.prompt_tokens += stats.prompt_tokens
             self._counts.decoded += stats.decode_tokens
         self._counts.steps += 1
-        # after this step's writes: the plan announces the blocks it computes, among others
-        self.block_hashes.update(plan.cached_blocks)
+        # after this step's writes: the plan announces the blocks it computes, among others,
+        # but not those of a request that could not join (its KV never landed)
+        unwritten = {b for new in plan.new_requests if new.request_id in failed
+                     for b in new.block_ids}
+        self.block_hashes.update((b, h) for b, h in plan.cached_blocks if b not in unwritten)
         return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters,
                           tuple(prompt_logprobs))
 
