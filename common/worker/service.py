@@ -139,9 +139,11 @@ def default_host_id() -> str:
 async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
                       telemetry: WorkerTelemetry | None = None,
                       health: Health | None = None,
-                      leaving: asyncio.Event | None = None) -> None:
+                      leaving: asyncio.Event | None = None,
+                      steps: ThreadPoolExecutor | None = None) -> None:
     """Registers and runs plans until the stream ends; health SERVING meanwhile. Once
-    `leaving` is set, tells the scheduler, which ends the stream when the worker is drained."""
+    `leaving` is set, tells the scheduler, which ends the stream when the worker is drained.
+    `steps`: the one thread that runs steps (see serve); None: a thread of its own."""
     traced = telemetry if telemetry is not None and tracing.enabled() else None
     async with grpc.aio.insecure_channel(
             cfg.scheduler, options=[("grpc.max_receive_message_length", 64 << 20),
@@ -162,10 +164,13 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
             await health.set("", True)
         writes = asyncio.Lock()  # one write at a time on the stream
         leave = asyncio.create_task(_leave_when(leaving, call, writes, health))
+        own = steps is None
+        runner = ThreadPoolExecutor(1, thread_name_prefix="step") if steps is None else steps
         try:
-            with ThreadPoolExecutor(1, thread_name_prefix="step") as steps:
-                await _run_plans(call, worker, steps, traced, writes)
+            await _run_plans(call, worker, runner, traced, writes)
         finally:
+            if own:
+                runner.shutdown()
             leave.cancel()
             if health is not None:
                 await health.set("", False)
@@ -231,7 +236,11 @@ async def start_health(cfg: WorkerConfig) -> Health | None:
 
 async def serve(cfg: WorkerConfig) -> int:
     tracing.setup_tracing(f"pdserve-{cfg.role}-worker", cfg.otlp_traces_endpoint)
-    worker, reg = build_worker(cfg)
+    # one thread loads the model and runs every step: oneDNN's prepacked linears and torch's
+    # thread team belong to the thread that made them (built on another thread, a decode step
+    # of one sequence took 18-25 ms with 2 threads, as slow as with 1; 15-18 ms on its own)
+    steps = ThreadPoolExecutor(1, thread_name_prefix="step")
+    worker, reg = await asyncio.get_running_loop().run_in_executor(steps, build_worker, cfg)
     await start_listeners(worker, reg)
     telemetry = await start_telemetry(cfg, worker)
     health = await start_health(cfg)
@@ -241,7 +250,8 @@ async def serve(cfg: WorkerConfig) -> int:
         loop.add_signal_handler(sig, lambda: now.set() if stop.is_set() else stop.set())
     try:
         while not stop.is_set():
-            task = asyncio.create_task(attach_once(cfg, worker, reg, telemetry, health, stop))
+            task = asyncio.create_task(attach_once(cfg, worker, reg, telemetry, health, stop,
+                                                   steps))
             await _first(task, stop.wait())
             if not task.done():  # leaving: the scheduler ends the stream once drained
                 log.info("leaving: draining for up to %.0f s", cfg.drain_timeout_s)
@@ -274,4 +284,5 @@ async def serve(cfg: WorkerConfig) -> int:
             sender.close()
         for listener in worker.listeners.values():
             await listener.close()
+        steps.shutdown(wait=False)
     return 0
