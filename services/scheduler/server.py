@@ -190,7 +190,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                     self.scheduler.transfers_done(wid, transfers_done_from_pb(msg.transfers))
                 elif msg.HasField("leave"):
                     self.scheduler.drain_worker(wid)
-                    link.leaving = True
+                    await self.update_health()  # a path it made may be gone now
                 elif msg.HasField("result") and link.steps \
                         and msg.result.step_id == link.steps[0][0]:
                     self._dispatch(self.scheduler.update(wid, result_from_pb(msg.result)))
@@ -216,12 +216,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             wake.clear()
             if link.gone:
                 return
-            if link.leaving and self.scheduler.drained(wid):
+            if self.scheduler.drained(wid):
                 log.info("worker %s drained: it leaves", wid)
                 return
-            if link.leaving and not link.health_told:
-                link.health_told = True
-                await self.update_health()  # a path it made may be gone now
             if not link.steps:
                 planned_at = time.time()
                 plan = self.scheduler.schedule(wid) if self.scheduler.has_work(wid) else None
@@ -262,8 +259,6 @@ class _WorkerLink:
         self.context = context
         self.steps: deque[tuple[int, asyncio.Future[bool]]] = deque()
         self.gone = False
-        self.leaving = False  # it said it leaves: its stream ends once it is drained
-        self.health_told = False  # health reflects that it leaves
 
 
 def _to_response(out: Output, sample: int) -> scheduler_pb2.GenerateResponse:

@@ -1,4 +1,5 @@
 """The whole stack as `pdserve up` starts it: four real processes on 127.0.0.1."""
+import json
 import os
 import signal
 import socket
@@ -30,6 +31,26 @@ def stop_all(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def stream_completion(url: str, body: dict) -> tuple[list[int], list[float]]:
+    """POST /v1/completions streamed (body gets the served model and return_token_ids): the
+    choice tokens and each chunk's arrival time; fails on a non-200 or an error event."""
+    ids: list[int] = []
+    times: list[float] = []
+    with httpx.Client(base_url=url, timeout=120) as c:
+        body = {**body, "stream": True, "return_token_ids": True,
+                "model": c.get("/v1/models").json()["data"][0]["id"]}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    for choice in event["choices"]:
+                        ids += choice.get("token_ids") or []
+                        times.append(time.monotonic())
+    return ids, times
 
 
 class Stack:

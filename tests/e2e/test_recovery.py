@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from protos import scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.conftest import free_port, stop_all
+from tests.e2e.conftest import free_port, stop_all, stream_completion
 from tests.e2e.test_serve import _greedy, _prompt
 
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
@@ -66,24 +66,11 @@ def test_workers_reattach_to_a_restarted_scheduler(tiny_llama, tmp_path):
         stop_all(procs)
 
 
-def _stream(url: str, i: int, kill_at: float | None = None) -> tuple[list[int], list[float]]:
+def _stream(url: str, i: int) -> tuple[list[int], list[float]]:
     """Choice tokens and arrival times of stream i (greedy when i is even, else seeded)."""
-    import httpx
-    body = {"model": "m", "prompt": f"Stream {i} keeps going through a failover", "stream": True,
-            "max_tokens": 96, "ignore_eos": True, "return_token_ids": True,
-            "temperature": 0.0 if i % 2 == 0 else 0.9, "seed": 1000 + i}
-    ids, times = [], []
-    with httpx.Client(base_url=url, timeout=120) as c:
-        body["model"] = c.get("/v1/models").json()["data"][0]["id"]
-        with c.stream("POST", "/v1/completions", json=body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    event = json.loads(line[6:])
-                    assert "error" not in event, event
-                    for choice in event["choices"]:
-                        ids += choice.get("token_ids") or []
-                        times.append(time.monotonic())
-    return ids, times
+    return stream_completion(url, {
+        "prompt": f"Stream {i} keeps going through a failover", "max_tokens": 96,
+        "ignore_eos": True, "temperature": 0.0 if i % 2 == 0 else 0.9, "seed": 1000 + i})
 
 
 def test_streams_go_on_through_a_scheduler_killed_under_load(tiny_llama, tmp_path):

@@ -2,7 +2,6 @@
 workers, two gateway processes): SIGTERM to a decode worker lets its streams finish there (none
 is recomputed) before it leaves and comes back; SIGTERM to each service in turn, while clients
 keep sending, loses no request and changes no token."""
-import json
 import os
 import signal
 import subprocess
@@ -10,10 +9,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import Stack, stream_completion
 from tests.e2e.test_gateways import gateway_children
 
 MAX_TOKENS = 48
@@ -29,20 +27,9 @@ def rolling(tiny_llama, tmp_path_factory):
 
 def complete(url: str, i: int) -> list[int]:
     """Greedy when i is even, else seeded; streamed; raises on anything but a full answer."""
-    body = {"prompt": f"Client {i} asks through a rolling restart", "stream": True,
-            "max_tokens": MAX_TOKENS, "ignore_eos": True, "return_token_ids": True,
-            "temperature": 0.0 if i % 2 == 0 else 0.8, "seed": 7 * i}
-    ids: list[int] = []
-    with httpx.Client(base_url=url, timeout=120) as c:
-        body["model"] = c.get("/v1/models").json()["data"][0]["id"]
-        with c.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    event = json.loads(line[6:])
-                    assert "error" not in event, event
-                    for choice in event["choices"]:
-                        ids += choice.get("token_ids") or []
+    ids, _ = stream_completion(url, {
+        "prompt": f"Client {i} asks through a rolling restart", "max_tokens": MAX_TOKENS,
+        "ignore_eos": True, "temperature": 0.0 if i % 2 == 0 else 0.8, "seed": 7 * i})
     assert len(ids) == MAX_TOKENS
     return ids
 
