@@ -27,6 +27,7 @@ class Registration:
     max_model_len: int = 0
     cpu_cores: tuple[int, ...] = ()  # a CPU worker's cores (its affinity); () on a GPU
     cached_blocks: tuple[tuple[int, bytes], ...] = ()  # (block id, hash) its cache holds
+    num_speculative_tokens: int = 0  # drafts it verifies per decode step (0: no speculation)
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,13 @@ class CachedRequest:
 
 @dataclass(frozen=True)
 class ScheduledTokens:
+    """num_tokens of the request's tokens to compute. A decoding request may also hold
+    num_lookahead slots past its last token: the worker fills them with draft tokens it
+    verifies in the same forward (speculative decoding), so one step may sample up to
+    num_lookahead + 1 tokens of it."""
     request_id: str
     num_tokens: int
+    num_lookahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,10 @@ class WorkerCounters:
     kv_blocks_sent: int = 0
     kv_blocks_received: int = 0
     steps: int = 0
+    spec_drafts: int = 0            # decode rows that verified at least one draft token
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # accepted drafts at position 0, 1, ...
 
 
 @dataclass(frozen=True)

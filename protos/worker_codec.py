@@ -47,6 +47,7 @@ def registration_to_pb(r: Registration) -> worker_pb2.Register:
         num_blocks=r.num_blocks, layout=layout_to_pb(r.layout), kv_endpoint=first,
         transports=r.transports, host_id=r.host_id, max_model_len=r.max_model_len,
         kv_endpoints=r.kv_endpoints, cpu_cores=r.cpu_cores,
+        num_speculative_tokens=r.num_speculative_tokens,
         cached_blocks=[worker_pb2.CachedBlock(block_id=b, hash=h) for b, h in r.cached_blocks])
 
 
@@ -58,6 +59,7 @@ def registration_from_pb(pb: worker_pb2.Register) -> Registration:
         num_blocks=pb.num_blocks, layout=layout_from_pb(pb.layout),
         transports=tuple(pb.transports), kv_endpoints=endpoints, host_id=pb.host_id,
         max_model_len=pb.max_model_len, cpu_cores=tuple(pb.cpu_cores),
+        num_speculative_tokens=pb.num_speculative_tokens,
         cached_blocks=tuple((c.block_id, c.hash) for c in pb.cached_blocks))
 
 
@@ -79,7 +81,8 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
         pb.cached_requests.add(request_id=c.request_id, new_block_ids=c.new_block_ids,
                                new_token_ids=c.new_token_ids)
     for s in plan.scheduled:
-        pb.scheduled.add(request_id=s.request_id, num_tokens=s.num_tokens)
+        pb.scheduled.add(request_id=s.request_id, num_tokens=s.num_tokens,
+                         num_lookahead=s.num_lookahead)
     for k in plan.sends:
         pb.sends.add(transfer_id=k.transfer_id, request_id=k.request_id,
                      src_block_ids=k.src_block_ids, dst_block_ids=k.dst_block_ids,
@@ -104,7 +107,8 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> StepPlan:
             trace_context=dict(n.trace_context)) for n in pb.new_requests],
         cached_requests=[CachedRequest(c.request_id, tuple(c.new_block_ids),
                                        tuple(c.new_token_ids)) for c in pb.cached_requests],
-        scheduled=[ScheduledTokens(s.request_id, s.num_tokens) for s in pb.scheduled],
+        scheduled=[ScheduledTokens(s.request_id, s.num_tokens, s.num_lookahead)
+                   for s in pb.scheduled],
         sends=[KVSend(k.transfer_id, k.request_id, tuple(k.src_block_ids),
                       tuple(k.dst_block_ids), k.dst_endpoint, k.transport) for k in pb.sends],
         recvs=[KVRecv(r.transfer_id, r.request_id, tuple(r.block_ids), r.transport)
@@ -119,12 +123,15 @@ def counters_to_pb(c: WorkerCounters) -> worker_pb2.WorkerCounters:
     return worker_pb2.WorkerCounters(
         prompt_tokens_computed=c.prompt_tokens_computed, tokens_decoded=c.tokens_decoded,
         kv_blocks_sent=c.kv_blocks_sent, kv_blocks_received=c.kv_blocks_received,
-        steps=c.steps)
+        steps=c.steps, spec_drafts=c.spec_drafts, spec_draft_tokens=c.spec_draft_tokens,
+        spec_accepted_tokens=c.spec_accepted_tokens,
+        spec_accepted_per_pos=c.spec_accepted_per_pos)
 
 
 def counters_from_pb(pb: worker_pb2.WorkerCounters) -> WorkerCounters:
     return WorkerCounters(pb.prompt_tokens_computed, pb.tokens_decoded, pb.kv_blocks_sent,
-                          pb.kv_blocks_received, pb.steps)
+                          pb.kv_blocks_received, pb.steps, pb.spec_drafts, pb.spec_draft_tokens,
+                          pb.spec_accepted_tokens, tuple(pb.spec_accepted_per_pos))
 
 
 def result_to_pb(r: StepResult) -> worker_pb2.StepResult:

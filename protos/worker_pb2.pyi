@@ -22,7 +22,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("worker_id", "role", "model_fingerprint", "num_blocks", "layout", "kv_endpoint", "transports", "host_id", "max_model_len", "kv_endpoints", "cpu_cores", "cached_blocks")
+    __slots__ = ("worker_id", "role", "model_fingerprint", "num_blocks", "layout", "kv_endpoint", "transports", "host_id", "max_model_len", "kv_endpoints", "cpu_cores", "cached_blocks", "num_speculative_tokens")
     class KvEndpointsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class Register(_message.Message):
     KV_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     CPU_CORES_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model_fingerprint: str
@@ -54,7 +55,8 @@ class Register(_message.Message):
     kv_endpoints: _containers.ScalarMap[str, str]
     cpu_cores: _containers.RepeatedScalarFieldContainer[int]
     cached_blocks: _containers.RepeatedCompositeFieldContainer[CachedBlock]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_endpoints: _Optional[_Mapping[str, str]] = ..., cpu_cores: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ...) -> None: ...
+    num_speculative_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_endpoints: _Optional[_Mapping[str, str]] = ..., cpu_cores: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class CachedBlock(_message.Message):
     __slots__ = ("block_id", "hash")
@@ -122,12 +124,14 @@ class CachedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledTokens(_message.Message):
-    __slots__ = ("request_id", "num_tokens")
+    __slots__ = ("request_id", "num_tokens", "num_lookahead")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    num_lookahead: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_lookahead: _Optional[int] = ...) -> None: ...
 
 class KVSend(_message.Message):
     __slots__ = ("transfer_id", "request_id", "src_block_ids", "dst_block_ids", "dst_endpoint", "transport")
@@ -230,18 +234,26 @@ class RequestError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class WorkerCounters(_message.Message):
-    __slots__ = ("prompt_tokens_computed", "tokens_decoded", "kv_blocks_sent", "kv_blocks_received", "steps")
+    __slots__ = ("prompt_tokens_computed", "tokens_decoded", "kv_blocks_sent", "kv_blocks_received", "steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos")
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_DECODED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens_computed: int
     tokens_decoded: int
     kv_blocks_sent: int
     kv_blocks_received: int
     steps: int
-    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled", "errors", "counters", "prompt_logprobs")

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from common.models import dtype as dtypes
+from common.worker.speculative import SpeculativeConfig
 from services.gateway.tools import PARSERS
 
 DEFAULT_MODEL = "models/tiny-llama"
@@ -76,8 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"evenly between them (default on a GPU: {GPU_MEMORY_SHARE})")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="only 1: tensor parallelism is not built yet")
-    p.add_argument("--speculative-config", default=None,
-                   help="refused: speculative decoding is not built yet")
+    p.add_argument("--speculative-config", default="",
+                   help="speculative decoding on the decode workers (those that decode, in "
+                        "either mode), vLLM's JSON: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
     p.add_argument("--structured-outputs-config", default="",
                    help="see `pdserve gateway`: vLLM's JSON object (backend, "
                         "disable_any_whitespace)")
@@ -124,8 +127,10 @@ def unbuilt(args) -> str | None:
     if args.tensor_parallel_size != 1:
         return (f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
                 "built yet; each worker holds the whole model on one device (use 1)")
-    if args.speculative_config is not None:
-        return "--speculative-config: speculative decoding is not built yet"
+    try:
+        SpeculativeConfig.parse(args.speculative_config)
+    except ValueError as e:
+        return str(e)
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         return "--gpu-memory-utilization must be in (0, 1]"
     return None
@@ -195,9 +200,11 @@ def commands(args) -> list[list[str]]:
     yields = ["--cpu-nice", str(PREFILL_NICE)] if shared else []
     cmds += [exe + ["prefill-worker"] + worker + metrics[1 + i] + cores[i] + yields
              + shlex.split(args.prefill_worker_args) for i in range(args.prefill_workers)]
+    speculative = ["--speculative-config", args.speculative_config] \
+        if args.speculative_config else []
     cmds += [exe + ["decode-worker"] + worker + metrics[1 + args.prefill_workers + i]
-             + cores[args.prefill_workers + i] + shlex.split(args.decode_worker_args)
-             for i in range(args.decode_workers)]
+             + cores[args.prefill_workers + i] + speculative
+             + shlex.split(args.decode_worker_args) for i in range(args.decode_workers)]
     gateway = exe + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler", sched,
                      "--model", args.model, "--generation-config", args.generation_config,
                      *tracing]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from common import metrics, tracing
 from common.kv_transfer.registry import KNOWN_TRANSPORTS
 from common.models import dtype as dtypes
+from common.worker.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class WorkerConfig:
     detailed_traces: bool = False    # a span per decode step too
     reconnect_s: float = 1.0
     drain_timeout_s: float = 30.0    # SIGTERM: how long its requests may run on before it leaves
+    speculative_config: str = ""     # vLLM's JSON (speculative.py); "": no speculation
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode"):
@@ -72,6 +74,7 @@ class WorkerConfig:
             raise ValueError("--health-port must be in 0..65535")
         if not 0 <= self.cpu_nice <= 19:
             raise ValueError("--cpu-nice must be in 0..19")
+        self.speculative()  # raises for a config that does not parse
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, not {self.device!r}")
         self._set_dtype()
@@ -99,6 +102,9 @@ class WorkerConfig:
             object.__setattr__(self, "dtype", choice.dtype)
         else:
             object.__setattr__(self, "dtype", dtypes.canonical(self.dtype))
+
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -213,6 +219,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(env PDSERVE_HEALTH_PORT)")
     p.add_argument("--health-host", default=env("PDSERVE_HEALTH_HOST", d.health_host),
                    help="address the health port binds (env PDSERVE_HEALTH_HOST)")
+    p.add_argument("--speculative-config", default=env("PDSERVE_SPECULATIVE_CONFIG", ""),
+                   help='speculative decoding on this worker\'s decode steps, as vLLM\'s JSON: '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
+                        "(env PDSERVE_SPECULATIVE_CONFIG); default: none")
     tracing.add_arguments(p)
     p.add_argument("--detailed-traces", action="store_true",
                    help="with tracing on, a span per decode step of every request (costly)")
@@ -240,5 +251,6 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         health_port=args.health_port, health_host=args.health_host,
                         drain_timeout_s=args.drain_timeout,
+                        speculative_config=args.speculative_config,
                         otlp_traces_endpoint=args.otlp_traces_endpoint or "",
                         detailed_traces=args.detailed_traces)

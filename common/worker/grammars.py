@@ -113,15 +113,48 @@ class Guide:
     def constrains(self) -> bool:
         return not self.matcher.is_terminated()
 
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many leading draft tokens the grammar allows after the tokens it has taken
+        (it is left where it was)."""
+        n = taken = 0
+        for token in drafts:
+            if not self.matcher.is_terminated():
+                if not self.matcher.accept_token(token):
+                    break
+                taken += 1
+            n += 1
+        self._rollback(taken)
+        return n
 
-def mask_logits(logits: torch.Tensor, guides: list[Guide | None], vocab_size: int) -> None:
-    """logits: [B, >= vocab_size]; row i keeps only what guides[i] allows (None: every token).
-    In place."""
-    rows = [(i, g) for i, g in enumerate(guides) if g is not None and g.constrains]
-    if not rows:
-        return
+    def fill(self, bitmask: torch.Tensor, row: int, ahead: list[int]) -> bool:
+        """Row `row` of bitmask: what the grammar allows after its tokens and then `ahead` (draft
+        tokens it allows); False, the row left alone, where it allows anything there."""
+        taken = 0
+        for token in ahead:
+            if self.matcher.is_terminated():
+                break
+            ok = self.matcher.accept_token(token)
+            assert ok, f"draft token {token} was checked against the grammar"
+            taken += 1
+        constrains = not self.matcher.is_terminated()
+        if constrains:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        self._rollback(taken)
+        return constrains
+
+    def _rollback(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
+
+
+def mask_logits(logits: torch.Tensor, guides: list[Guide | None], vocab_size: int,
+                ahead: list[list[int]] | None = None) -> None:
+    """logits: [B, >= vocab_size]; row i keeps only what guides[i] allows (None: every token)
+    after the tokens it has taken and then ahead[i] (draft tokens before row i's position, when
+    given). In place."""
     bitmask = xgr.allocate_token_bitmask(len(guides), vocab_size)  # [B, ceil(V / 32)] int32
-    for i, guide in rows:
-        guide.matcher.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size,
-                                    indices=[i for i, _ in rows])
+    rows = [i for i, g in enumerate(guides)
+            if g is not None and g.fill(bitmask, i, ahead[i] if ahead else [])]
+    if rows:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device),
+                                        vocab_size=vocab_size, indices=rows)

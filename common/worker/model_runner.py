@@ -14,6 +14,7 @@ from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.grammars import GrammarError, Grammars, Guide, mask_logits
 from common.worker.prompt_logprobs import PromptChunk, prompt_logprobs, score_chunk
 from common.worker.sampler import Sampler, SamplingRequest
+from common.worker.speculative import NgramProposer, SpeculativeConfig
 
 
 @dataclass
@@ -55,24 +56,33 @@ class Sampled:
 class StepStats:
     prompt_tokens: int = 0
     decode_tokens: int = 0
+    spec_drafts: int = 0          # rows that verified drafts
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)  # requests that failed the step
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, sampler: Sampler,
-                 decode_graphs: DecodeGraphs | None = None, grammars: Grammars | None = None):
+                 decode_graphs: DecodeGraphs | None = None, grammars: Grammars | None = None,
+                 speculative: SpeculativeConfig | None = None):
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.grammars = grammars  # None: a request with a grammar fails
         self.block_size = cache.layout.block_size
         self.decode_graphs = decode_graphs  # decode-only steps replay these where they fit
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
+        self.proposer = NgramProposer(speculative) if speculative else None
 
-    def execute(self, scheduled: list[tuple[RequestState, int]],
-                on_layer=None) -> tuple[list[Sampled], StepStats]:
+    def execute(self, scheduled: list[tuple[RequestState, int]], on_layer=None,
+                lookahead: dict[str, int] | None = None) -> tuple[list[Sampled], StepStats]:
         """Computes num_tokens of each request; samples for those that reach their last token,
         and for the forks of those that sample their first (same logits, their own params).
+        A decoding request given lookahead slots (request id -> slots) verifies drafts there
+        and may sample several tokens (speculative.py).
         Prefill chunks of requests asking for prompt logprobs score their prompt tokens
         (stats.prompt_logprobs). Requests with a grammar sample what it allows; one that cannot
         (its grammar does not compile, or its output left it) fails (stats.errors)."""
@@ -83,24 +93,32 @@ class ModelRunner:
             need = -(-(req.num_computed_tokens + n) // self.block_size)
             assert len(req.block_ids) >= need, (
                 f"{req.request_id}: {len(req.block_ids)} blocks for {need} needed")
-        decodes = [(r, n) for r, n in scheduled if n == 1 and r.is_decode]
-        prefills = [(r, n) for r, n in scheduled if not (n == 1 and r.is_decode)]
-        ordered = decodes + prefills
+        failed: dict[str, str] = {}
+        drafts = self._propose(scheduled, lookahead or {}, failed)
+        decodes = [(r, n) for r, n in scheduled
+                   if n == 1 and r.is_decode and r.request_id not in drafts]
+        verifies = [(r, 1 + len(drafts[r.request_id])) for r, _ in scheduled
+                    if r.request_id in drafts]
+        prefills = [(r, n) for r, n in scheduled
+                    if not (n == 1 and r.is_decode) and r.request_id not in drafts]
+        ordered = decodes + verifies + prefills
+        chunks = verifies + prefills  # attend as prefill chunks do: causal over their tokens
         ids: list[int] = []
         positions: list[int] = []
         for r, n in ordered:
             start = r.num_computed_tokens
             ids.extend(r.token_ids[start:start + n])
+            ids.extend(drafts.get(r.request_id, ()))
             positions.extend(range(start, start + n))
         device = self.cache.tensor.device
         graphs = self.decode_graphs
         decoding = [(r.num_computed_tokens, r.block_ids) for r, _ in decodes]
-        if (graphs is not None and not prefills and on_layer is None
+        if (graphs is not None and not chunks and on_layer is None
                 and graphs.fits(len(decodes), max(len(b) for _, b in decoding))):
             hidden = graphs.run(ids, decoding)
         else:
             meta = AttentionMetadata.build(
-                decoding, [(r.num_computed_tokens, n, r.block_ids) for r, n in prefills],
+                decoding, [(r.num_computed_tokens, n, r.block_ids) for r, n in chunks],
                 self.block_size)
             if device.type != "cpu":
                 meta = meta.to(device)
@@ -110,10 +128,15 @@ class ModelRunner:
 
         stats = StepStats(decode_tokens=sum(r.num_computed_tokens >= r.num_prompt_tokens
                                             for r, _ in decodes))
-        rows, last_token_idx = [], []
+        rows: list[_Row] = []
         scoring: list[PromptChunk] = []
         offset = 0
         for r, n in ordered:
+            row_drafts = drafts.get(r.request_id)
+            if row_drafts is not None:  # the request's last token and its drafts
+                rows.append(_Row(r, list(range(offset, offset + n)), row_drafts))
+                offset += n
+                continue
             stats.prompt_tokens += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens)
                                        - r.num_computed_tokens)
             if r.scores_prompt and (chunk := score_chunk(
@@ -123,48 +146,115 @@ class ModelRunner:
             r.num_computed_tokens += n
             offset += n
             if r.num_computed_tokens == len(r.token_ids):
-                rows.append(r)
-                last_token_idx.append(offset - 1)
+                rows.append(_Row(r, [offset - 1], []))
         if scoring:
             stats.prompt_logprobs = prompt_logprobs(
                 hidden, self.model.compute_logits, self.sampler.vocab_size, scoring)
         if not rows:
+            stats.errors = [RequestError(rid, error) for rid, error in failed.items()]
             return [], stats
-        logits = self.model.compute_logits(hidden[torch.tensor(last_token_idx, device=device)])
-        batch = [self._sampling_row(r, r.sampling) for r in rows]
-        failed: dict[str, str] = {}
-        guides = [self._guide(r, failed) for r in rows]
-        row_of = list(range(len(rows)))  # logits row of each sampled row
-        forks = []
-        for i, r in enumerate(rows):
+        logits_idx = [i for row in rows for i in row.hidden_rows]
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_idx, device=device)])
+        # sampler rows: one per position a request samples at, then its forks' first tokens
+        batch: list[SamplingRequest] = []
+        guides: list[Guide | None] = []
+        ahead: list[list[int]] = []
+        forks: list[tuple[Fork, int]] = []  # (fork, its leader's logits row)
+        first_row = 0
+        for row in rows:
+            r = row.request
+            guide = self._guide(r, failed)
+            for j in range(len(row.hidden_rows)):
+                batch.append(self._sampling_row(r, r.sampling, row.drafts[:j]))
+                guides.append(guide)
+                ahead.append(row.drafts[:j])
             if r.forks and len(r.token_ids) == r.num_prompt_tokens:  # its first token
-                forks.extend(r.forks)
-                batch.extend(self._sampling_row(r, f.sampling) for f in r.forks)
-                row_of.extend([i] * len(r.forks))
+                forks.extend((f, first_row) for f in r.forks)
             r.forks = []
+            first_row += len(row.hidden_rows)
+        row_of = list(range(len(batch))) + [i for _, i in forks]
+        for f, i in forks:  # a fork's first token: its leader's grammar, at the same state
+            batch.append(self._sampling_row(rows_at(rows, i).request, f.sampling, []))
+            guides.append(guides[i])
+            ahead.append([])
         if forks:
             logits = logits[torch.tensor(row_of, device=device)]
-        if any(guides):  # a fork's first token: its leader's grammar, at the same (first) state
-            mask_logits(logits, [guides[i] for i in row_of], self.sampler.vocab_size)
+        if any(guides):
+            mask_logits(logits, guides, self.sampler.vocab_size, ahead)
         out = self.sampler(logits, batch)
-        sampled = []
-        for r, guide, token, logprobs in zip(rows, guides, out.token_ids, out.logprobs):
+        sampled: list[Sampled] = []
+        first_row = 0
+        for row in rows:
+            r = row.request
+            width = len(row.hidden_rows)
+            tokens = out.token_ids[first_row:first_row + width]
+            row_logprobs = out.logprobs[first_row:first_row + width]
+            guide = guides[first_row]
+            first_row += width
             if r.request_id in failed:
                 continue
-            r.token_ids.append(token)
+            kept = self._accept(r, row.drafts, tokens, stats)
+            r.token_ids.extend(tokens[:kept])
+            if row.drafts:
+                r.num_computed_tokens = len(r.token_ids) - 1
+                stats.decode_tokens += kept
             try:
                 if guide is not None:
                     guide.follow(r.token_ids[r.num_prompt_tokens:])
             except GrammarError as e:
                 failed[r.request_id] = str(e)
                 continue
-            sampled.append(Sampled(r.request_id, token, logprobs))
-        for f, i, token, logprobs in zip(forks, row_of[len(rows):], out.token_ids[len(rows):],
-                                         out.logprobs[len(rows):]):
-            if rows[i].request_id not in failed:
+            sampled.extend(Sampled(r.request_id, t, lp)
+                           for t, lp in zip(tokens[:kept], row_logprobs[:kept]))
+        for (f, i), token, logprobs in zip(forks, out.token_ids[first_row:],
+                                           out.logprobs[first_row:]):
+            if rows_at(rows, i).request.request_id not in failed:
                 sampled.append(Sampled(f.request_id, token, logprobs))
         stats.errors = [RequestError(rid, error) for rid, error in failed.items()]
         return sampled, stats
+
+    def _propose(self, scheduled: list[tuple[RequestState, int]], lookahead: dict[str, int],
+                 failed: dict[str, str]) -> dict[str, list[int]]:
+        """Draft tokens of the decoding requests given lookahead slots, within the slots their
+        blocks hold, their max_tokens and what their grammar allows; only those with any."""
+        if self.proposer is None or not lookahead:
+            return {}
+        out = {}
+        for r, n in scheduled:
+            slots = lookahead.get(r.request_id, 0)
+            if not slots or n != 1 or not r.is_decode or len(r.token_ids) <= r.num_prompt_tokens:
+                continue
+            room = len(r.block_ids) * self.block_size - len(r.token_ids)
+            left = r.sampling.max_tokens - (len(r.token_ids) - r.num_prompt_tokens) - 1
+            k = min(self.num_speculative_tokens, slots, room, left)
+            drafts = self.proposer.propose(r.token_ids, k) if k > 0 else []
+            if drafts and r.sampling.grammar:
+                guide = self._guide(r, failed)
+                drafts = drafts[:guide.valid_prefix(drafts)] if guide is not None else []
+            if drafts:
+                out[r.request_id] = drafts
+        return out
+
+    @staticmethod
+    def _accept(r: RequestState, drafts: list[int], tokens: list[int], stats: StepStats) -> int:
+        """How many of the tokens sampled at a row's positions it keeps: those while each equals
+        the draft it verifies, and one more, cut after a token that stops the request."""
+        accepted = 0
+        while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+            accepted += 1
+        if drafts:
+            stats.spec_drafts += 1
+            stats.spec_draft_tokens += len(drafts)
+            stats.spec_accepted_tokens += accepted
+            stats.spec_accepted_per_pos += [0] * (len(drafts) - len(stats.spec_accepted_per_pos))
+            for j in range(accepted):
+                stats.spec_accepted_per_pos[j] += 1
+        kept = accepted + 1
+        num_output = len(r.token_ids) - r.num_prompt_tokens
+        for i, token in enumerate(tokens[:kept - 1]):
+            if _stops(r.sampling, r.eos_token_ids, token, num_output + i + 1):
+                return i + 1
+        return kept
 
     def _guide(self, r: RequestState, failed: dict[str, str]) -> Guide | None:
         """r's matcher, caught up with its output tokens; None without a grammar, or when it
@@ -183,7 +273,38 @@ class ModelRunner:
         return r.guide
 
     @staticmethod
-    def _sampling_row(r: RequestState, params: SamplingParams) -> SamplingRequest:
+    def _sampling_row(r: RequestState, params: SamplingParams,
+                      drafts: list[int]) -> SamplingRequest:
+        """The row sampling r's next token, after `drafts` taken as accepted."""
         return SamplingRequest(params=params, prompt_token_ids=r.token_ids[:r.num_prompt_tokens],
-                               output_token_ids=r.token_ids[r.num_prompt_tokens:],
-                               eos_token_ids=r.eos_token_ids, position=len(r.token_ids))
+                               output_token_ids=r.token_ids[r.num_prompt_tokens:] + drafts,
+                               eos_token_ids=r.eos_token_ids,
+                               position=len(r.token_ids) + len(drafts))
+
+
+@dataclass
+class _Row:
+    """A request sampling in this step: at its last computed position, or (verifying drafts)
+    at its last token's and each draft's."""
+    request: RequestState
+    hidden_rows: list[int]
+    drafts: list[int]
+
+
+def rows_at(rows: list[_Row], logits_row: int) -> _Row:
+    """The row whose sampling positions include logits_row."""
+    for row in rows:
+        if logits_row < len(row.hidden_rows):
+            return row
+        logits_row -= len(row.hidden_rows)
+    raise IndexError(logits_row)
+
+
+def _stops(params: SamplingParams, eos_token_ids: list[int], token: int, num_output: int) -> bool:
+    """Whether token, the request's num_output-th output token, ends it (Request.check_stop's
+    token rules; the scheduler decides, this only spares computing past it)."""
+    if num_output >= params.max_tokens:
+        return True
+    if num_output < params.min_tokens:
+        return False
+    return (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids

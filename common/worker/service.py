@@ -98,7 +98,9 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
             graphs.capture()
     grammars = Grammars(cfg.model, mc.vocab_size)
     grammars.warm()
-    runner = ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed), graphs, grammars)
+    speculative = cfg.speculative()
+    runner = ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed), graphs, grammars,
+                         speculative)
     worker = Worker(runner, cache,
                     {t: create_sender(t, layout, tcfg) for t in cfg.kv_transports}, receiver,
                     {t: create_listener(t, cache, receiver, tcfg) for t in cfg.kv_transports})
@@ -106,7 +108,8 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
         num_blocks=num_blocks, layout=layout, transports=cfg.kv_transports, kv_endpoints={},
         host_id=cfg.host_id or default_host_id(), max_model_len=max_len,
-        cpu_cores=tuple(sorted(os.sched_getaffinity(0))) if device.type == "cpu" else ())
+        cpu_cores=tuple(sorted(os.sched_getaffinity(0))) if device.type == "cpu" else (),
+        num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
     return worker, reg
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,10 @@ class _Counts:
     blocks_sent: int = 0
     blocks_received: int = 0
     steps: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class Worker:
@@ -71,7 +75,8 @@ class Worker:
         """Cumulative, reported to the scheduler with every answer."""
         c = self._counts
         return WorkerCounters(c.prompt_tokens, c.decoded, c.blocks_sent, c.blocks_received,
-                              c.steps)
+                              c.steps, c.spec_drafts, c.spec_draft_tokens,
+                              c.spec_accepted_tokens, tuple(c.spec_accepted_per_pos))
 
     def execute(self, plan: StepPlan) -> StepResult:
         # per step and on the thread that runs it: torch's thread count is per calling thread
@@ -105,17 +110,18 @@ class Worker:
 
         scheduled = [(self.requests[s.request_id], s.num_tokens) for s in plan.scheduled
                      if s.request_id in self.requests]
+        lookahead = {s.request_id: s.num_lookahead for s in plan.scheduled if s.num_lookahead}
         bs = self.cache.layout.block_size
-        for r, n in scheduled:  # the blocks this forward writes
-            self._overwritten(r.block_ids[r.num_computed_tokens // bs:
-                                          (r.num_computed_tokens + n - 1) // bs + 1])
+        for r, n in scheduled:  # the blocks this forward writes (drafts too)
+            last = r.num_computed_tokens + n + lookahead.get(r.request_id, 0) - 1
+            self._overwritten(r.block_ids[r.num_computed_tokens // bs:last // bs + 1])
         self._streamer = self._layerwise(plan, scheduled)
         sampled: list[SampledToken] = []
         prompt_logprobs: list[PromptLogprobs] = []
         if scheduled:
             try:
                 out, stats = self.runner.execute(
-                    scheduled, self._streamer.on_layer if self._streamer else None)
+                    scheduled, self._streamer.on_layer if self._streamer else None, lookahead)
             except BaseException:
                 if self._streamer is not None:
                     self._streamer.abort()
@@ -125,6 +131,7 @@ class Worker:
             errors.extend(stats.errors)
             self._counts.prompt_tokens += stats.prompt_tokens
             self._counts.decoded += stats.decode_tokens
+            self._count_speculation(stats)
         self._counts.steps += 1
         # after this step's writes: the plan announces the blocks it computes, among others,
         # but not those of a request that could not join (its KV never landed)
@@ -133,6 +140,16 @@ class Worker:
         self.block_hashes.update((b, h) for b, h in plan.cached_blocks if b not in unwritten)
         return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters,
                           tuple(prompt_logprobs))
+
+    def _count_speculation(self, stats) -> None:
+        c = self._counts
+        c.spec_drafts += stats.spec_drafts
+        c.spec_draft_tokens += stats.spec_draft_tokens
+        c.spec_accepted_tokens += stats.spec_accepted_tokens
+        per_pos = stats.spec_accepted_per_pos
+        c.spec_accepted_per_pos += [0] * (len(per_pos) - len(c.spec_accepted_per_pos))
+        for j, n in enumerate(per_pos):
+            c.spec_accepted_per_pos[j] += n
 
     def _overwritten(self, block_ids) -> None:
         for b in block_ids:

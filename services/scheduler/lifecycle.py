@@ -78,22 +78,29 @@ class Lifecycle:
                             for r in self.requests.values())
         return len(self.requests) - len(self.waiting) - pending_forks
 
-    def emit(self, req: Request, s: SampledToken, num_prompt_tokens: int) -> Output:
-        """req's new token out to its stream, finishing it where the token stops it; the first
-        one takes the prompt's logprobs along when they were asked for."""
+    def emit(self, req: Request, tokens: Sequence[SampledToken],
+             num_prompt_tokens: int) -> Output:
+        """req's new tokens out to its stream, in order, up to one that stops it (finishing it;
+        those after it are dropped); the first one takes the prompt's logprobs along when they
+        were asked for."""
         prompt_logprobs: list[TokenLogprobs] = []
         if req.scores_prompt:
             prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
             assert len(prompt_logprobs) == len(req.prompt_token_ids) - 1, (
                 f"{req.request_id}: {len(prompt_logprobs)} prompt logprobs for a prompt of "
                 f"{len(req.prompt_token_ids)} tokens")
-        req.output_token_ids.append(s.token_id)
-        logprobs = [s.logprobs] if s.logprobs is not None else []
-        reason, stop_id = req.check_stop(s.token_id, self.workers.max_model_len)
-        if reason:
-            return self.finish(req, reason, token_ids=[s.token_id], logprobs=logprobs,
-                               stop_token_id=stop_id, prompt_logprobs=prompt_logprobs)
-        return Output(req.request_id, [s.token_id], logprobs,
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        for s in tokens:
+            req.output_token_ids.append(s.token_id)
+            token_ids.append(s.token_id)
+            if s.logprobs is not None:
+                logprobs.append(s.logprobs)
+            reason, stop_id = req.check_stop(s.token_id, self.workers.max_model_len)
+            if reason:
+                return self.finish(req, reason, token_ids=token_ids, logprobs=logprobs,
+                                   stop_token_id=stop_id, prompt_logprobs=prompt_logprobs)
+        return Output(req.request_id, token_ids, logprobs,
                       num_prompt_tokens=num_prompt_tokens,
                       num_cached_tokens=req.num_cached_tokens or 0,
                       prompt_logprobs=prompt_logprobs)

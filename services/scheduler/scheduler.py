@@ -162,6 +162,8 @@ class Scheduler:
         plan.cached_blocks.extend(w.kv.take_announcements())
         plan.num_threads = self._threads(w)
         step.request_ids = {s.request_id for s in plan.scheduled}
+        step.lookahead = {s.request_id: s.num_lookahead for s in plan.scheduled
+                          if s.num_lookahead}
         step.prefill_tokens = sum(s.num_tokens for s in plan.scheduled
                                   if self.requests[s.request_id].status is Status.PREFILLING)
         step.planned_at = self.clock()
@@ -233,16 +235,19 @@ class Scheduler:
             req = self._current(w, p.request_id, ran)
             if req is not None and req.scores_prompt:
                 req.add_prompt_logprobs(p.start, p.logprobs)
+        # a request's tokens of this step in order (several where it verified drafts)
+        tokens: dict[str, list[SampledToken]] = {}
+        for s in result.sampled:
+            tokens.setdefault(s.request_id, []).append(s)
         # forks first: they fork from their leader's blocks, which its own token may release
-        forks = {s.request_id for s in result.sampled
-                 if (r := self.requests.get(s.request_id)) is not None
-                 and r.status is Status.FORKING}
-        for s in sorted(result.sampled, key=lambda s: s.request_id not in forks):
-            if s.request_id in forks:
-                out = self._on_fork_token(w, self.requests[s.request_id], s, ran)
+        forks = {rid for rid in tokens
+                 if (r := self.requests.get(rid)) is not None and r.status is Status.FORKING}
+        for rid in sorted(tokens, key=lambda rid: rid not in forks):
+            if rid in forks:
+                out = self._on_fork_token(w, self.requests[rid], tokens[rid][0], ran)
             else:
-                req = self._current(w, s.request_id, ran)
-                out = self._on_token(w, req, s) if req is not None else None
+                req = self._current(w, rid, ran)
+                out = self._on_tokens(w, req, tokens[rid]) if req is not None else None
             if out is not None:
                 outputs.append(out)
         w.kv.done(step_event(step.step_id))
@@ -256,7 +261,7 @@ class Scheduler:
         worker = req.prefill_worker if req.status is Status.PREFILLING else req.decode_worker
         return req if worker == w.worker_id else None
 
-    def _on_token(self, w: WorkerState, req: Request, s: SampledToken) -> Output:
+    def _on_tokens(self, w: WorkerState, req: Request, tokens: list[SampledToken]) -> Output:
         first = not req.output_token_ids
         if req.status is Status.PREFILLING and req.transfer_id:
             req.status = Status.TRANSFERRING
@@ -264,7 +269,7 @@ class Scheduler:
             w.prefilling.remove(req)
             w.decoding.append(req)
             req.status = Status.DECODING
-        return self.lifecycle.emit(req, s, len(req.prompt_token_ids) if first else 0)
+        return self.lifecycle.emit(req, tokens, len(req.prompt_token_ids) if first else 0)
 
     def _on_fork_token(self, w: WorkerState, fork: Request, s: SampledToken,
                        ran: set[str]) -> Output | None:
@@ -276,7 +281,7 @@ class Scheduler:
         fork.num_cached_tokens = leader.num_cached_tokens
         if fork.scores_prompt:  # the leader scored the prompt they share
             fork.prompt_logprobs = list(leader.prompt_logprobs)
-        out = self.lifecycle.emit(fork, s, len(fork.prompt_token_ids))
+        out = self.lifecycle.emit(fork, [s], len(fork.prompt_token_ids))
         if not out.finish_reason and not leader.transfer_id:
             self.forks.join(w, leader, fork)  # prefilled on its decode worker: its KV is here
         return out

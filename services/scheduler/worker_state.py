@@ -46,6 +46,7 @@ class WorkerState:
     kv: KVCacheManager
     host_id: str = ""
     cpu_cores: tuple[int, ...] = ()  # a CPU worker's cores; peers of its host may share them
+    num_speculative_tokens: int = 0  # drafts it verifies per decode step: lookahead slots
     endpoints: dict[str, str] = field(default_factory=dict)  # transport -> address
     prefilling: list[Request] = field(default_factory=list)
     decoding: list[Request] = field(default_factory=list)
@@ -112,6 +113,8 @@ class Step:
     planned_at: float = 0.0     # the scheduler's clock when its plan left; its worker was
                                 # idle then
     held: bool = False          # a decode worker's step beside a long prompt it holds
+    lookahead: dict[str, int] = field(default_factory=dict)  # request id -> its draft slots:
+                                # the step may add up to that many tokens more than one
 
 
 @dataclass(eq=False)

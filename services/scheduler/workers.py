@@ -74,6 +74,7 @@ class Workers(Mapping[str, WorkerState]):
                         layout=reg.layout, max_model_len=reg.max_model_len,
                         transports=reg.transports, host_id=reg.host_id,
                         cpu_cores=reg.cpu_cores,
+                        num_speculative_tokens=reg.num_speculative_tokens,
                         endpoints=dict(reg.kv_endpoints),
                         kv=KVCacheManager(reg.num_blocks, reg.layout.block_size,
                                           self.config.enable_prefix_caching))

@@ -104,8 +104,12 @@ def test_the_positional_model_wins_over_model_and_defaults_to_it():
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: tensor parallelism is not "
                                       "built yet"),
     (["-tp", "4"], "--tensor-parallel-size 4: tensor parallelism is not built yet"),
-    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
-     "--speculative-config: speculative decoding is not built yet"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+     "--speculative-config: num_speculative_tokens must be >= 1"),
+    (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'],
+     "--speculative-config: unknown method 'eagle'"),
+    (["--speculative-config", '{"num_speculative_tokens": 3, "prompt_lookup_mx": 3}'],
+     "--speculative-config: unknown keys ['prompt_lookup_mx']"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
 ])
 def test_unbuilt_concepts_are_refused_before_anything_starts(tmp_path, capsys, flags, message):

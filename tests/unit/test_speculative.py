@@ -1,0 +1,179 @@
+"""Speculative decoding (n-gram): the config and the proposer alone; the verification's
+sampling against the target distribution (chi-square); and the scheduler driving real workers
+that speculate, whose greedy tokens must equal HuggingFace's and plain decoding's, seeded ones
+plain decoding's, with every block back at the end."""
+import collections
+import json
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from common.worker.model_runner import ModelRunner, RequestState, StepStats
+from common.worker.sampler import Sampler, SamplingRequest
+from common.worker.speculative import NgramProposer, SpeculativeConfig
+from tests.unit.test_scheduler_inprocess import _greedy, _prompt, cluster, hf  # noqa: F401
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                    "prompt_lookup_max": 3})
+
+
+# ---- config and proposer ---------------------------------------------------------------------
+
+def test_config_takes_vllms_keys_and_defaults():
+    cfg = SpeculativeConfig.parse('{"method": "[ngram]", "num_speculative_tokens": 3}')
+    assert (cfg.method, cfg.num_speculative_tokens) == ("ngram", 3)
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    cfg = SpeculativeConfig.parse('{"num_speculative_tokens": 2, "prompt_lookup_max": 4}')
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)
+    assert SpeculativeConfig.parse("") is None
+    assert SpeculativeConfig.parse("{}") is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1]", "must be a JSON object"),
+    ("{", "is not JSON"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be >= 1"),
+    ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     "prompt_lookup_min <= prompt_lookup_max"),
+    ('{"num_speculative_tokens": "2"}', "num_speculative_tokens must be an integer"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "unknown method 'eagle'"),
+    ('{"num_speculative_tokens": 2, "foo": 1}', "unknown keys ['foo']"),
+    ('{"model": "/m", "num_speculative_tokens": 2}', "a draft model is not served yet"),
+])
+def test_config_refuses_what_it_cannot_honour(text, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        SpeculativeConfig.parse(text)
+
+
+def _proposer(lo, hi):
+    return NgramProposer(SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_min=lo,
+                                           prompt_lookup_max=hi))
+
+
+def test_proposer_continues_the_longest_suffix_seen_before():
+    # suffix [2, 3] occurred at 1..2 (followed by 9, 9) and [7, 2, 3] at 5..7 (followed by 4)
+    tokens = [1, 2, 3, 9, 9, 7, 2, 3, 4, 5, 6, 7, 2, 3]
+    assert _proposer(1, 3).propose(tokens, 3) == [4, 5, 6]
+    assert _proposer(1, 2).propose(tokens, 3) == [4, 5, 6]   # [2, 3]: its latest occurrence
+    assert _proposer(1, 3).propose(tokens, 1) == [4]
+    assert _proposer(4, 4).propose(tokens, 3) == []          # no 4-token suffix repeats
+    assert _proposer(1, 3).propose(tokens[:4], 3) == []      # [9] never came before
+
+
+def test_proposer_stops_at_the_end_of_the_sequence():
+    assert _proposer(1, 1).propose([5, 6, 5], 4) == [6, 5]
+    assert _proposer(2, 2).propose([1, 1, 1], 4) == [1]  # [1, 1] at 0..1, then one token
+    assert _proposer(1, 2).propose([3], 4) == []
+    assert _proposer(1, 2).propose([1, 2, 1], 0) == []
+
+
+# ---- verification ----------------------------------------------------------------------------
+
+def _verify(sampler, logits, drafts, params, output=(7,)):
+    """One request verifying `drafts` from these logits (one row per position): the tokens the
+    step keeps, as ModelRunner.execute keeps them."""
+    r = RequestState("r", [1, 2, *output], 2, 2 + len(output) - 1, [0], params, eos_token_ids=[])
+    rows = [ModelRunner._sampling_row(r, params, drafts[:j]) for j in range(len(drafts) + 1)]
+    tokens = sampler(logits, rows).token_ids
+    return tuple(tokens[:ModelRunner._accept(r, drafts, tokens, StepStats())])
+
+
+def test_accepted_then_resampled_tokens_follow_the_target_distribution():
+    """Draft [d0, d1] for two positions of a 6-token vocabulary: the outcomes of a step are
+    (t) for t != d0, (d0, t) for t != d1 and (d0, d1, t); their probabilities under the target
+    are p0(t), p0(d0) p1(t) and p0(d0) p1(d1) p2(t)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 6, generator=gen) * 1.5
+    p = logits.softmax(-1)
+    drafts = [int(p[0].argsort()[-2]), int(p[1].argmax())]  # likely, but not certain
+    sampler = Sampler(6, seed=11)
+    params = SamplingParams(temperature=1.0, max_tokens=100)
+    draws = 6000
+    seen = collections.Counter(_verify(sampler, logits, drafts, params) for _ in range(draws))
+    expected = {}
+    for t in range(6):
+        if t != drafts[0]:
+            expected[(t,)] = p[0, t].item()
+        if t != drafts[1]:
+            expected[(drafts[0], t)] = (p[0, drafts[0]] * p[1, t]).item()
+        expected[(drafts[0], drafts[1], t)] = (p[0, drafts[0]] * p[1, drafts[1]] * p[2, t]).item()
+    assert set(seen) <= set(expected)
+    outcomes = sorted(expected)
+    observed = [seen[o] for o in outcomes]
+    pvalue = _chisquare_pvalue(observed, [expected[o] * draws for o in outcomes])
+    assert pvalue > 1e-3, (observed, pvalue)
+    accepted_first = sum(n for o, n in seen.items() if len(o) > 1) / draws
+    assert abs(accepted_first - p[0, drafts[0]].item()) < 0.03
+
+
+def _chisquare_pvalue(observed, expected):
+    """Pearson's test: P(chi2 with len - 1 degrees of freedom >= the statistic)."""
+    o, e = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    statistic = ((o - e) ** 2 / e).sum()
+    dof = torch.tensor((len(observed) - 1) / 2, dtype=torch.float64)
+    return torch.special.gammaincc(dof, statistic / 2).item()
+
+
+def test_greedy_verification_keeps_drafts_up_to_the_first_miss_and_the_target_token_there():
+    logits = torch.full((4, 8), -5.0)
+    for row, best in enumerate([3, 4, 6, 2]):
+        logits[row, best] = 5.0
+    sampler = Sampler(8)
+    greedy = SamplingParams(temperature=0.0, max_tokens=100)
+    assert _verify(sampler, logits, [3, 4, 5], greedy) == (3, 4, 6)
+    assert _verify(sampler, logits, [3, 4, 6], greedy) == (3, 4, 6, 2)  # all, and the bonus
+    assert _verify(sampler, logits, [1, 4, 6], greedy) == (3,)
+    # a stop token inside the accepted run ends the step there
+    stop = SamplingParams(temperature=0.0, max_tokens=100, stop_token_ids=(4,))
+    assert _verify(sampler, logits, [3, 4, 6], stop) == (3, 4)
+    # ... unless min_tokens holds it back (then it is masked: the target samples another)
+    held = SamplingParams(temperature=0.0, max_tokens=100, stop_token_ids=(4,), min_tokens=5)
+    assert _verify(sampler, logits, [3, 4, 6], held)[:2] == (3, logits[1, :4].argmax().item())
+
+
+def test_seeded_verification_samples_what_plain_decoding_samples_at_each_position():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 50, generator=gen)
+    sampler = Sampler(50)
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=100)
+    plain = []
+    for j in range(4):  # one position at a time, each after the tokens sampled before it
+        row = SamplingRequest(params, [1, 2], [7, *plain], [], position=3 + j)
+        plain.append(sampler(logits[j:j + 1], [row]).token_ids[0])
+    # drafts that are right up to some position keep exactly plain decoding's tokens
+    for right in range(4):
+        drafts = plain[:right] + [(plain[right] + 1) % 50] * (3 - right) if right < 3 \
+            else plain[:3]
+        kept = _verify(sampler, logits, drafts, params)
+        assert list(kept) == plain[:len(kept)] and len(kept) == min(right + 1, 4)
+
+
+# ---- the scheduler driving real workers that speculate ----------------------------------------
+
+def _repetitive(n, seed):
+    """A prompt repeating a short random phrase: prompt lookup finds its continuations."""
+    phrase = _prompt(5, seed)
+    return (phrase * (n // 5 + 1))[:n]
+
+
+def _spec_counters(c):
+    return [w.counters for w in c.sched.workers.values() if w.role == "decode"]
+
+
+@pytest.mark.parametrize("roles", [[("prefill", 64), ("decode", 64)], [("decode", 64)]])
+def test_greedy_speculation_equals_hf_and_frees_every_block(cluster, hf, roles):
+    c = cluster(roles, worker_kw={"speculative_config": NGRAM})
+    prompts = {"rep": _repetitive(23, 1), "rand": _prompt(9, 2), "rep2": _repetitive(12, 3)}
+    for rid, p in prompts.items():
+        c.submit(rid, p, max_tokens=20)
+    c.run()
+    for rid, p in prompts.items():
+        assert c.tokens(rid) == _greedy(hf, p, 20), rid
+        assert c.finish_reason(rid) == "length"
+    c.assert_all_free()
+    (d,) = _spec_counters(c)
+    assert d.spec_accepted_tokens > 0 and d.spec_drafts > 0
+    assert d.spec_draft_tokens >= d.spec_accepted_tokens == sum(d.spec_accepted_per_pos)
+    # fewer decode steps than tokens: several tokens came out of one step
+    assert sum(len(o.token_ids) > 1 for rid in prompts for o in c.outputs[rid])
