@@ -3,6 +3,9 @@ each applies plans as common/worker/worker.py does (requests added, diffs, drops
 transfers, fork copies) and samples token `position % 1000` for a request whose last known
 token a step computes, so every token is known in advance. Plans go in as the scheduler wrote
 them, results come back as a worker would answer; KV sends are delivered when the harness says.
+A worker that speculates (`speculate={worker id: (k, accepted)}`) has its drafts right `accepted`
+times a step, within the lookahead slots its plan gives (and its request's max_tokens), and
+answers those tokens and the one after them.
 """
 from __future__ import annotations
 
@@ -31,12 +34,14 @@ class _Held:
     num_prompt: int
     num_computed: int
     blocks: list[int]
+    max_tokens: int
     forks: list[str] = field(default_factory=list)
 
 
 class FakeWorker:
-    def __init__(self, worker_id: str):
+    def __init__(self, worker_id: str, accepted: int = 0):
         self.worker_id = worker_id
+        self.accepted = accepted  # drafts right per step, where it speculates
         self.requests: dict[str, _Held] = {}
         self.expected: dict[str, tuple[str, int]] = {}  # transfer id -> request id, blocks
         self.landed: set[str] = set()        # transfer ids whose blocks arrived
@@ -63,7 +68,7 @@ class FakeWorker:
                 self.received += self.expected.pop(new.kv_transfer_id)[1]
             self.requests[new.request_id] = _Held(
                 list(new.all_token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                list(new.block_ids), [f.request_id for f in new.forks])
+                list(new.block_ids), new.sampling.max_tokens, [f.request_id for f in new.forks])
         for diff in plan.cached_requests:
             held = self.requests[diff.request_id]
             held.blocks.extend(diff.new_block_ids)
@@ -78,6 +83,17 @@ class FakeWorker:
                 continue
             assert held.num_computed + s.num_tokens <= len(held.tokens), s
             assert -(-(held.num_computed + s.num_tokens) // BLOCK) <= len(held.blocks), s
+            if s.num_lookahead:
+                assert held.num_computed == len(held.tokens) - 1 > held.num_prompt - 1, s
+                assert -(-(len(held.tokens) + s.num_lookahead) // BLOCK) <= len(held.blocks), s
+                left = held.max_tokens - (len(held.tokens) - held.num_prompt) - 1
+                drafts = min(self.accepted, s.num_lookahead, max(0, left))
+                new = [token_at(len(held.tokens) + i) for i in range(drafts + 1)]
+                sampled.extend(SampledToken(s.request_id, t) for t in new)
+                held.tokens.extend(new)
+                held.num_computed = len(held.tokens) - 1
+                self.decoded += len(new)
+                continue
             self.prompt_tokens += max(0, min(held.num_computed + s.num_tokens, held.num_prompt)
                                       - held.num_computed)
             self.decoded += held.num_computed >= held.num_prompt
@@ -110,7 +126,8 @@ class Cluster:
     counts. Steps every worker that has work, as server.py does, plans ahead included.
     cpu_cores: the cores every worker registers (all on one host), () for none."""
 
-    def __init__(self, workers: dict[str, int], cpu_cores: tuple[int, ...] = (), **config):
+    def __init__(self, workers: dict[str, int], cpu_cores: tuple[int, ...] = (),
+                 speculate: dict[str, tuple[int, int]] | None = None, **config):
         self.now = 0.0  # the scheduler's clock: steps take no time unless a test moves it
         self.sched = Scheduler(SchedulerConfig(**config), clock=lambda: self.now)
         self.workers: dict[str, FakeWorker] = {}
@@ -120,8 +137,8 @@ class Cluster:
                 worker_id=wid, role=role, model_fingerprint="m", num_blocks=blocks,
                 layout=LAYOUT, transports=("shm", "tcp"),
                 kv_endpoints={"shm": f"shm://{wid}", "tcp": f"tcp://{wid}"}, host_id="h",
-                cpu_cores=cpu_cores))
-            self.workers[wid] = FakeWorker(wid)
+                cpu_cores=cpu_cores, num_speculative_tokens=(speculate or {}).get(wid, (0, 0))[0]))
+            self.workers[wid] = FakeWorker(wid, (speculate or {}).get(wid, (0, 0))[1])
         self.outputs: dict[str, list[Output]] = collections.defaultdict(list)
         self.plans: dict[str, list[StepPlan]] = collections.defaultdict(list)  # as run
         self.sent: dict[str, collections.deque[StepPlan]] = collections.defaultdict(

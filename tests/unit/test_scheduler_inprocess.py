@@ -71,7 +71,7 @@ class Cluster:
             self.outputs[sid] = []
             seed = {"seed": kw["seed"] + j} if "seed" in kw else {}
             return Request(sid, list(prompt), SamplingParams(
-                max_tokens=max_tokens, ignore_eos=True, logprobs=-1, **{**kw, **seed}),
+                max_tokens=max_tokens, ignore_eos=True, **{"logprobs": -1, **kw, **seed}),
                 eos_token_ids=[])
         samples = [sample(j) for j in range(n)]
         self.sched.add_request(samples[0], samples[1:])

@@ -177,3 +177,114 @@ def test_greedy_speculation_equals_hf_and_frees_every_block(cluster, hf, roles):
     assert d.spec_draft_tokens >= d.spec_accepted_tokens == sum(d.spec_accepted_per_pos)
     # fewer decode steps than tokens: several tokens came out of one step
     assert sum(len(o.token_ids) > 1 for rid in prompts for o in c.outputs[rid])
+
+
+BIAS = [(t, 30.0) for t in (5, 17, 300, 1200)]  # outputs of few tokens: lookup finds runs
+
+
+def _greedy_biased(hf, prompt, n, **kw):
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                      sequence_bias={(t,): b for t, b in BIAS}, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def test_runs_of_accepted_drafts_equal_hf_and_a_stop_token_ends_one(cluster, hf):
+    prompt = _prompt(12, 1)
+    c = cluster([("decode", 64)], worker_kw={"speculative_config": NGRAM})
+    c.submit("free", prompt, max_tokens=40, logit_bias=BIAS)
+    # 1200 stops it from its 15th token on (masked before, as min_tokens does in HF)
+    c.submit("stops", prompt, max_tokens=40, logit_bias=BIAS, stop_token_ids=[1200],
+             min_tokens=15)
+    c.run()
+    assert c.tokens("free") == _greedy_biased(hf, prompt, 40, min_new_tokens=40)
+    assert c.tokens("stops") == _greedy_biased(hf, prompt, 40, min_new_tokens=15,
+                                               eos_token_id=1200)
+    assert c.finish_reason("stops") == "stop" and c.tokens("stops")[-1] == 1200
+    # most tokens came in steps of several, the stop token with others before it
+    assert sum(len(o.token_ids) > 1 for o in c.outputs["free"]) > 10
+    assert len(c.outputs["stops"][-1].token_ids) > 1
+    (d,) = _spec_counters(c)
+    assert d.spec_accepted_tokens > 20
+    c.assert_all_free()
+
+
+def test_preemption_mid_request_keeps_greedy_tokens(cluster, hf):
+    # 8 decode blocks of 4 tokens: three 12-token prompts growing to 24 cannot all fit
+    c = cluster([("prefill", 64), ("decode", 8)], worker_kw={"speculative_config": NGRAM})
+    prompts = {f"p{i}": _prompt(12, 20 + i) for i in range(3)}
+    for rid, p in prompts.items():
+        c.submit(rid, p, max_tokens=12, logit_bias=BIAS)
+    c.run()
+    assert c.sched.num_preemptions > 0
+    for rid, p in prompts.items():
+        assert c.tokens(rid) == _greedy_biased(hf, p, 12, min_new_tokens=12), rid
+    c.assert_all_free()
+    assert _spec_counters(c)[0].spec_accepted_tokens > 0
+
+
+def _run(cluster, roles, spec, prompts, lose_decode_after=0, **kw):
+    c = cluster(roles, worker_kw={"speculative_config": NGRAM} if spec else None)
+    for rid, p in prompts.items():
+        c.submit(rid, p, **kw)
+    for _ in range(lose_decode_after):
+        c.step()
+    if lose_decode_after:
+        victim = next(w for w in c.sched.workers.values() if w.role == "decode" and w.decoding)
+        c.sched.remove_worker(victim.worker_id)
+        c.workers.pop(victim.worker_id).cache.close()
+    c.run()
+    c.assert_all_free()
+    return c
+
+
+def _outputs(c, rids):
+    return {rid: (c.tokens(rid), [lp for o in c.outputs[rid] for lp in o.logprobs])
+            for rid in rids}
+
+
+def _assert_same(spec, plain):
+    for rid, (tokens, logprobs) in plain.items():
+        assert spec[rid][0] == tokens, rid
+        for a, b in zip(spec[rid][1], logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, rel=1e-4, abs=1e-4)
+            assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
+
+
+@pytest.mark.parametrize("roles", [[("prefill", 64), ("decode", 64)], [("decode", 64)]])
+def test_seeded_samples_with_logprobs_equal_plain_decodings(cluster, roles):
+    prompts = {"rep": _repetitive(17, 4), "rand": _prompt(8, 5)}
+    kw = dict(max_tokens=16, n=3, temperature=0.7, seed=9, logprobs=2, logit_bias=BIAS)
+    rids = [f"{rid}{s}" for rid in prompts for s in ("", "/1", "/2")]
+    plain = _outputs(_run(cluster, roles, False, prompts, **kw), rids)
+    c = _run(cluster, roles, True, prompts, **kw)
+    _assert_same(_outputs(c, rids), plain)
+    assert _spec_counters(c)[0].spec_accepted_tokens > 0
+
+
+def test_a_lost_decode_worker_resumes_with_the_same_tokens(cluster, hf):
+    roles = [("prefill", 64), ("decode", 64), ("decode", 64)]
+    prompts = {f"r{i}": _repetitive(14, 30 + i) for i in range(3)}
+    kw = dict(max_tokens=18, temperature=0.9, seed=4, logprobs=0, logit_bias=BIAS)
+    plain = _outputs(_run(cluster, roles, False, prompts, **kw), prompts)
+    c = _run(cluster, roles, True, prompts, lose_decode_after=6, **kw)
+    _assert_same(_outputs(c, prompts), plain)
+    greedy = _run(cluster, roles, True, prompts, lose_decode_after=6, max_tokens=18,
+                  logit_bias=BIAS)
+    for rid, p in prompts.items():
+        assert greedy.tokens(rid) == _greedy_biased(hf, p, 18, min_new_tokens=18), rid
+    assert sum(d.spec_accepted_tokens for d in _spec_counters(greedy)) > 0
+
+
+def test_guided_requests_verify_only_drafts_their_grammar_allows(cluster):
+    """Under a grammar each position's mask is the grammar's state after the drafts before it;
+    output equals plain decoding's, and drafts the grammar refuses are never verified."""
+    import xgrammar as xgr
+    grammar = str(xgr.Grammar.from_regex(r"([12][ab])+"))  # what follows depends on state
+    prompts = {"g": _repetitive(15, 7)}
+    kw = dict(max_tokens=24, grammar=grammar, temperature=0.8, seed=3, logprobs=0)
+    roles = [("decode", 64)]
+    plain = _outputs(_run(cluster, roles, False, prompts, **kw), prompts)
+    c = _run(cluster, roles, True, prompts, **kw)
+    _assert_same(_outputs(c, prompts), plain)
+    (d,) = _spec_counters(c)
+    assert d.spec_accepted_tokens > 0
