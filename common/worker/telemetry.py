@@ -182,3 +182,22 @@ class _CountersCollector:
             m = CounterMetricFamily(PREFIX + name, doc, labels=["worker_id", "role"])
             m.add_metric(self.key, value)
             yield m
+        if not self.worker.runner.num_speculative_tokens:
+            return
+        for name, value, doc in (
+                ("spec_decode_num_drafts", c.spec_drafts,
+                 "Decode rows that verified draft tokens."),
+                ("spec_decode_num_draft_tokens", c.spec_draft_tokens, "Draft tokens verified."),
+                ("spec_decode_num_accepted_tokens", c.spec_accepted_tokens,
+                 "Draft tokens accepted.")):
+            m = CounterMetricFamily(PREFIX + name, doc, labels=["worker_id", "role"])
+            m.add_metric(self.key, value)
+            yield m
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of a step's drafts.",
+            labels=["worker_id", "role", "position"])
+        accepted = list(c.spec_accepted_per_pos)
+        for pos in range(self.worker.runner.num_speculative_tokens):
+            per_pos.add_metric([*self.key, str(pos)], accepted[pos] if pos < len(accepted) else 0)
+        yield per_pos

@@ -139,7 +139,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 num_running=len(w.kv.request_ids()),
                 prompt_tokens_computed=c.prompt_tokens_computed, tokens_decoded=c.tokens_decoded,
                 kv_blocks_sent=c.kv_blocks_sent, kv_blocks_received=c.kv_blocks_received,
-                steps=c.steps)
+                steps=c.steps, num_speculative_tokens=w.num_speculative_tokens,
+                spec_decode_num_drafts=c.spec_drafts,
+                spec_decode_num_draft_tokens=c.spec_draft_tokens,
+                spec_decode_num_accepted_tokens=c.spec_accepted_tokens,
+                spec_decode_num_accepted_tokens_per_pos=c.spec_accepted_per_pos)
         return resp
 
     # ---- worker side ---------------------------------------------------------------------------

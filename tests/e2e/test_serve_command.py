@@ -13,6 +13,8 @@ from tests.e2e.conftest import Stack
 
 KEY = "sk-e2e"
 DEFAULT_MAX_TOKENS = 5
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+BIAS = {5: 30.0, 17: 30.0, 300: 30.0, 1200: 30.0}  # outputs of few tokens: drafts come right
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def stack(tiny_llama, tmp_path_factory):
     s = Stack(tiny_llama, tmp, "--served-model-name", "tiny-served", "--api-key", KEY,
               "--generation-config", str(recommends), "--seed", "3", "--max-model-len", "512",
               "--max-num-seqs", "4", "--no-enable-prefix-caching", "--block-size", "16",
-              "--num-kv-blocks", "64", command="serve")
+              "--num-kv-blocks", "64", "--speculative-config", SPECULATIVE, command="serve")
     yield s
     s.stop()
 
@@ -46,6 +48,8 @@ def test_each_flag_is_on_its_services_command_line(stack):
         assert f" {flag} " in argv["scheduler"]
     for flag in ("--served-model-name tiny-served", f"--api-key {KEY}", "--max-model-len 512"):
         assert f" {flag} " in argv["gateway"]
+    assert f" --speculative-config {SPECULATIVE} " in argv["decode-worker"]
+    assert "--speculative-config" not in argv["prefill-worker"]
 
 
 def test_the_stack_answers_under_its_name_key_and_defaults(stack, hf):
@@ -69,3 +73,21 @@ def test_the_stack_answers_under_its_name_key_and_defaults(stack, hf):
         assert out["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS
         # the same 40-token prompt twice, and nothing cached: prefix caching is off
         assert (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+
+
+def test_speculative_decoding_keeps_greedy_tokens_and_counts_what_it_accepted(stack, hf):
+    prompt = torch.randint(0, 2000, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    body = {"model": "tiny-served", "prompt": prompt, "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "logit_bias": BIAS}
+    with httpx.Client(base_url=stack.url, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as client:
+        r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40,
+                       do_sample=False, sequence_bias={(t,): b for t, b in BIAS.items()})
+    assert r.json()["choices"][0]["token_ids"] == want[0, len(prompt):].tolist()
+    (decode,) = [w for w in stack.wait_idle()["workers"] if w["role"] == "decode"]
+    assert decode["num_speculative_tokens"] == 3
+    accepted = int(decode["spec_decode_num_accepted_tokens"])
+    assert 0 < accepted <= int(decode["spec_decode_num_draft_tokens"])
+    assert sum(map(int, decode["spec_decode_num_accepted_tokens_per_pos"])) == accepted

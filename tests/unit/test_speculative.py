@@ -7,11 +7,14 @@ import json
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.sampling_params import SamplingParams
 from common.worker.model_runner import ModelRunner, RequestState, StepStats
 from common.worker.sampler import Sampler, SamplingRequest
 from common.worker.speculative import NgramProposer, SpeculativeConfig
+from common.worker.telemetry import _CountersCollector
 from tests.unit.test_scheduler_inprocess import _greedy, _prompt, cluster, hf  # noqa: F401
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -206,6 +209,20 @@ def test_runs_of_accepted_drafts_equal_hf_and_a_stop_token_ends_one(cluster, hf)
     (d,) = _spec_counters(c)
     assert d.spec_accepted_tokens > 20
     c.assert_all_free()
+    # the worker's /metrics, under vLLM's names
+    (worker,) = c.workers.values()
+    registry = CollectorRegistry()
+    registry.register(_CountersCollector(worker, "w", "decode"))
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in family.samples}
+    assert samples[("pdserve:spec_decode_num_accepted_tokens_total", None)] == \
+        d.spec_accepted_tokens
+    assert samples[("pdserve:spec_decode_num_draft_tokens_total", None)] == d.spec_draft_tokens
+    assert samples[("pdserve:spec_decode_num_drafts_total", None)] == d.spec_drafts
+    assert [samples[("pdserve:spec_decode_num_accepted_tokens_per_pos_total", str(j))]
+            for j in range(4)] == list(d.spec_accepted_per_pos) + [0] * (
+                4 - len(d.spec_accepted_per_pos))
 
 
 def test_preemption_mid_request_keeps_greedy_tokens(cluster, hf):
