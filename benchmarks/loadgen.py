@@ -163,9 +163,9 @@ class Record:
 
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: Prompt, max_tokens: int,
-               t0: float) -> Record:
+               t0: float, extra: dict | None = None) -> Record:
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
+            "stream": True, "return_token_ids": True, **(extra or {})}
     if prompt and isinstance(prompt[0], dict):  # a conversation: the server's chat template
         path, body["messages"] = "/v1/chat/completions", prompt
         body["stream_options"] = {"include_usage": True}  # its length in tokens
@@ -197,21 +197,29 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: Prompt, max_tokens
 
 
 async def run_load(url: str, prompts: list[Prompt], rate: float, max_tokens: int,
-                   seed: int, label: str = "") -> tuple[list[Record], float]:
+                   seed: int, label: str = "", extra: dict | None = None,
+                   concurrency: int = 0) -> tuple[list[Record], float]:
     """Sends the prompts at `rate` requests/s (Poisson; 0: all at once; -1: one at a time,
-    each after the one before has ended) after one warm-up request; returns their records
-    and the wall time until the last one ended. A progress bar named `label` counts finished
-    requests on a terminal."""
+    each after the one before has ended) after one warm-up request, at most `concurrency` in
+    flight (0: no bound), each body with `extra`'s fields; returns their records and the wall
+    time until the last one ended. A progress bar named `label` counts finished requests on a
+    terminal."""
     rng = random.Random(seed)
     with tqdm(total=len(prompts), desc=label or url, unit="req", disable=None,
               leave=False) as bar:
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
             await _one(client, model, prompts[0][:16], 2, time.perf_counter())
+            gate = asyncio.Semaphore(concurrency or len(prompts))
+
+            async def one(p: Prompt) -> Record:
+                async with gate:
+                    return await _one(client, model, p, max_tokens, t0, extra)
+
             t0 = time.perf_counter()
             tasks = []
             for p in prompts:
-                tasks.append(asyncio.create_task(_one(client, model, p, max_tokens, t0)))
+                tasks.append(asyncio.create_task(one(p)))
                 tasks[-1].add_done_callback(lambda _: bar.update())
                 if rate < 0:
                     await tasks[-1]

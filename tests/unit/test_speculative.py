@@ -305,3 +305,20 @@ def test_guided_requests_verify_only_drafts_their_grammar_allows(cluster):
     _assert_same(_outputs(c, prompts), plain)
     (d,) = _spec_counters(c)
     assert d.spec_accepted_tokens > 0
+
+
+def test_aborts_and_finishes_mid_run_leave_every_block_free(cluster):
+    c = cluster([("prefill", 64), ("decode", 24)], worker_kw={"speculative_config": NGRAM})
+    for i in range(4):
+        c.submit(f"r{i}", _prompt(10 + i, 40 + i), max_tokens=30, logit_bias=BIAS)
+    for _ in range(8):
+        c.step()
+    assert c.sched.abort("r1").finish_reason == "abort"
+    for _ in range(3):
+        c.step()
+    assert c.sched.abort("r2").finish_reason == "abort"
+    c.run()
+    assert [c.finish_reason(r) for r in ("r0", "r3")] == ["length", "length"]
+    assert len(c.tokens("r0")) == 30 and len(c.tokens("r1")) < 30
+    c.assert_all_free()
+    assert _spec_counters(c)[0].spec_accepted_tokens > 0
