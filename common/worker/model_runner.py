@@ -14,7 +14,7 @@ from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.grammars import GrammarError, Grammars, Guide, mask_logits
 from common.worker.prompt_logprobs import PromptChunk, prompt_logprobs, score_chunk
 from common.worker.sampler import Sampler, SamplingRequest
-from common.worker.speculative import NgramProposer, SpeculativeConfig
+from common.worker.speculative import DraftLength, NgramProposer, SpeculativeConfig
 
 
 @dataclass
@@ -33,6 +33,7 @@ class RequestState:
     eos_token_ids: list[int]
     forks: list[Fork] = field(default_factory=list)  # sampled with the first token
     guide: Guide | None = None  # its grammar's matcher, once it samples under one
+    draft_length: DraftLength = field(default_factory=DraftLength)  # speculation's record
 
     @property
     def is_decode(self) -> bool:
@@ -227,6 +228,7 @@ class ModelRunner:
             room = len(r.block_ids) * self.block_size - len(r.token_ids)
             left = r.sampling.max_tokens - (len(r.token_ids) - r.num_prompt_tokens) - 1
             k = min(self.num_speculative_tokens, slots, room, left)
+            k = r.draft_length.drafts(k) if k > 0 else 0
             drafts = self.proposer.propose(r.token_ids, k) if k > 0 else []
             if drafts and r.sampling.grammar:
                 guide = self._guide(r, failed)
@@ -243,6 +245,7 @@ class ModelRunner:
         while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
             accepted += 1
         if drafts:
+            r.draft_length.observe(len(drafts), accepted)
             stats.spec_drafts += 1
             stats.spec_draft_tokens += len(drafts)
             stats.spec_accepted_tokens += accepted

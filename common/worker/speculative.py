@@ -17,6 +17,13 @@ depend on the drafts, on where a step's run of drafts started, or on a resume el
 
 The KV the forward wrote at rejected drafts' positions lies past the request's computed tokens:
 the next step overwrites it.
+
+Drafts are not free: each is one more token of the forward, of the logits and of the sampler (on
+a CPU, nearly a decode row's cost). How many a request proposes follows its own acceptance
+(`DraftLength`): the j-th draft only where it is kept with probability >= MIN_KEEP by the
+request's recent record, none for a request whose output lookup keeps failing to predict, and
+a probe of one draft now and then, so that output which starts to repeat is noticed. Which drafts
+are proposed never changes what is sampled.
 """
 from __future__ import annotations
 
@@ -26,6 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 
 METHODS = ("ngram",)
+MIN_KEEP = 0.3  # the least chance of being kept a draft is proposed with
+WEIGHT = 0.2    # of each new draft's outcome in a request's acceptance estimate
+RECOVERY = 0.03  # a step without drafts moves the estimate this share back towards 1
 
 
 @dataclass(frozen=True)
@@ -109,3 +119,30 @@ class NgramProposer:
                 start = int(hits[-1]) + 1
                 return tokens[start:start + k].tolist()
         return []
+
+
+class DraftLength:
+    """A request's estimate of the chance that its next draft is kept (starting at 1: every
+    request is tried), and the number of drafts that estimate is worth."""
+
+    def __init__(self) -> None:
+        self.acceptance = 1.0
+
+    def drafts(self, k: int) -> int:
+        """Drafts worth proposing, at most k: while acceptance ** j >= MIN_KEEP. None for a
+        request with a poor record; each such step moves its estimate back towards 1."""
+        n, keep = 0, self.acceptance
+        while n < k and keep >= MIN_KEEP:
+            n += 1
+            keep *= self.acceptance
+        if n == 0:
+            self.acceptance += RECOVERY * (1 - self.acceptance)
+        return n
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A step verified `proposed` drafts and kept the first `accepted`: outcomes up to the
+        first rejected one (those after it say nothing)."""
+        for _ in range(accepted):
+            self.acceptance += WEIGHT * (1 - self.acceptance)
+        if accepted < proposed:
+            self.acceptance -= WEIGHT * self.acceptance

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.sampling_params import SamplingParams
 from common.worker.model_runner import ModelRunner, RequestState, StepStats
 from common.worker.sampler import Sampler, SamplingRequest
-from common.worker.speculative import NgramProposer, SpeculativeConfig
+from common.worker.speculative import DraftLength, NgramProposer, SpeculativeConfig
 from common.worker.telemetry import _CountersCollector
 from tests.unit.test_scheduler_inprocess import _greedy, _prompt, cluster, hf  # noqa: F401
 
@@ -322,3 +322,23 @@ def test_aborts_and_finishes_mid_run_leave_every_block_free(cluster):
     assert len(c.tokens("r0")) == 30 and len(c.tokens("r1")) < 30
     c.assert_all_free()
     assert _spec_counters(c)[0].spec_accepted_tokens > 0
+
+
+def test_draft_length_follows_each_requests_acceptance():
+    d = DraftLength()
+    assert d.drafts(4) == 4  # every request is tried
+    d.observe(4, 4)
+    assert d.acceptance == 1.0 and d.drafts(3) == 3
+    d.observe(4, 0)  # the first draft rejected: 0.8
+    assert d.drafts(4) == 4  # 0.8 ** 4 = 0.41 is still worth it
+    d.observe(4, 1)  # kept one (0.84), then a rejection: 0.672
+    assert d.acceptance == pytest.approx(0.672) and d.drafts(4) == 3  # 0.672 ** 4 < 0.3
+    for _ in range(4):
+        d.observe(2, 0)
+    assert d.acceptance == pytest.approx(0.672 * 0.8 ** 4)  # 0.275: no draft is worth it
+    steps = 0
+    while d.drafts(4) == 0:  # each step without drafts: 3% of the way back to 1
+        steps += 1
+    assert steps == 2 and d.drafts(4) == 1  # 0.275 -> 0.297 -> 0.318: one draft, a probe
+    d.observe(1, 0)
+    assert d.drafts(4) == 0
