@@ -11,9 +11,10 @@ from common.models.llama import LlamaForCausalLM
 from common.plans import Fork, PromptLogprobs, RequestError
 from common.sampling_params import SamplingParams, TokenLogprobs
 from common.worker.cuda_graphs import DecodeGraphs
+from common.worker.draft import DraftModel, rejection_sample
 from common.worker.grammars import GrammarError, Grammars, Guide, mask_logits
 from common.worker.prompt_logprobs import PromptChunk, prompt_logprobs, score_chunk
-from common.worker.sampler import Sampler, SamplingRequest
+from common.worker.sampler import Sampler, SamplingRequest, token_logprobs
 from common.worker.speculative import DraftLength, NgramProposer, SpeculativeConfig
 
 
@@ -34,6 +35,7 @@ class RequestState:
     forks: list[Fork] = field(default_factory=list)  # sampled with the first token
     guide: Guide | None = None  # its grammar's matcher, once it samples under one
     draft_length: DraftLength = field(default_factory=DraftLength)  # speculation's record
+    draft_computed: int = 0  # tokens whose KV a draft model holds (draft.py)
 
     @property
     def is_decode(self) -> bool:
@@ -68,7 +70,7 @@ class StepStats:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, sampler: Sampler,
                  decode_graphs: DecodeGraphs | None = None, grammars: Grammars | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, draft: DraftModel | None = None):
         self.model = model
         self.cache = cache
         self.sampler = sampler
@@ -76,7 +78,9 @@ class ModelRunner:
         self.block_size = cache.layout.block_size
         self.decode_graphs = decode_graphs  # decode-only steps replay these where they fit
         self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
-        self.proposer = NgramProposer(speculative) if speculative else None
+        self.proposer = NgramProposer(speculative) \
+            if speculative is not None and speculative.method == "ngram" else None
+        self.draft = draft  # the draft_model method
 
     def execute(self, scheduled: list[tuple[RequestState, int]], on_layer=None,
                 lookahead: dict[str, int] | None = None) -> tuple[list[Sampled], StepStats]:
@@ -95,7 +99,7 @@ class ModelRunner:
             assert len(req.block_ids) >= need, (
                 f"{req.request_id}: {len(req.block_ids)} blocks for {need} needed")
         failed: dict[str, str] = {}
-        drafts = self._propose(scheduled, lookahead or {}, failed)
+        drafts, verified = self._propose(scheduled, lookahead or {}, failed)
         decodes = [(r, n) for r, n in scheduled
                    if n == 1 and r.is_decode and r.request_id not in drafts]
         verifies = [(r, 1 + len(drafts[r.request_id])) for r, _ in scheduled
@@ -160,6 +164,7 @@ class ModelRunner:
         batch: list[SamplingRequest] = []
         guides: list[Guide | None] = []
         ahead: list[list[int]] = []
+        owners: list[str] = []
         forks: list[tuple[Fork, int]] = []  # (fork, its leader's logits row)
         first_row = 0
         for row in rows:
@@ -169,6 +174,7 @@ class ModelRunner:
                 batch.append(self._sampling_row(r, r.sampling, row.drafts[:j]))
                 guides.append(guide)
                 ahead.append(row.drafts[:j])
+                owners.append(r.request_id)
             if r.forks and len(r.token_ids) == r.num_prompt_tokens:  # its first token
                 forks.extend((f, first_row) for f in r.forks)
             r.forks = []
@@ -178,27 +184,45 @@ class ModelRunner:
             batch.append(self._sampling_row(rows_at(rows, i).request, f.sampling, []))
             guides.append(guides[i])
             ahead.append([])
+            owners.append(owners[i])
         if forks:
             logits = logits[torch.tensor(row_of, device=device)]
         if any(guides):
             mask_logits(logits, guides, self.sampler.vocab_size, ahead)
-        out = self.sampler(logits, batch)
+        # rows whose drafts a draft model proposed keep tokens by rejection sampling; the rest
+        # sample here
+        plain = [i for i, rid in enumerate(owners) if rid not in verified]
+        tokens_of: list[int] = [-1] * len(batch)
+        logprobs_of: list[TokenLogprobs | None] = [None] * len(batch)
+        if plain:
+            sub = logits if len(plain) == len(batch) else \
+                logits[torch.tensor(plain, device=device)]
+            out = self.sampler(sub, [batch[i] for i in plain])
+            for i, token, lp in zip(plain, out.token_ids, out.logprobs):
+                tokens_of[i], logprobs_of[i] = token, lp
         sampled: list[Sampled] = []
         first_row = 0
         for row in rows:
             r = row.request
             width = len(row.hidden_rows)
-            tokens = out.token_ids[first_row:first_row + width]
-            row_logprobs = out.logprobs[first_row:first_row + width]
-            guide = guides[first_row]
-            first_row += width
+            start, first_row = first_row, first_row + width
             if r.request_id in failed:
                 continue
-            kept = self._accept(r, row.drafts, tokens, stats)
+            if r.request_id in verified:
+                all_drafts, q = verified[r.request_id]
+                tokens, row_logprobs = self._rejection_sample(
+                    logits[start:start + width], batch[start:start + width], all_drafts, q)
+                kept = self._accept(r, all_drafts, tokens, stats)
+            else:
+                tokens = tokens_of[start:start + width]
+                row_logprobs = logprobs_of[start:start + width]
+                kept = self._accept(r, row.drafts, tokens, stats)
             r.token_ids.extend(tokens[:kept])
             if row.drafts:
                 r.num_computed_tokens = len(r.token_ids) - 1
+                r.draft_computed = min(r.draft_computed, r.num_computed_tokens)
                 stats.decode_tokens += kept
+            guide = guides[start]
             try:
                 if guide is not None:
                     guide.follow(r.token_ids[r.num_prompt_tokens:])
@@ -207,20 +231,24 @@ class ModelRunner:
                 continue
             sampled.extend(Sampled(r.request_id, t, lp)
                            for t, lp in zip(tokens[:kept], row_logprobs[:kept]))
-        for (f, i), token, logprobs in zip(forks, out.token_ids[first_row:],
-                                           out.logprobs[first_row:]):
+        out_tokens, out_logprobs = tokens_of[first_row:], logprobs_of[first_row:]
+        for (f, i), token, logprobs in zip(forks, out_tokens, out_logprobs):
             if rows_at(rows, i).request.request_id not in failed:
                 sampled.append(Sampled(f.request_id, token, logprobs))
         stats.errors = [RequestError(rid, error) for rid, error in failed.items()]
         return sampled, stats
 
     def _propose(self, scheduled: list[tuple[RequestState, int]], lookahead: dict[str, int],
-                 failed: dict[str, str]) -> dict[str, list[int]]:
+                 failed: dict[str, str]
+                 ) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], torch.Tensor]]]:
         """Draft tokens of the decoding requests given lookahead slots, within the slots their
-        blocks hold, their max_tokens and what their grammar allows; only those with any."""
-        if self.proposer is None or not lookahead:
-            return {}
+        blocks hold, their max_tokens and what their grammar allows; only those with any. With a
+        draft model also, per request, its k + 1 drafts and their distributions (the first k go
+        through the target)."""
+        if (self.proposer is None and self.draft is None) or not lookahead:
+            return {}, {}
         out = {}
+        wanted = []
         for r, n in scheduled:
             slots = lookahead.get(r.request_id, 0)
             if not slots or n != 1 or not r.is_decode or len(r.token_ids) <= r.num_prompt_tokens:
@@ -229,13 +257,39 @@ class ModelRunner:
             left = r.sampling.max_tokens - (len(r.token_ids) - r.num_prompt_tokens) - 1
             k = min(self.num_speculative_tokens, slots, room, left)
             k = r.draft_length.drafts(k) if k > 0 else 0
-            drafts = self.proposer.propose(r.token_ids, k) if k > 0 else []
+            if k < 1:
+                continue
+            if self.draft is not None:
+                if not r.sampling.grammar:  # guided requests decode plainly under a draft
+                    wanted.append((r, k))
+                continue
+            assert self.proposer is not None
+            drafts = self.proposer.propose(r.token_ids, k)
             if drafts and r.sampling.grammar:
                 guide = self._guide(r, failed)
                 drafts = drafts[:guide.valid_prefix(drafts)] if guide is not None else []
             if drafts:
                 out[r.request_id] = drafts
-        return out
+        if not wanted:
+            return out, {}
+        assert self.draft is not None
+        verified = self.draft.propose(
+            wanted, lambda r, prefix: self._sampling_row(r, r.sampling, prefix))
+        return {rid: drafts[:-1] for rid, (drafts, _) in verified.items()}, verified
+
+    def _rejection_sample(self, logits: torch.Tensor, rows: list[SamplingRequest],
+                          drafts: list[int], q: torch.Tensor
+                          ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """A draft model's drafts through the target's logits at their positions: the tokens
+        kept (draft.py) and their logprobs (from the raw logits, as the sampler's)."""
+        p = self.sampler.distribution(logits, rows)
+        tokens = rejection_sample(self.sampler, p, q, drafts, rows)
+        k = rows[0].params.logprobs
+        if k < 0:
+            return tokens, [None] * len(tokens)
+        raw = logits[:len(tokens), :self.sampler.vocab_size].float()
+        return tokens, list(token_logprobs(raw, torch.tensor(tokens, device=raw.device),
+                                           [k] * len(tokens)))
 
     @staticmethod
     def _accept(r: RequestState, drafts: list[int], tokens: list[int], stats: StepStats) -> int:
@@ -252,7 +306,7 @@ class ModelRunner:
             stats.spec_accepted_per_pos += [0] * (len(drafts) - len(stats.spec_accepted_per_pos))
             for j in range(accepted):
                 stats.spec_accepted_per_pos[j] += 1
-        kept = accepted + 1
+        kept = min(accepted + 1, len(tokens))
         num_output = len(r.token_ids) - r.num_prompt_tokens
         for i, token in enumerate(tokens[:kept - 1]):
             if _stops(r.sampling, r.eos_token_ids, token, num_output + i + 1):

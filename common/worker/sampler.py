@@ -199,11 +199,17 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRequest],
                 greedy: list[bool]) -> torch.Tensor:
+        greedy_t = torch.tensor(greedy, device=logits.device)  # [B]
+        greedy_tokens = logits.argmax(dim=-1)  # [B]
+        random_tokens = self.race(self._random_probs(logits, rows, greedy), rows)  # [B]
+        return torch.where(greedy_t, greedy_tokens, random_tokens)
+
+    def _random_probs(self, logits: torch.Tensor, rows: list[SamplingRequest],
+                      greedy: list[bool]) -> torch.Tensor:
+        """[B, V]: processed logits / temperature, cut by top_k, top_p and min_p, softmaxed
+        (greedy rows at temperature 1)."""
         device = logits.device
         vocab = logits.shape[1]
-        greedy_t = torch.tensor(greedy, device=device)  # [B]
-        greedy_tokens = logits.argmax(dim=-1)  # [B]
-
         temperatures = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
         temperature = torch.tensor(temperatures, dtype=logits.dtype, device=device)  # [B]
         logits = logits / temperature.unsqueeze(1)
@@ -218,19 +224,45 @@ class Sampler:
                 torch.tensor(top_k, dtype=torch.long, device=device) if use_k else None,
                 torch.tensor(top_p, dtype=logits.dtype, device=device) if use_p else None,
                 torch.tensor(min_p, dtype=logits.dtype, device=device) if use_min_p else None)
-        probs = logits.softmax(dim=-1)  # [B, V]
+        return logits.softmax(dim=-1)  # [B, V]
 
-        # Exponential race: argmax(p / E) with E ~ Exp(1) iid samples exactly from p.
-        noise = torch.empty_like(probs).exponential_(generator=self._generator(device))
+    def distribution(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
+        """[B, vocab_size]: the distribution each row samples from (what __call__ draws from),
+        one-hot at the argmax for greedy rows."""
+        logits = logits[:, :self.vocab_size].float().contiguous()
+        processed = apply_min_tokens(apply_penalties(apply_logit_bias(logits, rows), rows), rows)
+        greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
+        probs = self._random_probs(processed, rows, greedy) if not all(greedy) else \
+            torch.zeros_like(processed)
+        hot = torch.tensor(greedy, device=logits.device)
+        one_hot = torch.zeros_like(processed).scatter_(1, processed.argmax(-1, keepdim=True), 1.0)
+        return torch.where(hot.unsqueeze(1), one_hot, probs)
+
+    def race(self, probs: torch.Tensor, rows: list[SamplingRequest], salt: int = 0) -> torch.Tensor:
+        """[B] one token per row drawn from probs [B, V] (rows need not sum to 1): the
+        exponential race argmax(p / E), E ~ Exp(1) iid. A seeded row's noise comes from
+        (seed ^ salt, position) alone; distinct salts give independent draws at one position."""
+        noise = torch.empty_like(probs).exponential_(generator=self._generator(probs.device))
         for i, r in enumerate(rows):
-            if r.params.seed is not None and not greedy[i]:
-                gen = torch.Generator(device=device)
-                gen.manual_seed(row_seed(r.params.seed, r.position))
+            if r.params.seed is not None:
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed(row_seed(r.params.seed ^ salt, r.position))
                 noise[i].exponential_(generator=gen)
         # An Exp(1) draw of exactly 0 would make p / E NaN (0 / 0) or inf: keep it positive.
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        random_tokens = (probs / noise).argmax(dim=-1)  # [B]
-        return torch.where(greedy_t, greedy_tokens, random_tokens)
+        return (probs / noise).argmax(dim=-1)
+
+    def uniform(self, rows: list[SamplingRequest], salt: int,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+        """[B] U(0, 1) draws, a seeded row's from (seed ^ salt, position) alone."""
+        u = torch.rand(len(rows), generator=self._generator(torch.device(device)),
+                       dtype=torch.float64)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                gen = torch.Generator()
+                gen.manual_seed(row_seed(r.params.seed ^ salt, r.position))
+                u[i] = torch.rand(1, generator=gen, dtype=torch.float64)[0]
+        return u.to(device)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

@@ -37,6 +37,7 @@ from common.models.llama import load_model
 from common.plans import Registration
 from common.worker.config import WorkerConfig
 from common.worker.cuda_graphs import DecodeGraphs
+from common.worker.draft import DraftModel
 from common.worker.grammars import Grammars
 from common.worker.memory import num_kv_blocks
 from common.worker.model_runner import ModelRunner
@@ -99,8 +100,12 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     grammars = Grammars(cfg.model, mc.vocab_size)
     grammars.warm()
     speculative = cfg.speculative()
-    runner = ModelRunner(model, cache, Sampler(mc.vocab_size, cfg.seed), graphs, grammars,
-                         speculative)
+    sampler = Sampler(mc.vocab_size, cfg.seed)
+    draft = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft = build_draft(speculative.model, model, backend, dtype, device, cfg, num_blocks,
+                            sampler)
+    runner = ModelRunner(model, cache, sampler, graphs, grammars, speculative, draft)
     worker = Worker(runner, cache,
                     {t: create_sender(t, layout, tcfg) for t in cfg.kv_transports}, receiver,
                     {t: create_listener(t, cache, receiver, tcfg) for t in cfg.kv_transports})
@@ -111,6 +116,23 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
         cpu_cores=tuple(sorted(os.sched_getaffinity(0))) if device.type == "cpu" else (),
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
     return worker, reg
+
+
+def build_draft(path: str, target, backend, dtype: torch.dtype, device: torch.device,
+                cfg: WorkerConfig, num_blocks: int, sampler: Sampler) -> DraftModel:
+    """The draft model of --speculative-config and its own KV cache, as many blocks as the
+    target's (the same block ids). Raises ValueError for a draft whose vocabulary differs."""
+    model = load_model(path, backend, dtype, device, prepack=cfg.prepack_weights,
+                       progress=cfg.use_tqdm_on_load)
+    dc = model.config
+    if dc.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft model {path} has {dc.vocab_size} tokens, the target "
+                         f"{target.config.vocab_size}: they must share the vocabulary")
+    layout = KVLayout(num_layers=dc.num_layers, num_kv_heads=dc.num_kv_heads,
+                      head_dim=dc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype)
+    log.info("draft model %s: %d layers, its KV cache %d blocks", path, dc.num_layers,
+             num_blocks)
+    return DraftModel(model, PagedKVCache(layout, num_blocks, device=device), sampler)
 
 
 def lower_priority(nice: int) -> None:

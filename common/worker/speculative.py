@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MIN_KEEP = 0.3  # the least chance of being kept a draft is proposed with
 WEIGHT = 0.2    # of each new draft's outcome in a request's acceptance estimate
 RECOVERY = 0.03  # a step without drafts moves the estimate this share back towards 1
@@ -45,11 +45,15 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 0  # ngram: shortest suffix matched (0: prompt_lookup_max, or 5)
     prompt_lookup_max: int = 0  # ngram: longest suffix matched (0: prompt_lookup_min, or 5)
+    model: str = ""             # draft_model: the draft's checkpoint (same vocabulary)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"--speculative-config: unknown method {self.method!r}; "
                              f"known: {', '.join(METHODS)}")
+        if (self.method == "draft_model") != bool(self.model):
+            raise ValueError('--speculative-config: a draft model needs "model" (and "model" '
+                             "needs the draft_model method)")
         if self.num_speculative_tokens < 1:
             raise ValueError("--speculative-config: num_speculative_tokens must be >= 1")
         lo = self.prompt_lookup_min or self.prompt_lookup_max or 5
@@ -75,21 +79,21 @@ class SpeculativeConfig:
         if not isinstance(raw, dict):
             raise ValueError("--speculative-config must be a JSON object")
         raw = dict(raw)
-        if "model" in raw:
-            raise ValueError("--speculative-config: a draft model is not served yet; use "
-                             '{"method": "ngram", ...}')
-        method = raw.pop("method", "ngram")
+        method = raw.pop("method", "draft_model" if "model" in raw else "ngram")
         if method == "[ngram]":  # vLLM's older spelling
             method = "ngram"
+        if "model" in raw and not isinstance(raw["model"], str):
+            raise ValueError("--speculative-config: model must be a checkpoint directory")
+        model = raw.pop("model", "")
         known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {unknown}; known: "
-                             f"{sorted(known | {'method'})}")
+                             f"{sorted(known | {'method', 'model'})}")
         for key, value in raw.items():
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"--speculative-config: {key} must be an integer")
-        return cls(method=method, **raw)
+        return cls(method=method, model=model, **raw)
 
 
 class NgramProposer:

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.sampling_params import SamplingParams
 from common.worker.model_runner import ModelRunner, RequestState, StepStats
 from common.worker.sampler import Sampler, SamplingRequest
+from common.worker.draft import DRAFT_SALT, rejection_sample
 from common.worker.speculative import DraftLength, NgramProposer, SpeculativeConfig
 from common.worker.telemetry import _CountersCollector
 from tests.unit.test_scheduler_inprocess import _greedy, _prompt, cluster, hf  # noqa: F401
@@ -29,6 +30,8 @@ def test_config_takes_vllms_keys_and_defaults():
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (5, 5)  # vLLM's defaults
     cfg = SpeculativeConfig.parse('{"num_speculative_tokens": 2, "prompt_lookup_max": 4}')
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)
+    cfg = SpeculativeConfig.parse('{"model": "/d", "num_speculative_tokens": 2}')
+    assert (cfg.method, cfg.model) == ("draft_model", "/d")
     assert SpeculativeConfig.parse("") is None
     assert SpeculativeConfig.parse("{}") is None
 
@@ -42,7 +45,8 @@ def test_config_takes_vllms_keys_and_defaults():
     ('{"num_speculative_tokens": "2"}', "num_speculative_tokens must be an integer"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "unknown method 'eagle'"),
     ('{"num_speculative_tokens": 2, "foo": 1}', "unknown keys ['foo']"),
-    ('{"model": "/m", "num_speculative_tokens": 2}', "a draft model is not served yet"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', 'a draft model needs "model"'),
+    ('{"model": 3, "num_speculative_tokens": 2}', "model must be a checkpoint directory"),
 ])
 def test_config_refuses_what_it_cannot_honour(text, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
@@ -342,3 +346,96 @@ def test_draft_length_follows_each_requests_acceptance():
     assert steps == 2 and d.drafts(4) == 1  # 0.275 -> 0.297 -> 0.318: one draft, a probe
     d.observe(1, 0)
     assert d.drafts(4) == 0
+
+
+# ---- draft-model speculation -------------------------------------------------------------------
+
+def test_rejection_sampling_keeps_the_target_distribution_at_each_position():
+    """Fixed target p and draft q at two positions (6 tokens): the first kept token follows p_1,
+    the second (after an accepted first draft) p_2, and a draft is accepted with probability
+    sum_x min(p_1(x), q_1(x)) (chi-square and a tolerance, fixed seeds)."""
+    gen = torch.Generator().manual_seed(8)
+    sampler = Sampler(6, seed=5)
+    rows = [SamplingRequest(SamplingParams(temperature=1.0, max_tokens=100), [1], [], [], 2 + j)
+            for j in range(2)]
+    p = sampler.distribution(torch.randn(2, 6, generator=gen) * 1.5, rows)
+    q = sampler.distribution(torch.randn(2, 6, generator=gen) * 1.5, rows)
+    draws = 8000
+    first, second = collections.Counter(), collections.Counter()
+    for _ in range(draws):
+        drafts = [int(sampler.race(q[j:j + 1], rows[j:j + 1], DRAFT_SALT)[0]) for j in range(2)]
+        kept = rejection_sample(sampler, p, q, drafts, rows)
+        first[kept[0]] += 1
+        if len(kept) > 1:
+            second[kept[1]] += 1
+    for counts, dist in ((first, p[0]), (second, p[1])):
+        n = sum(counts.values())
+        pvalue = _chisquare_pvalue([counts[t] for t in range(6)], (dist * n).tolist())
+        assert pvalue > 1e-3, (counts, dist, pvalue)
+    accept = torch.minimum(p[0], q[0]).sum().item()
+    assert abs(sum(second.values()) / draws - accept) < 0.03
+
+
+def _draft_cluster(cluster, roles, draft_dir, k=3):
+    spec = json.dumps({"model": str(draft_dir), "num_speculative_tokens": k})
+    return cluster(roles, worker_kw={"speculative_config": spec})
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A random model of the same vocabulary that the tiny llama almost never agrees with."""
+    from common.models.tiny import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("draft") / "llama", arch="llama", seed=1)
+
+
+@pytest.mark.parametrize("roles", [[("prefill", 64), ("decode", 64)], [("decode", 64)]])
+def test_a_draft_model_keeps_greedy_tokens_equal_to_hf(cluster, hf, tiny_llama, other_draft,
+                                                        roles):
+    prompts = {"a": _prompt(9, 50), "b": _prompt(30, 51)}
+    for draft, accepting in ((tiny_llama, True), (other_draft, False)):
+        c = _draft_cluster(cluster, roles, draft)
+        for rid, p in prompts.items():
+            c.submit(rid, p, max_tokens=16)
+        c.run()
+        for rid, p in prompts.items():
+            assert c.tokens(rid) == _greedy(hf, p, 16), (rid, draft)
+        c.assert_all_free()
+        (d,) = _spec_counters(c)
+        if accepting:  # the target as its own draft: every draft kept
+            assert d.spec_accepted_tokens == d.spec_draft_tokens > 0
+            assert max(len(o.token_ids) for rid in prompts for o in c.outputs[rid]) == 4
+        else:
+            assert d.spec_accepted_tokens < d.spec_draft_tokens / 2
+
+
+def test_draft_speculation_after_a_lost_worker_keeps_greedy_tokens_and_seeded_runs_repeat(
+        cluster, hf, tiny_llama):
+    """A decode worker dies mid-request: greedy tokens still equal HF's. Seeded requests at
+    temperature > 0 give the same tokens run after run (each position's draft, acceptance and
+    residual draws come from the seed and the position)."""
+    roles = [("prefill", 64), ("decode", 64), ("decode", 64)]
+    prompts = {f"r{i}": _prompt(12, 60 + i) for i in range(3)}
+    spec = json.dumps({"model": str(tiny_llama), "num_speculative_tokens": 3})
+
+    def run(lose, **kw):
+        c = cluster(roles, worker_kw={"speculative_config": spec})
+        for rid, p in prompts.items():
+            c.submit(rid, p, max_tokens=16, **kw)
+        if lose:  # once a decode worker has decoded a few tokens of a request
+            def decoding(w):
+                return w.role == "decode" and any(len(r.output_token_ids) > 2 for r in w.decoding)
+            while not any(decoding(w) for w in c.sched.workers.values()):
+                c.step()
+            victim = next(w for w in c.sched.workers.values() if decoding(w))
+            c.sched.remove_worker(victim.worker_id)
+            c.workers.pop(victim.worker_id).cache.close()
+        c.run()
+        c.assert_all_free()
+        assert sum(d.spec_accepted_tokens for d in _spec_counters(c)) > 0
+        return c
+
+    greedy = run(True)
+    for rid, p in prompts.items():
+        assert greedy.tokens(rid) == _greedy(hf, p, 16), rid
+    seeded = [_outputs(run(False, temperature=0.8, seed=7, logprobs=1), prompts) for _ in range(2)]
+    _assert_same(seeded[1], seeded[0])
