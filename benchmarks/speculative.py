@@ -125,6 +125,10 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--draft", default="",
+                   help="a draft model directory: its mode replaces n-gram's (make_bench_model.py "
+                        "--draft-layers makes DIR-draft, agreeing, and DIR-other-draft)")
+    p.add_argument("--other-draft", default="", help="a second draft, run as a mode of its own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--up-args", default="", help="more `pdserve up` flags for both stacks")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/speculative"))
@@ -133,6 +137,12 @@ def main() -> int:
     config = json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
                          "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     modes = {"off": [], f"ngram k={args.k}": ["--speculative-config", config]}
+    if args.draft:
+        modes = {"off": []}
+        for name, path in (("draft", args.draft), ("other draft", args.other_draft)):
+            if path:
+                modes[f"{name} k={args.k}"] = ["--speculative-config", json.dumps(
+                    {"model": path, "num_speculative_tokens": args.k})]
     results: dict[str, dict[str, dict]] = {}
     for i, (mode, flags) in enumerate(modes.items()):
         proc, url, sched = launch(args.model, flags + args.up_args.split(),
@@ -148,17 +158,17 @@ def main() -> int:
         {"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
     base = results["off"]
     head = ("case", "mode", "out tok/s", "stream tok/s p50 (min-max)", "vs off", "acceptance")
-    print(f"{head[0]:>10} {head[1]:>10} {head[2]:>10} {head[3]:>28} {head[4]:>7} {head[5]:>10}")
+    print(f"{head[0]:>10} {head[1]:>16} {head[2]:>10} {head[3]:>28} {head[4]:>7} {head[5]:>10}")
     for mode, by_case in results.items():
         for case, r in by_case.items():
             ratio = r["stream_tok_s_p50"] / base[case]["stream_tok_s_p50"]
             spread = (f"{r['stream_tok_s_p50']:.1f} ({r['stream_tok_s_min']:.1f}-"
                       f"{r['stream_tok_s_max']:.1f})")
             acc = f"{r['acceptance']:.2f}" if mode != "off" else "-"
-            print(f"{case:>10} {mode:>10} {r['output_tok_s']:>10.1f} {spread:>28} "
+            print(f"{case:>10} {mode:>16} {r['output_tok_s']:>10.1f} {spread:>28} "
                   f"{ratio:>6.2f}x {acc:>10}")
     plot(results, args.out / "tokens_per_stream.png",
-         f"{Path(args.model).name}: speculation off vs n-gram, {args.max_tokens} tokens each")
+         f"{Path(args.model).name}: speculation off vs on, {args.max_tokens} tokens each")
     print(f"wrote {args.out}/results.json and tokens_per_stream.png")
     return 0
 
