@@ -112,6 +112,8 @@ class StepPlan:
     finished_request_ids: list[str] = field(default_factory=list)    # drop their state
     copies: list[BlockCopy] = field(default_factory=list)
     num_threads: int = 0  # CPU threads for this step (cores lent and taken back); 0: as before
+    num_steps: int = 1  # a decode-only plan may run this many decode steps (multi-step), a
+                        # result after each
     cached_blocks: list[tuple[int, bytes]] = field(default_factory=list)  # newly cached
 
     def is_empty(self) -> bool:
@@ -161,6 +163,7 @@ class StepResult:
     errors: tuple[RequestError, ...] = ()
     counters: WorkerCounters = WorkerCounters()
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    more: bool = False  # a multi-step plan: more results of this step follow
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ def registration_from_pb(pb: worker_pb2.Register) -> Registration:
 
 def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
     pb = worker_pb2.StepPlan(step_id=plan.step_id, num_threads=plan.num_threads,
+                             num_steps=plan.num_steps,
                              finished_request_ids=plan.finished_request_ids,
                              cached_blocks=[worker_pb2.CachedBlock(block_id=b, hash=h)
                                             for b, h in plan.cached_blocks])
@@ -115,7 +116,7 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> StepPlan:
                for r in pb.recvs],
         finished_request_ids=list(pb.finished_request_ids),
         copies=[BlockCopy(b.src, b.dst, b.request_id, b.leader_id) for b in pb.copies],
-        num_threads=pb.num_threads,
+        num_threads=pb.num_threads, num_steps=max(1, pb.num_steps),
         cached_blocks=[(c.block_id, c.hash) for c in pb.cached_blocks])
 
 
@@ -135,7 +136,8 @@ def counters_from_pb(pb: worker_pb2.WorkerCounters) -> WorkerCounters:
 
 
 def result_to_pb(r: StepResult) -> worker_pb2.StepResult:
-    pb = worker_pb2.StepResult(step_id=r.step_id, counters=counters_to_pb(r.counters))
+    pb = worker_pb2.StepResult(step_id=r.step_id, counters=counters_to_pb(r.counters),
+                               more=r.more)
     for s in r.sampled:
         t = pb.sampled.add(request_id=s.request_id, token_id=s.token_id)
         if s.logprobs is not None:
@@ -158,7 +160,8 @@ def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
         counters=counters_from_pb(pb.counters),
         prompt_logprobs=tuple(
             PromptLogprobs(p.request_id, p.start, tuple(map(logprobs_from_pb, p.logprobs)))
-            for p in pb.prompt_logprobs))
+            for p in pb.prompt_logprobs),
+        more=pb.more)
 
 
 def transfers_done_to_pb(t: TransfersDone) -> worker_pb2.TransfersDone:

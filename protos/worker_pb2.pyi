@@ -162,7 +162,7 @@ class KVRecv(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled", "sends", "recvs", "finished_request_ids", "copies", "num_threads", "cached_blocks")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled", "sends", "recvs", "finished_request_ids", "copies", "num_threads", "cached_blocks", "num_steps")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class StepPlan(_message.Message):
     COPIES_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -183,7 +184,8 @@ class StepPlan(_message.Message):
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     num_threads: int
     cached_blocks: _containers.RepeatedCompositeFieldContainer[CachedBlock]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., recvs: _Optional[_Iterable[_Union[KVRecv, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_threads: _Optional[int] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ...) -> None: ...
+    num_steps: int
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., recvs: _Optional[_Iterable[_Union[KVRecv, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_threads: _Optional[int] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst", "request_id", "leader_id")
@@ -256,18 +258,20 @@ class WorkerCounters(_message.Message):
     def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "errors", "counters", "prompt_logprobs")
+    __slots__ = ("step_id", "sampled", "errors", "counters", "prompt_logprobs", "more")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
     counters: WorkerCounters
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    more: bool
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class TransfersDone(_message.Message):
     __slots__ = ("done", "counters")

@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=0,
                    help="KV blocks per worker; 0 sizes them from the workers' default memory")
     p.add_argument("--max-num-seqs", type=int, default=256, help="see `pdserve scheduler`")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps a plan that only decodes runs on its worker (see `pdserve "
+                        "scheduler`)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="see `pdserve scheduler`")
     p.add_argument("--max-model-len", type=int, default=0,
@@ -191,6 +194,7 @@ def commands(args) -> list[list[str]]:
         or [[]] * (1 + num_workers)
     cmds = [exe + ["scheduler", "--host", args.host, "--port", str(args.scheduler_port),
                    "--max-num-seqs", str(args.max_num_seqs),
+                   "--num-scheduler-steps", str(args.num_scheduler_steps),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--max-model-len", str(args.max_model_len), "--mode", args.mode,
                    "--enable-prefix-caching" if args.enable_prefix_caching

@@ -309,7 +309,7 @@ class ModelRunner:
         kept = min(accepted + 1, len(tokens))
         num_output = len(r.token_ids) - r.num_prompt_tokens
         for i, token in enumerate(tokens[:kept - 1]):
-            if _stops(r.sampling, r.eos_token_ids, token, num_output + i + 1):
+            if stops(r.sampling, r.eos_token_ids, token, num_output + i + 1):
                 return i + 1
         return kept
 
@@ -357,7 +357,7 @@ def rows_at(rows: list[_Row], logits_row: int) -> _Row:
     raise IndexError(logits_row)
 
 
-def _stops(params: SamplingParams, eos_token_ids: list[int], token: int, num_output: int) -> bool:
+def stops(params: SamplingParams, eos_token_ids: list[int], token: int, num_output: int) -> bool:
     """Whether token, the request's num_output-th output token, ends it (Request.check_stop's
     token rules; the scheduler decides, this only spares computing past it)."""
     if num_output >= params.max_tokens:

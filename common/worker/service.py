@@ -227,13 +227,16 @@ async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
             done = await loop.run_in_executor(steps, worker.send_kv, ready)
             async with writes:
                 await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
-        if traced is not None:
-            traced.before_step(plan)
-        result = await loop.run_in_executor(steps, worker.execute, plan)
-        if traced is not None:
-            traced.after_step(plan, result)
-        async with writes:
-            await call.write(worker_pb2.WorkerMessage(result=result_to_pb(result)))
+        sub_step, more = 0, True
+        while more:  # a plan of several decode steps answers after each
+            if traced is not None:
+                traced.before_step(plan)
+            result = await loop.run_in_executor(steps, worker.execute, plan, sub_step)
+            if traced is not None:
+                traced.after_step(plan, result)
+            async with writes:
+                await call.write(worker_pb2.WorkerMessage(result=result_to_pb(result)))
+            sub_step, more = sub_step + 1, result.more
         if plan.sends:
             done = await loop.run_in_executor(steps, worker.send_kv, plan.sends)
             async with writes:

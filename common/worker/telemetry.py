@@ -12,6 +12,7 @@ came in NewRequest.trace_context:
 """
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
@@ -123,7 +124,7 @@ class WorkerTelemetry:
 
     def after_step(self, plan: StepPlan, result: StepResult) -> None:
         end = time.time()
-        sampled = {s.request_id for s in result.sampled}
+        sampled = collections.Counter(s.request_id for s in result.sampled)  # several: drafts
         for t, rid, n, is_decode, computed in self._step:
             attrs = {"pdserve.request_id": rid, "pdserve.step_id": plan.step_id,
                      "pdserve.worker_id": self.worker_id}
@@ -136,7 +137,7 @@ class WorkerTelemetry:
                 t.decode_start = self._step_start
             t.last_step_end = end
             t.decode_steps += 1
-            t.decode_tokens += rid in sampled
+            t.decode_tokens += sampled[rid]
             if self.detailed:
                 attrs["pdserve.batch_size"] = len(plan.scheduled)
                 tracing.record_span("worker.decode_step", self._step_start, end, t.context, attrs)

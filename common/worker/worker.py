@@ -28,7 +28,7 @@ from common.plans import (
     WorkerCounters,
 )
 from common.worker.layer_streamer import LayerStreamer
-from common.worker.model_runner import ModelRunner, RequestState
+from common.worker.model_runner import ModelRunner, RequestState, stops
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class Worker:
         # nothing writes the block again: what a new scheduler's prefix cache starts from
         self.block_hashes: dict[int, bytes] = {}
         self._counts = _Counts()
+        self._decoding: list[str] = []  # requests the running plan's next decode step runs
 
     def reset(self) -> None:
         """Forgets every request: the scheduler that planned them is gone (the cache's content,
@@ -78,12 +79,50 @@ class Worker:
                               c.steps, c.spec_drafts, c.spec_draft_tokens,
                               c.spec_accepted_tokens, tuple(c.spec_accepted_per_pos))
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, sub_step: int = 0) -> StepResult:
+        """Runs the plan (sub_step 0), or, for a plan of several decode steps, its next one:
+        the requests of the step before whose token did not stop them decode again (their
+        blocks came with the plan). StepResult.more: call again with sub_step + 1."""
         # per step and on the thread that runs it: torch's thread count is per calling thread
         if plan.num_threads and plan.num_threads != torch.get_num_threads():
             torch.set_num_threads(plan.num_threads)
         with on_device(self.cache.tensor.device):
-            return self._execute(plan)
+            if sub_step == 0:
+                return self._execute(plan)
+            return self._next_step(plan, sub_step)
+
+    def _next_step(self, plan: StepPlan, sub_step: int) -> StepResult:
+        assert self._decoding and sub_step < plan.num_steps, \
+            f"step {plan.step_id} has no decode step {sub_step}"
+        scheduled = [(self.requests[rid], 1) for rid in self._decoding if rid in self.requests]
+        bs = self.cache.layout.block_size
+        for r, _ in scheduled:
+            self._overwritten(r.block_ids[r.num_computed_tokens // bs:
+                                          r.num_computed_tokens // bs + 1])
+        out, stats = self.runner.execute(scheduled)
+        self._counts.decoded += stats.decode_tokens
+        self._counts.steps += 1
+        sampled = tuple(SampledToken(s.request_id, s.token_id, s.logprobs) for s in out)
+        self._decoding = self._go_on(sampled, stats.errors) \
+            if sub_step + 1 < plan.num_steps else []
+        return StepResult(plan.step_id, sampled, tuple(stats.errors), self.counters,
+                          more=bool(self._decoding))
+
+    def _go_on(self, sampled, errors) -> list[str]:
+        """The requests that decode again in a plan's next decode step: those that sampled a
+        token which does not stop them, with a block slot for it."""
+        failed = {e.request_id for e in errors}
+        out = []
+        bs = self.cache.layout.block_size
+        for s in sampled:
+            r = self.requests.get(s.request_id)
+            if r is None or r.request_id in failed or not r.is_decode:
+                continue
+            num_output = len(r.token_ids) - r.num_prompt_tokens
+            if not stops(r.sampling, r.eos_token_ids, r.token_ids[-1], num_output) and \
+                    len(r.block_ids) * bs >= len(r.token_ids):
+                out.append(r.request_id)
+        return out
 
     def _execute(self, plan: StepPlan) -> StepResult:
         errors: list[RequestError] = []
@@ -138,8 +177,9 @@ class Worker:
         unwritten = {b for new in plan.new_requests if new.request_id in failed
                      for b in new.block_ids}
         self.block_hashes.update((b, h) for b, h in plan.cached_blocks if b not in unwritten)
+        self._decoding = self._go_on(sampled, errors) if plan.num_steps > 1 else []
         return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters,
-                          tuple(prompt_logprobs))
+                          tuple(prompt_logprobs), more=bool(self._decoding))
 
     def _count_speculation(self, stats) -> None:
         c = self._counts

@@ -25,6 +25,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: half the step budget when partials > 1
     max_waiting_requests: int = 0      # 0: unbounded
     async_scheduling: bool = True      # plan a decode step while the one before it runs
+    num_scheduler_steps: int = 1       # decode steps a decode-only plan runs (multi-step)
     step_timeout_s: float = 120.0    # a worker that does not answer a step in time is dropped
     register_timeout_s: float = 30.0
 
@@ -49,6 +50,8 @@ class SchedulerConfig:
             raise ValueError("--decode-long-prefill-tokens must be >= 1")
         if self.decode_step_target_ms < 0:
             raise ValueError("--decode-step-target-ms must be >= 0")
+        if self.num_scheduler_steps < 1:
+            raise ValueError("--num-scheduler-steps must be >= 1")
         if self.decode_prefill_tokens < 1:
             raise ValueError("--decode-prefill-tokens must be >= 1")
         for name in ("prefill_bypass_threshold", "long_prefill_token_threshold",

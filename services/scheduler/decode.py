@@ -120,3 +120,28 @@ class Decode:
                        lookahead: dict[str, int]) -> int:
         return sum(max(0, w.kv.blocks_for(most[r.request_id] + lookahead[r.request_id])
                        - len(w.kv.get_block_ids(r.request_id))) for r in batch)
+
+    def more_steps(self, w: WorkerState, plan: StepPlan, step: Step, num_steps: int,
+                   ahead: bool) -> None:
+        """Makes a plan that only decodes run num_steps decode steps: each request's blocks grow
+        for the tokens of the steps after the first, as far as free blocks, its max_tokens and
+        the longest sequence allow (a request whose blocks run out stops decoding in this plan
+        and goes on in the next). `ahead`: planned while w's running step may still add tokens.
+        Records in step.lookahead how many tokens more than one it may add."""
+        plan.num_steps = num_steps
+        bs = w.kv.block_size
+        running = w.steps[0].lookahead if ahead else {}
+        by_id = {r.request_id: r for r in w.decoding}
+        for s in plan.scheduled:
+            r = by_id[s.request_id]
+            # tokens it has when this plan starts (at most, planned ahead), its last uncomputed
+            base = r.num_tokens + (1 + running.get(r.request_id, 0) if ahead else 0)
+            extra = min(num_steps - 1, self._max_model_len() - base - 1,
+                        r.max_tokens - len(r.output_token_ids) - (2 if ahead else 1))
+            if extra > 0:
+                grown = w.kv.allocate_slots(r.request_id, base + extra)
+                if grown:
+                    plan.cached_requests.append(CachedRequest(r.request_id, tuple(grown)))
+            slots = len(w.kv.get_block_ids(r.request_id)) * bs
+            # the worker goes on while the blocks hold the last token's KV
+            step.lookahead[r.request_id] = max(0, min(num_steps, slots - base + 1) - 1)

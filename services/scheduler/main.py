@@ -78,6 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=d.async_scheduling,
                    help="plan a worker's next decode step while its current one runs, so that "
                         "it never waits for a round trip to the scheduler between steps")
+    p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
+                   help="a plan that only decodes runs this many decode steps on the worker "
+                        "(blocks held for their tokens; stops checked there; each step's tokens "
+                        "streamed as it ends); 1: one step a plan")
     p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
                    help="seconds a worker may take for one step before it is dropped")
     metrics.add_arguments(p)
@@ -100,7 +104,8 @@ def config_from_args(args) -> SchedulerConfig:
                            max_long_partial_prefills=args.max_long_partial_prefills,
                            long_prefill_token_threshold=args.long_prefill_token_threshold,
                            max_waiting_requests=args.max_waiting_requests,
-                           async_scheduling=args.async_scheduling)
+                           async_scheduling=args.async_scheduling,
+                           num_scheduler_steps=args.num_scheduler_steps)
 
 
 async def serve(config: SchedulerConfig, metrics_host: str = "127.0.0.1",

@@ -174,7 +174,14 @@ class Scheduler:
             and all(self.requests[s.request_id].status is Status.DECODING
                     for s in plan.scheduled))
         w.steps.append(step)
+        if step.decodes_only and self._multi_step(w):
+            self.decode.more_steps(w, plan, step, self.config.num_scheduler_steps, ahead=False)
         return plan
+
+    def _multi_step(self, w: WorkerState) -> bool:
+        """Whether w's decode-only plans run several steps (not on a worker that speculates:
+        its steps add several tokens already)."""
+        return self.config.num_scheduler_steps > 1 and not w.num_speculative_tokens
 
     def schedule_ahead(self, worker_id: str) -> StepPlan | None:
         """The next decode step of a worker whose running step only decodes, planned before
@@ -186,6 +193,9 @@ class Scheduler:
             return None
         plan = self.decode.plan_ahead(w)
         if plan is not None:
+            if self._multi_step(w):
+                self.decode.more_steps(w, plan, w.steps[-1], self.config.num_scheduler_steps,
+                                       ahead=True)
             plan.cached_blocks.extend(w.kv.take_announcements())
             plan.num_threads = self._threads(w)
         return plan
@@ -217,7 +227,8 @@ class Scheduler:
         if not w.steps or w.steps[0].step_id != result.step_id:
             raise ValueError(f"worker {worker_id} answered step {result.step_id}, not the "
                              "oldest it runs")
-        step = w.steps.popleft()
+        # a plan of several decode steps answers after each: it runs until its last answer
+        step = w.steps[0] if result.more else w.steps.popleft()
         if step.prefill_tokens >= MIN_TIMED_PREFILL:  # fewer (a last chunk) say little
             seconds = self.clock() - step.planned_at
             w.prefill_speed.observe(step.prefill_tokens, seconds)
@@ -250,7 +261,8 @@ class Scheduler:
                 out = self._on_tokens(w, req, tokens[rid]) if req is not None else None
             if out is not None:
                 outputs.append(out)
-        w.kv.done(step_event(step.step_id))
+        if not result.more:
+            w.kv.done(step_event(step.step_id))
         return outputs
 
     def _current(self, w: WorkerState, rid: str, ran: set[str]) -> Request | None:

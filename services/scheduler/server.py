@@ -197,8 +197,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                     await self.update_health()  # a path it made may be gone now
                 elif msg.HasField("result") and link.steps \
                         and msg.result.step_id == link.steps[0][0]:
-                    self._dispatch(self.scheduler.update(wid, result_from_pb(msg.result)))
-                    link.steps.popleft()[1].set_result(True)
+                    result = result_from_pb(msg.result)
+                    self._dispatch(self.scheduler.update(wid, result))
+                    if not result.more:  # a plan of several decode steps ends at its last
+                        link.steps.popleft()[1].set_result(True)
                 else:
                     log.error("worker %s answered out of protocol; dropping it", wid)
                     break

@@ -29,8 +29,10 @@ LONG_PROMPT = list(range(100, 160))  # 60 tokens: the idle prefill worker takes 
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama, tmp_path_factory):
+    # plans of several decode steps: each step's tokens stream as it ends, under the grammar
     s = Stack(tiny_llama, tmp_path_factory.mktemp("structured"), "--num-kv-blocks", "256",
-              "--structured-outputs-config", '{"disable_any_whitespace": true}')
+              "--structured-outputs-config", '{"disable_any_whitespace": true}',
+              "--num-scheduler-steps", "4")
     yield s
     s.stop()
 

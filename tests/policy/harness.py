@@ -13,8 +13,16 @@ import collections
 from dataclasses import dataclass, field
 
 from common.kv_layout import KVLayout
-from common.plans import (Registration, RequestError, SampledToken, StepPlan,
-                          StepResult, TransferDone, TransfersDone, WorkerCounters)
+from common.plans import (
+    Registration,
+    RequestError,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    TransferDone,
+    TransfersDone,
+    WorkerCounters,
+)
 from common.sampling_params import SamplingParams
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Output, Request
@@ -42,6 +50,7 @@ class FakeWorker:
     def __init__(self, worker_id: str, accepted: int = 0):
         self.worker_id = worker_id
         self.accepted = accepted  # drafts right per step, where it speculates
+        self.live: list[str] = []  # decoding again in the running plan's next step
         self.requests: dict[str, _Held] = {}
         self.expected: dict[str, tuple[str, int]] = {}  # transfer id -> request id, blocks
         self.landed: set[str] = set()        # transfer ids whose blocks arrived
@@ -51,7 +60,9 @@ class FakeWorker:
         return WorkerCounters(self.prompt_tokens, self.decoded, self.sent, self.received,
                               self.steps)
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, sub_step: int = 0) -> StepResult:
+        if sub_step:  # a plan of several decode steps: its live requests decode again
+            return self._decode_again(plan, sub_step)
         errors = []
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
@@ -105,7 +116,33 @@ class FakeWorker:
                 held.forks = []
                 held.tokens.append(token)
         self.steps += 1
-        return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters())
+        return self._answer(plan, 0, sampled, errors)
+
+    def _decode_again(self, plan: StepPlan, sub_step: int) -> StepResult:
+        sampled = []
+        for rid in self.live:
+            held = self.requests[rid]
+            token = token_at(len(held.tokens))
+            held.tokens.append(token)
+            held.num_computed += 1
+            self.decoded += 1
+            sampled.append(SampledToken(rid, token))
+        self.steps += 1
+        return self._answer(plan, sub_step, sampled, [])
+
+    def _answer(self, plan: StepPlan, sub_step: int, sampled, errors) -> StepResult:
+        """Decodes again, in the plan's next step, the requests that sampled a token with room
+        for its KV and below their max_tokens (harness requests ignore eos)."""
+        self.live = []
+        if sub_step + 1 < plan.num_steps:
+            for s in sampled:
+                held = self.requests.get(s.request_id)
+                if held is not None and len(held.tokens) - held.num_prompt < held.max_tokens \
+                        and len(held.blocks) * BLOCK >= len(held.tokens) \
+                        and held.num_computed == len(held.tokens) - 1:
+                    self.live.append(s.request_id)
+        return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters(),
+                          more=bool(self.live))
 
     def send(self, plan: StepPlan, peers: dict[str, FakeWorker],
              error: str = "") -> TransfersDone:
@@ -170,8 +207,12 @@ class Cluster:
         """Runs the oldest plan queued for wid; its sends are delivered (or held)."""
         plan = self.sent[wid].popleft()
         self.plans[wid].append(plan)
-        for out in self.sched.update(wid, self.workers[wid].execute(plan)):
-            self.outputs[out.request_id].append(out)
+        sub_step, more = 0, True
+        while more:  # a plan of several decode steps answers after each
+            result = self.workers[wid].execute(plan, sub_step)
+            for out in self.sched.update(wid, result):
+                self.outputs[out.request_id].append(out)
+            sub_step, more = sub_step + 1, result.more
         if plan.sends and self.hold_sends:
             self.held_sends.append((wid, plan))
         elif plan.sends:

@@ -95,8 +95,12 @@ class Cluster:
                 self.ahead_plans += 1
             plan = sent.popleft()
             ran = True
-            for out in self.sched.update(wid, worker.execute(plan)):
-                self.outputs[out.request_id].append(out)
+            sub_step, more = 0, True
+            while more:  # a plan of several decode steps answers after each
+                result = worker.execute(plan, sub_step)
+                for out in self.sched.update(wid, result):
+                    self.outputs[out.request_id].append(out)
+                sub_step, more = sub_step + 1, result.more
             # the worker holds no request state the scheduler does not know of (or drops next)
             if wid in self.sched.workers:
                 w = self.sched.workers[wid]
@@ -734,8 +738,8 @@ def test_workers_sharing_cores_run_each_step_with_the_threads_its_plan_gives(clu
     assert all(r.cpu_cores == tuple(sorted(os.sched_getaffinity(0))) for r in c.registrations)
     seen = []
     for wid, worker in c.workers.items():
-        def execute(plan, run=worker.execute, wid=wid):
-            result = run(plan)
+        def execute(plan, sub_step=0, run=worker.execute, wid=wid):
+            result = run(plan, sub_step)
             seen.append((wid.split("-")[1], plan.num_threads, torch.get_num_threads()))
             return result
         worker.execute = execute
