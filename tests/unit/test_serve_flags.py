@@ -18,14 +18,15 @@ VLLM_FLAGS = ["--dtype", "float32", "--served-model-name", "tiny", "tiny-alias",
               "--max-num-batched-tokens", "512", "--no-enable-prefix-caching",
               "--api-key", "sk-test", "--seed", "7", "--generation-config", "vllm",
               "--otlp-traces-endpoint", OTLP, "--gpu-memory-utilization", "0.5",
-              "--host", "127.0.0.2", "--port", "8123", "--tensor-parallel-size", "1"]
+              "--host", "127.0.0.2", "--port", "8123", "--tensor-parallel-size", "1",
+              "--num-scheduler-steps", "2"]
 # which service's --help must show each (vLLM's name, or the service's own for the same concept)
 OWNERS = {
     "gateway": ["--host", "--port", "--served-model-name", "--max-model-len", "--api-key",
                 "--generation-config", "--otlp-traces-endpoint"],
     "scheduler": ["--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
                   "--enable-prefix-caching", "--no-enable-prefix-caching",
-                  "--otlp-traces-endpoint"],
+                  "--otlp-traces-endpoint", "--num-scheduler-steps"],
     "prefill-worker": ["--dtype", "--block-size", "--max-num-batched-tokens", "--max-model-len",
                        "--seed", "--gpu-memory-utilization", "--otlp-traces-endpoint"],
     "decode-worker": ["--dtype", "--block-size", "--max-num-batched-tokens", "--max-model-len",
@@ -47,7 +48,7 @@ def test_every_vllm_flag_reaches_its_services_exact_command_line():
     sched = "127.0.0.2:50099"
     assert cmds["scheduler"] == [
         "--host", "127.0.0.2", "--port", "50099", "--max-num-seqs", "8",
-        "--max-num-batched-tokens", "512", "--max-model-len", "256", "--mode", "disaggregated",
+        "--num-scheduler-steps", "2", "--max-num-batched-tokens", "512", "--max-model-len", "256", "--mode", "disaggregated",
         "--no-enable-prefix-caching", "--otlp-traces-endpoint", OTLP]
     worker = ["--model", model, "--scheduler", sched, "--dtype", "float32", "--block-size", "32",
               "--cpu-threads", "1", "--device", "cpu", "--max-num-batched-tokens", "512",
