@@ -1,6 +1,7 @@
 """Runs one step's forward over the paged cache and samples: the worker's compute core."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,9 @@ class StepStats:
     errors: list[RequestError] = field(default_factory=list)  # requests that failed the step
 
 
+COST_SMOOTHING = 0.1  # weight of the newest step in the draft's measured cost
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, sampler: Sampler,
                  decode_graphs: DecodeGraphs | None = None, grammars: Grammars | None = None,
@@ -81,6 +85,8 @@ class ModelRunner:
         self.proposer = NgramProposer(speculative) \
             if speculative is not None and speculative.method == "ngram" else None
         self.draft = draft  # the draft_model method
+        # one draft forward's time over the target's step time, smoothed (0 until measured)
+        self.draft_cost = 0.0
 
     def execute(self, scheduled: list[tuple[RequestState, int]], on_layer=None,
                 lookahead: dict[str, int] | None = None) -> tuple[list[Sampled], StepStats]:
@@ -99,7 +105,9 @@ class ModelRunner:
             assert len(req.block_ids) >= need, (
                 f"{req.request_id}: {len(req.block_ids)} blocks for {need} needed")
         failed: dict[str, str] = {}
+        self._draft_time = 0.0
         drafts, verified = self._propose(scheduled, lookahead or {}, failed)
+        target_start = time.perf_counter()
         decodes = [(r, n) for r, n in scheduled
                    if n == 1 and r.is_decode and r.request_id not in drafts]
         verifies = [(r, 1 + len(drafts[r.request_id])) for r, _ in scheduled
@@ -236,6 +244,10 @@ class ModelRunner:
             if rows_at(rows, i).request.request_id not in failed:
                 sampled.append(Sampled(f.request_id, token, logprobs))
         stats.errors = [RequestError(rid, error) for rid, error in failed.items()]
+        if self._draft_time:
+            ratio = self._draft_time / (time.perf_counter() - target_start)
+            self.draft_cost = ratio if not self.draft_cost else \
+                COST_SMOOTHING * ratio + (1 - COST_SMOOTHING) * self.draft_cost
         return sampled, stats
 
     def _propose(self, scheduled: list[tuple[RequestState, int]], lookahead: dict[str, int],
@@ -256,7 +268,7 @@ class ModelRunner:
             room = len(r.block_ids) * self.block_size - len(r.token_ids)
             left = r.sampling.max_tokens - (len(r.token_ids) - r.num_prompt_tokens) - 1
             k = min(self.num_speculative_tokens, slots, room, left)
-            k = r.draft_length.drafts(k) if k > 0 else 0
+            k = r.draft_length.drafts(k, self.draft_cost) if k > 0 else 0
             if k < 1:
                 continue
             if self.draft is not None:
@@ -273,8 +285,10 @@ class ModelRunner:
         if not wanted:
             return out, {}
         assert self.draft is not None
+        start = time.perf_counter()
         verified = self.draft.propose(
             wanted, lambda r, prefix: self._sampling_row(r, r.sampling, prefix))
+        self._draft_time = (time.perf_counter() - start) / (1 + max(k for _, k in wanted))
         return {rid: drafts[:-1] for rid, (drafts, _) in verified.items()}, verified
 
     def _rejection_sample(self, logits: torch.Tensor, rows: list[SamplingRequest],

@@ -19,11 +19,13 @@ The KV the forward wrote at rejected drafts' positions lies past the request's c
 the next step overwrites it.
 
 Drafts are not free: each is one more token of the forward, of the logits and of the sampler (on
-a CPU, nearly a decode row's cost). How many a request proposes follows its own acceptance
-(`DraftLength`): the j-th draft only where it is kept with probability >= MIN_KEEP by the
-request's recent record, none for a request whose output lookup keeps failing to predict, and
-a probe of one draft now and then, so that output which starts to repeat is noticed. Which drafts
-are proposed never changes what is sampled.
+a CPU, nearly a decode row's cost), and with a draft model one more forward of the draft. How
+many a request proposes follows its own acceptance (`DraftLength`): the j-th draft only where,
+by the request's recent record, it is kept with probability >= MIN_KEEP and at least twice the
+draft's measured cost (a share of a decode step); none for a request whose drafts keep missing,
+with a probe of one draft now and then (the dearer a draft, the rarer), so that output which
+starts to follow its drafts is noticed. Which drafts are proposed never changes what is
+sampled.
 """
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ import numpy as np
 
 METHODS = ("ngram", "draft_model")
 MIN_KEEP = 0.3  # the least chance of being kept a draft is proposed with
-WEIGHT = 0.2    # of each new draft's outcome in a request's acceptance estimate
-RECOVERY = 0.03  # a step without drafts moves the estimate this share back towards 1
+WEIGHT = 0.3    # of each new draft's outcome in a request's acceptance estimate
+RECOVERY = 0.03  # a step without drafts moves the estimate this share back towards 1 ...
+PROBE_COST = 0.02  # ... slower where a draft costs more than this share of a decode step
 
 
 @dataclass(frozen=True)
@@ -132,15 +135,18 @@ class DraftLength:
     def __init__(self) -> None:
         self.acceptance = 1.0
 
-    def drafts(self, k: int) -> int:
-        """Drafts worth proposing, at most k: while acceptance ** j >= MIN_KEEP. None for a
-        request with a poor record; each such step moves its estimate back towards 1."""
+    def drafts(self, k: int, cost: float = 0.0) -> int:
+        """Drafts worth proposing, at most k: while acceptance ** j >= max(MIN_KEEP, 2 cost),
+        cost: what one draft costs, as a share of a decode step. None for a request with a poor
+        record; each such step moves its estimate back towards 1."""
+        need = max(MIN_KEEP, 2 * cost)
         n, keep = 0, self.acceptance
-        while n < k and keep >= MIN_KEEP:
+        while n < k and keep >= need:
             n += 1
             keep *= self.acceptance
         if n == 0:
-            self.acceptance += RECOVERY * (1 - self.acceptance)
+            rate = RECOVERY * min(1.0, PROBE_COST / cost) if cost > 0 else RECOVERY
+            self.acceptance += rate * (1 - self.acceptance)
         return n
 
     def observe(self, proposed: int, accepted: int) -> None:

@@ -333,19 +333,23 @@ def test_draft_length_follows_each_requests_acceptance():
     assert d.drafts(4) == 4  # every request is tried
     d.observe(4, 4)
     assert d.acceptance == 1.0 and d.drafts(3) == 3
-    d.observe(4, 0)  # the first draft rejected: 0.8
-    assert d.drafts(4) == 4  # 0.8 ** 4 = 0.41 is still worth it
-    d.observe(4, 1)  # kept one (0.84), then a rejection: 0.672
-    assert d.acceptance == pytest.approx(0.672) and d.drafts(4) == 3  # 0.672 ** 4 < 0.3
-    for _ in range(4):
-        d.observe(2, 0)
-    assert d.acceptance == pytest.approx(0.672 * 0.8 ** 4)  # 0.275: no draft is worth it
+    d.observe(4, 0)  # the first draft rejected: 0.7
+    assert d.acceptance == pytest.approx(0.7) and d.drafts(4) == 3  # 0.7 ** 4 < 0.3
+    d.observe(4, 1)  # kept one (0.79), then a rejection: 0.553
+    assert d.acceptance == pytest.approx(0.553) and d.drafts(4) == 2
+    assert d.drafts(4, cost=0.2) == 1  # a draft costing 0.2 of a step must be kept >= 0.4
+    d.observe(2, 0)
+    d.observe(2, 0)
+    assert d.acceptance == pytest.approx(0.553 * 0.7 ** 2)  # 0.271: no draft is worth it
     steps = 0
     while d.drafts(4) == 0:  # each step without drafts: 3% of the way back to 1
         steps += 1
-    assert steps == 2 and d.drafts(4) == 1  # 0.275 -> 0.297 -> 0.318: one draft, a probe
+    assert steps == 2 and d.drafts(4) == 1  # 0.271 -> 0.293 -> 0.314: one draft, a probe
     d.observe(1, 0)
-    assert d.drafts(4) == 0
+    steps = 0
+    while d.drafts(4, cost=0.2) == 0:  # a dear draft: probes ten times rarer
+        steps += 1
+    assert steps == 88
 
 
 # ---- draft-model speculation -------------------------------------------------------------------
