@@ -129,6 +129,10 @@ def main() -> int:
                    help="a draft model directory: its mode replaces n-gram's (make_bench_model.py "
                         "--draft-layers makes DIR-draft, agreeing, and DIR-other-draft)")
     p.add_argument("--other-draft", default="", help="a second draft, run as a mode of its own")
+    p.add_argument("--mode", action="append", default=[], metavar="NAME=FLAGS",
+                   help="instead of the modes above, `pdserve up` with these flags under this "
+                        "name (repeatable; the first is the baseline), e.g. "
+                        "'multi-step 4=--num-scheduler-steps 4'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--up-args", default="", help="more `pdserve up` flags for both stacks")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/speculative"))
@@ -143,6 +147,9 @@ def main() -> int:
             if path:
                 modes[f"{name} k={args.k}"] = ["--speculative-config", json.dumps(
                     {"model": path, "num_speculative_tokens": args.k})]
+    if args.mode:
+        modes = dict((name, flags.split()) for name, _, flags in
+                     (m.partition("=") for m in args.mode))
     results: dict[str, dict[str, dict]] = {}
     for i, (mode, flags) in enumerate(modes.items()):
         proc, url, sched = launch(args.model, flags + args.up_args.split(),
@@ -156,7 +163,7 @@ def main() -> int:
             proc.wait(60)
     (args.out / "results.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
-    base = results["off"]
+    base = next(iter(results.values()))
     head = ("case", "mode", "out tok/s", "stream tok/s p50 (min-max)", "vs off", "acceptance")
     print(f"{head[0]:>10} {head[1]:>16} {head[2]:>10} {head[3]:>28} {head[4]:>7} {head[5]:>10}")
     for mode, by_case in results.items():
@@ -164,7 +171,7 @@ def main() -> int:
             ratio = r["stream_tok_s_p50"] / base[case]["stream_tok_s_p50"]
             spread = (f"{r['stream_tok_s_p50']:.1f} ({r['stream_tok_s_min']:.1f}-"
                       f"{r['stream_tok_s_max']:.1f})")
-            acc = f"{r['acceptance']:.2f}" if mode != "off" else "-"
+            acc = f"{r['acceptance']:.2f}" if r["draft_tokens"] else "-"
             print(f"{case:>10} {mode:>16} {r['output_tok_s']:>10.1f} {spread:>28} "
                   f"{ratio:>6.2f}x {acc:>10}")
     plot(results, args.out / "tokens_per_stream.png",

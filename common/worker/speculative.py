@@ -37,8 +37,9 @@ import numpy as np
 METHODS = ("ngram", "draft_model")
 MIN_KEEP = 0.3  # the least chance of being kept a draft is proposed with
 WEIGHT = 0.3    # of each new draft's outcome in a request's acceptance estimate
-RECOVERY = 0.03  # a step without drafts moves the estimate this share back towards 1 ...
-PROBE_COST = 0.02  # ... slower where a draft costs more than this share of a decode step
+RECOVERY = 0.01  # a step without drafts moves the estimate this share back towards 1 ...
+PROBE_COST = 0.02  # ... slower (down to a quarter) where a draft costs more than this share
+                   # of a decode step
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class DraftLength:
             n += 1
             keep *= self.acceptance
         if n == 0:
-            rate = RECOVERY * min(1.0, PROBE_COST / cost) if cost > 0 else RECOVERY
+            rate = RECOVERY * min(1.0, max(0.25, PROBE_COST / cost)) if cost > 0 else RECOVERY
             self.acceptance += rate * (1 - self.acceptance)
         return n
 
