@@ -443,3 +443,22 @@ def test_draft_speculation_after_a_lost_worker_keeps_greedy_tokens_and_seeded_ru
         assert greedy.tokens(rid) == _greedy(hf, p, 16), rid
     seeded = [_outputs(run(False, temperature=0.8, seed=7, logprobs=1), prompts) for _ in range(2)]
     _assert_same(seeded[1], seeded[0])
+
+
+def test_a_draft_model_through_preemption_and_a_stop_token_keeps_greedy_tokens(cluster, hf,
+                                                                               tiny_llama):
+    """Tight decode blocks preempt requests whose drafts hold lookahead slots; a stop token
+    ends one inside a run of kept drafts (the target as its own draft keeps every one)."""
+    c = _draft_cluster(cluster, [("prefill", 64), ("decode", 10)], tiny_llama, k=3)
+    prompts = {f"p{i}": _prompt(9, 90 + i) for i in range(3)}
+    for rid, p in prompts.items():
+        c.submit(rid, p, max_tokens=14)
+    greedy = _greedy(hf, prompts["p0"], 14)
+    c.submit("stops", prompts["p0"], max_tokens=14, stop_token_ids=[greedy[6]])
+    c.run()
+    assert c.sched.num_preemptions > 0
+    for rid, p in prompts.items():
+        assert c.tokens(rid) == _greedy(hf, p, 14), rid
+    assert c.tokens("stops") == greedy[:greedy.index(greedy[6]) + 1]
+    assert c.finish_reason("stops") == "stop"
+    c.assert_all_free()
