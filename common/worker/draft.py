@@ -1,5 +1,5 @@
 """Draft-model speculation: a smaller checkpoint of the same vocabulary proposes each request's
-drafts, and rejection sampling keeps what the target's distribution allows.
+drafts; the target keeps what its own distribution allows, by one of two acceptance methods.
 
 The draft keeps its own paged KV cache under the block ids the scheduler gives the request (the
 lookahead slots included). A request's draft KV is valid up to `draft_computed` tokens: a request
@@ -10,12 +10,21 @@ last token:
     forward 1       tokens [draft_computed, len)        -> q_1, d_1
     forward i > 1   d_{i-1} at position len - 2 + i       -> q_i, d_i        (i = 2 .. k + 1)
 
-d_1 .. d_k go through the target with the last token (k + 1 positions, p_1 .. p_{k+1}); d_{k+1}
-is only verified. Position j keeps d_j when u_j < p_j(d_j) / q_j(d_j), else draws from
-max(0, p_j - q_j) renormalized and ends the step: every position has a draft, so the token at a
-position depends only on the request's history, its seed and that position (draft, acceptance
-and residual draws use their own salts), never on where a step's run of drafts began: a seeded
-request resumed elsewhere gives the same tokens.
+d_1 .. d_k go through the target with the last token (k + 1 positions, p_1 .. p_{k+1}).
+
+coupled (the default): the draft draws d_j = argmax(q_j / E_j) with the very Exp(1) noise E_j the
+    target's sampler uses at that position (the request's seed, or a noise seed of its own, and
+    the position), and the step keeps drafts while each equals the target's own draw
+    argmax(p_j / E_j), then that draw: every token is what plain decoding samples, so output
+    never changes with speculation (greedy, seeded, across preemption or a worker's loss). A
+    draft is kept with probability P(argmax(p / E) = argmax(q / E)): 1 where q = p, a little
+    below the rejection sampler's sum min(p, q) otherwise.
+rejection_sampler: a (k + 1)-th draft is drawn too, and only verified. Position j keeps d_j when
+    u_j < p_j(d_j) / q_j(d_j), else draws from max(0, p_j - q_j) renormalized and ends the step
+    (the most a draft can be kept with). Each draw is keyed by (seed, position), so seeded
+    requests repeat run after run; but a position sampled without a draft (the first token, a
+    step without drafts, a recompute after preemption) draws otherwise than it would with one,
+    so after a preemption or a worker's loss a seeded request's later tokens may differ.
 """
 from __future__ import annotations
 
@@ -35,17 +44,20 @@ RESIDUAL_SALT = 0x5EED_4E51
 
 
 class DraftModel:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, sampler: Sampler):
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, sampler: Sampler,
+                 coupled: bool = True):
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.block_size = cache.layout.block_size
+        self.coupled = coupled  # else: rejection sampling (module docstring)
 
     def propose(self, requests: list, make_row: Callable[[Any, list[int]], SamplingRequest]
                 ) -> dict[str, tuple[list[int], torch.Tensor]]:
         """requests: (RequestState, k) of decoding requests, k >= 1 drafts each; make_row(r,
-        drafts so far): the request's sampling row after them. Returns request id -> (k + 1
-        drafts, q [k + 1, vocab]), and advances each request's draft_computed."""
+        drafts so far): the request's sampling row after them. Returns request id -> (its
+        drafts, q [drafts, vocab]): k coupled, k + 1 for rejection sampling; and advances each
+        request's draft_computed."""
         device = self.cache.tensor.device
         out: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         # forward 1: what the draft lacks of each sequence, its last token included
@@ -59,9 +71,10 @@ class DraftModel:
         self._draw(requests, make_row, self.model.compute_logits(hidden[last.to(device)]), out)
         for r, _ in requests:
             r.draft_computed = len(r.token_ids)
-        # forwards 2 .. k + 1: one draft each, of the requests still drafting
-        for i in range(1, max(k for _, k in requests) + 1):
-            live = [(r, k) for r, k in requests if k >= i]
+        # forwards 2 .. k (+ 1): one draft each, of the requests still drafting
+        extra = 0 if self.coupled else 1
+        for i in range(1, max(k for _, k in requests) + extra):
+            live = [(r, k) for r, k in requests if k + extra > i]
             decodes = [(r.draft_computed, r.block_ids) for r, _ in live]
             hidden = self._forward([out[r.request_id][0][-1] for r, _ in live],
                                    [r.draft_computed for r, _ in live],
@@ -86,7 +99,8 @@ class DraftModel:
         batch = [make_row(r, out[r.request_id][0] if r.request_id in out else [])
                  for r, _ in requests]
         q = self.sampler.distribution(logits, batch)
-        tokens = self.sampler.race(q, batch, DRAFT_SALT).tolist()
+        # coupled: the target's own noise at each position; else a draw of the draft's own
+        tokens = self.sampler.race(q, batch, 0 if self.coupled else DRAFT_SALT).tolist()
         for (r, _), token, q_row in zip(requests, tokens, q):
             drafts, qs = out.setdefault(r.request_id, ([], []))
             drafts.append(token)

@@ -37,6 +37,7 @@ class RequestState:
     guide: Guide | None = None  # its grammar's matcher, once it samples under one
     draft_length: DraftLength = field(default_factory=DraftLength)  # speculation's record
     draft_computed: int = 0  # tokens whose KV a draft model holds (draft.py)
+    noise_seed: int | None = None  # an unseeded request's, once a coupled draft samples for it
 
     @property
     def is_decode(self) -> bool:
@@ -272,24 +273,35 @@ class ModelRunner:
             if k < 1:
                 continue
             if self.draft is not None:
-                if not r.sampling.grammar:  # guided requests decode plainly under a draft
+                if self.draft.coupled:
+                    if r.sampling.seed is None and r.noise_seed is None:
+                        r.noise_seed = self.sampler.new_seed()  # the draft shares its noise
+                    wanted.append((r, k))
+                elif not r.sampling.grammar:  # rejection: guided requests decode plainly
                     wanted.append((r, k))
                 continue
             assert self.proposer is not None
-            drafts = self.proposer.propose(r.token_ids, k)
+            out[r.request_id] = self.proposer.propose(r.token_ids, k)
+        if wanted:
+            assert self.draft is not None
+            start = time.perf_counter()
+            verified = self.draft.propose(
+                wanted, lambda r, prefix: self._sampling_row(r, r.sampling, prefix))
+            self._draft_time = (time.perf_counter() - start) / (1 + max(k for _, k in wanted))
+            if not self.draft.coupled:
+                return {rid: d[:-1] for rid, (d, _) in verified.items()}, verified
+            out.update((rid, d) for rid, (d, _) in verified.items())
+        by_id = {r.request_id: r for r, _ in scheduled}
+        for rid, drafts in list(out.items()):  # only what a request's grammar allows
+            r = by_id[rid]
             if drafts and r.sampling.grammar:
                 guide = self._guide(r, failed)
                 drafts = drafts[:guide.valid_prefix(drafts)] if guide is not None else []
             if drafts:
-                out[r.request_id] = drafts
-        if not wanted:
-            return out, {}
-        assert self.draft is not None
-        start = time.perf_counter()
-        verified = self.draft.propose(
-            wanted, lambda r, prefix: self._sampling_row(r, r.sampling, prefix))
-        self._draft_time = (time.perf_counter() - start) / (1 + max(k for _, k in wanted))
-        return {rid: drafts[:-1] for rid, (drafts, _) in verified.items()}, verified
+                out[rid] = drafts
+            else:
+                del out[rid]
+        return out, {}
 
     def _rejection_sample(self, logits: torch.Tensor, rows: list[SamplingRequest],
                           drafts: list[int], q: torch.Tensor
@@ -346,11 +358,13 @@ class ModelRunner:
     @staticmethod
     def _sampling_row(r: RequestState, params: SamplingParams,
                       drafts: list[int]) -> SamplingRequest:
-        """The row sampling r's next token, after `drafts` taken as accepted."""
+        """The row sampling r's next token, after `drafts` taken as accepted (r's noise seed for
+        its own params, not a fork's)."""
         return SamplingRequest(params=params, prompt_token_ids=r.token_ids[:r.num_prompt_tokens],
                                output_token_ids=r.token_ids[r.num_prompt_tokens:] + drafts,
                                eos_token_ids=r.eos_token_ids,
-                               position=len(r.token_ids) + len(drafts))
+                               position=len(r.token_ids) + len(drafts),
+                               noise_seed=r.noise_seed if params is r.sampling else None)
 
 
 @dataclass

@@ -35,6 +35,8 @@ class SamplingRequest:
     output_token_ids: list[int]  # generated so far, before this step
     eos_token_ids: list[int]
     position: int  # of the token being sampled (= len(prompt) + len(output)); seeds the RNG
+    noise_seed: int | None = None  # an unseeded row's own seed, where it has one (a draft
+                                   # model's drafts share its noise: draft.py)
 
 
 @dataclass
@@ -241,16 +243,22 @@ class Sampler:
     def race(self, probs: torch.Tensor, rows: list[SamplingRequest], salt: int = 0) -> torch.Tensor:
         """[B] one token per row drawn from probs [B, V] (rows need not sum to 1): the
         exponential race argmax(p / E), E ~ Exp(1) iid. A seeded row's noise comes from
-        (seed ^ salt, position) alone; distinct salts give independent draws at one position."""
+        (seed ^ salt, position) alone (its noise_seed where it has no seed); distinct salts give
+        independent draws at one position."""
         noise = torch.empty_like(probs).exponential_(generator=self._generator(probs.device))
         for i, r in enumerate(rows):
-            if r.params.seed is not None:
+            seed = r.params.seed if r.params.seed is not None else r.noise_seed
+            if seed is not None:
                 gen = torch.Generator(device=probs.device)
-                gen.manual_seed(row_seed(r.params.seed ^ salt, r.position))
+                gen.manual_seed(row_seed(seed ^ salt, r.position))
                 noise[i].exponential_(generator=gen)
         # An Exp(1) draw of exactly 0 would make p / E NaN (0 / 0) or inf: keep it positive.
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
+
+    def new_seed(self) -> int:
+        """A seed from the sampler's own generator: an unseeded request's noise seed."""
+        return int(torch.randint(0, 1 << 62, (1,), generator=self._generator(torch.device("cpu"))))
 
     def uniform(self, rows: list[SamplingRequest], salt: int,
                 device: torch.device | str = "cpu") -> torch.Tensor:

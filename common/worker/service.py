@@ -42,6 +42,7 @@ from common.worker.grammars import Grammars
 from common.worker.memory import num_kv_blocks
 from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
+from common.worker.speculative import SpeculativeConfig
 from common.worker.telemetry import WorkerTelemetry, start_telemetry
 from common.worker.worker import Worker
 from protos import worker_pb2, worker_pb2_grpc
@@ -103,7 +104,7 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     sampler = Sampler(mc.vocab_size, cfg.seed)
     draft = None
     if speculative is not None and speculative.method == "draft_model":
-        draft = build_draft(speculative.model, model, backend, dtype, device, cfg, num_blocks,
+        draft = build_draft(speculative, model, backend, dtype, device, cfg, num_blocks,
                             sampler)
     runner = ModelRunner(model, cache, sampler, graphs, grammars, speculative, draft)
     worker = Worker(runner, cache,
@@ -118,10 +119,12 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     return worker, reg
 
 
-def build_draft(path: str, target, backend, dtype: torch.dtype, device: torch.device,
-                cfg: WorkerConfig, num_blocks: int, sampler: Sampler) -> DraftModel:
+def build_draft(spec: SpeculativeConfig, target, backend, dtype: torch.dtype,
+                device: torch.device, cfg: WorkerConfig, num_blocks: int,
+                sampler: Sampler) -> DraftModel:
     """The draft model of --speculative-config and its own KV cache, as many blocks as the
     target's (the same block ids). Raises ValueError for a draft whose vocabulary differs."""
+    path = spec.model
     model = load_model(path, backend, dtype, device, prepack=cfg.prepack_weights,
                        progress=cfg.use_tqdm_on_load)
     dc = model.config
@@ -132,7 +135,8 @@ def build_draft(path: str, target, backend, dtype: torch.dtype, device: torch.de
                       head_dim=dc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype)
     log.info("draft model %s: %d layers, its KV cache %d blocks", path, dc.num_layers,
              num_blocks)
-    return DraftModel(model, PagedKVCache(layout, num_blocks, device=device), sampler)
+    return DraftModel(model, PagedKVCache(layout, num_blocks, device=device), sampler,
+                      coupled=spec.acceptance_method == "coupled")
 
 
 def lower_priority(nice: int) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 METHODS = ("ngram", "draft_model")
+ACCEPTANCE_METHODS = ("coupled", "rejection_sampler")
 MIN_KEEP = 0.3  # the least chance of being kept a draft is proposed with
 WEIGHT = 0.3    # of each new draft's outcome in a request's acceptance estimate
 RECOVERY = 0.01  # a step without drafts moves the estimate this share back towards 1 ...
@@ -50,11 +51,16 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 0  # ngram: shortest suffix matched (0: prompt_lookup_max, or 5)
     prompt_lookup_max: int = 0  # ngram: longest suffix matched (0: prompt_lookup_min, or 5)
     model: str = ""             # draft_model: the draft's checkpoint (same vocabulary)
+    acceptance_method: str = "coupled"  # draft_model: or "rejection_sampler" (draft.py)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"--speculative-config: unknown method {self.method!r}; "
                              f"known: {', '.join(METHODS)}")
+        if self.acceptance_method not in ACCEPTANCE_METHODS:
+            raise ValueError(f"--speculative-config: unknown acceptance_method "
+                             f"{self.acceptance_method!r}; known: "
+                             f"{', '.join(ACCEPTANCE_METHODS)}")
         if (self.method == "draft_model") != bool(self.model):
             raise ValueError('--speculative-config: a draft model needs "model" (and "model" '
                              "needs the draft_model method)")
@@ -86,18 +92,20 @@ class SpeculativeConfig:
         method = raw.pop("method", "draft_model" if "model" in raw else "ngram")
         if method == "[ngram]":  # vLLM's older spelling
             method = "ngram"
-        if "model" in raw and not isinstance(raw["model"], str):
-            raise ValueError("--speculative-config: model must be a checkpoint directory")
+        for key in ("model", "acceptance_method"):
+            if key in raw and not isinstance(raw[key], str):
+                raise ValueError(f"--speculative-config: {key} must be a string")
         model = raw.pop("model", "")
+        acceptance = raw.pop("acceptance_method", "coupled")
         known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {unknown}; known: "
-                             f"{sorted(known | {'method', 'model'})}")
+                             f"{sorted(known | {'method', 'model', 'acceptance_method'})}")
         for key, value in raw.items():
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"--speculative-config: {key} must be an integer")
-        return cls(method=method, model=model, **raw)
+        return cls(method=method, model=model, acceptance_method=acceptance, **raw)
 
 
 class NgramProposer:

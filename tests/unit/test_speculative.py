@@ -46,7 +46,9 @@ def test_config_takes_vllms_keys_and_defaults():
     ('{"method": "eagle", "num_speculative_tokens": 2}', "unknown method 'eagle'"),
     ('{"num_speculative_tokens": 2, "foo": 1}', "unknown keys ['foo']"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', 'a draft model needs "model"'),
-    ('{"model": 3, "num_speculative_tokens": 2}', "model must be a checkpoint directory"),
+    ('{"model": 3, "num_speculative_tokens": 2}', "model must be a string"),
+    ('{"model": "/d", "num_speculative_tokens": 2, "acceptance_method": "typical"}',
+     "unknown acceptance_method 'typical'"),
 ])
 def test_config_refuses_what_it_cannot_honour(text, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
@@ -207,11 +209,11 @@ def test_runs_of_accepted_drafts_equal_hf_and_a_stop_token_ends_one(cluster, hf)
     assert c.tokens("stops") == _greedy_biased(hf, prompt, 40, min_new_tokens=15,
                                                eos_token_id=1200)
     assert c.finish_reason("stops") == "stop" and c.tokens("stops")[-1] == 1200
-    # most tokens came in steps of several, the stop token with others before it
-    assert sum(len(o.token_ids) > 1 for o in c.outputs["free"]) > 10
+    # tokens came in steps of several, the stop token with others before it
+    assert sum(len(o.token_ids) > 1 for o in c.outputs["free"]) >= 5
     assert len(c.outputs["stops"][-1].token_ids) > 1
     (d,) = _spec_counters(c)
-    assert d.spec_accepted_tokens > 20
+    assert d.spec_accepted_tokens > 10
     c.assert_all_free()
     # the worker's /metrics, under vLLM's names
     (worker,) = c.workers.values()
@@ -380,8 +382,9 @@ def test_rejection_sampling_keeps_the_target_distribution_at_each_position():
     assert abs(sum(second.values()) / draws - accept) < 0.03
 
 
-def _draft_cluster(cluster, roles, draft_dir, k=3):
-    spec = json.dumps({"model": str(draft_dir), "num_speculative_tokens": k})
+def _draft_cluster(cluster, roles, draft_dir, k=3, method="coupled"):
+    spec = json.dumps({"model": str(draft_dir), "num_speculative_tokens": k,
+                       "acceptance_method": method})
     return cluster(roles, worker_kw={"speculative_config": spec})
 
 
@@ -392,12 +395,13 @@ def other_draft(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("draft") / "llama", arch="llama", seed=1)
 
 
+@pytest.mark.parametrize("method", ["coupled", "rejection_sampler"])
 @pytest.mark.parametrize("roles", [[("prefill", 64), ("decode", 64)], [("decode", 64)]])
 def test_a_draft_model_keeps_greedy_tokens_equal_to_hf(cluster, hf, tiny_llama, other_draft,
-                                                        roles):
+                                                        roles, method):
     prompts = {"a": _prompt(9, 50), "b": _prompt(30, 51)}
     for draft, accepting in ((tiny_llama, True), (other_draft, False)):
-        c = _draft_cluster(cluster, roles, draft)
+        c = _draft_cluster(cluster, roles, draft, method=method)
         for rid, p in prompts.items():
             c.submit(rid, p, max_tokens=16)
         c.run()
@@ -407,22 +411,27 @@ def test_a_draft_model_keeps_greedy_tokens_equal_to_hf(cluster, hf, tiny_llama, 
         (d,) = _spec_counters(c)
         if accepting:  # the target as its own draft: every draft kept
             assert d.spec_accepted_tokens == d.spec_draft_tokens > 0
+            # k = 3 drafts and the target's next token; rejection sampling verifies a 4th draft
+            # instead of sampling that token
             assert max(len(o.token_ids) for rid in prompts for o in c.outputs[rid]) == 4
         else:
             assert d.spec_accepted_tokens < d.spec_draft_tokens / 2
 
 
-def test_draft_speculation_after_a_lost_worker_keeps_greedy_tokens_and_seeded_runs_repeat(
-        cluster, hf, tiny_llama):
-    """A decode worker dies mid-request: greedy tokens still equal HF's. Seeded requests at
-    temperature > 0 give the same tokens run after run (each position's draft, acceptance and
-    residual draws come from the seed and the position)."""
+@pytest.mark.parametrize("method", ["coupled", "rejection_sampler"])
+def test_draft_speculation_after_a_lost_worker_keeps_greedy_and_seeded_tokens(
+        cluster, hf, tiny_llama, other_draft, method):
+    """A decode worker dies mid-request: greedy tokens still equal HF's. Coupled drafts keep
+    seeded output (temperature > 0, logprobs too) equal to plain decoding's, lost worker or
+    not; rejection sampling keeps it equal run after run (each draw keyed by seed and position),
+    not across the loss."""
     roles = [("prefill", 64), ("decode", 64), ("decode", 64)]
     prompts = {f"r{i}": _prompt(12, 60 + i) for i in range(3)}
-    spec = json.dumps({"model": str(tiny_llama), "num_speculative_tokens": 3})
+    spec = json.dumps({"model": str(other_draft if method == "coupled" else tiny_llama),
+                       "num_speculative_tokens": 3, "acceptance_method": method})
 
-    def run(lose, **kw):
-        c = cluster(roles, worker_kw={"speculative_config": spec})
+    def run(lose, speculate=True, **kw):
+        c = cluster(roles, worker_kw={"speculative_config": spec} if speculate else None)
         for rid, p in prompts.items():
             c.submit(rid, p, max_tokens=16, **kw)
         if lose:  # once a decode worker has decoded a few tokens of a request
@@ -435,14 +444,19 @@ def test_draft_speculation_after_a_lost_worker_keeps_greedy_tokens_and_seeded_ru
             c.workers.pop(victim.worker_id).cache.close()
         c.run()
         c.assert_all_free()
-        assert sum(d.spec_accepted_tokens for d in _spec_counters(c)) > 0
+        if speculate:
+            assert sum(d.spec_draft_tokens for d in _spec_counters(c)) > 0
         return c
 
     greedy = run(True)
     for rid, p in prompts.items():
         assert greedy.tokens(rid) == _greedy(hf, p, 16), rid
-    seeded = [_outputs(run(False, temperature=0.8, seed=7, logprobs=1), prompts) for _ in range(2)]
-    _assert_same(seeded[1], seeded[0])
+    seeded = dict(temperature=0.8, seed=7, logprobs=1)
+    once = _outputs(run(False, **seeded), prompts)
+    _assert_same(_outputs(run(False, **seeded), prompts), once)
+    if method == "coupled":
+        _assert_same(_outputs(run(True, **seeded), prompts), once)
+        _assert_same(_outputs(run(False, speculate=False, **seeded), prompts), once)
 
 
 def test_a_draft_model_through_preemption_and_a_stop_token_keeps_greedy_tokens(cluster, hf,
