@@ -91,3 +91,24 @@ def test_speculative_decoding_keeps_greedy_tokens_and_counts_what_it_accepted(st
     accepted = int(decode["spec_decode_num_accepted_tokens"])
     assert 0 < accepted <= int(decode["spec_decode_num_draft_tokens"])
     assert sum(map(int, decode["spec_decode_num_accepted_tokens_per_pos"])) == accepted
+
+
+def test_a_stop_string_inside_a_step_of_accepted_drafts_cuts_the_text_there(stack):
+    """Outputs held to four tokens come in steps of several; a stop string taken from the
+    middle of one run ends the text just before it, whole and streamed."""
+    prompt = torch.randint(0, 2000, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    body = {"model": "tiny-served", "prompt": prompt, "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "logit_bias": BIAS}
+    with httpx.Client(base_url=stack.url, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as client:
+        full = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        stop = full[len(full) // 2:len(full) // 2 + 3]
+        cut = full[:full.index(stop)]
+        whole = client.post("/v1/completions", json={**body, "stop": [stop]}).json()
+        assert whole["choices"][0]["text"] == cut
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        with client.stream("POST", "/v1/completions",
+                           json={**body, "stop": [stop], "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == cut
