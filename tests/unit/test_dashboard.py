@@ -62,7 +62,8 @@ def exported_metrics() -> dict[str, tuple[str, set[str] | None]]:
                         dtype="float32"),
         transports=("shm",), kv_endpoints={"shm": "x"}))
     worker = SimpleNamespace(cache=SimpleNamespace(layout=SimpleNamespace(block_bytes=64)),
-                             counters=WorkerCounters(), on_send=None, requests={})
+                             counters=WorkerCounters(), on_send=None, requests={},
+                             runner=SimpleNamespace(num_speculative_tokens=2))  # speculates
     worker_telemetry = WorkerTelemetry(worker, "p0", "prefill")
     send = KVSend("t", "r", (0,), (1,), "peer", "tcp")
     worker_telemetry.on_send(send, 0.0, 0.1, "")       # a labelled child of each KV metric
