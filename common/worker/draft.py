@@ -63,6 +63,7 @@ class DraftModel:
         # forward 1: what the draft lacks of each sequence, its last token included
         chunks = [(r.draft_computed, len(r.token_ids) - r.draft_computed, r.block_ids)
                   for r, _ in requests]
+        assert all(n > 0 for _, n, _ in chunks), "a draft's KV ahead of its request's tokens"
         ids = [t for r, _ in requests for t in r.token_ids[r.draft_computed:]]
         positions = [p for r, _ in requests for p in range(r.draft_computed, len(r.token_ids))]
         last = torch.tensor([n for _, n, _ in chunks]).cumsum(0) - 1

@@ -229,8 +229,10 @@ class ModelRunner:
             r.token_ids.extend(tokens[:kept])
             if row.drafts:
                 r.num_computed_tokens = len(r.token_ids) - 1
-                r.draft_computed = min(r.draft_computed, r.num_computed_tokens)
                 stats.decode_tokens += kept
+            # a draft model's KV holds what it computed of the tokens kept, not what it drafted
+            # past them (nor drafts a grammar cut)
+            r.draft_computed = min(r.draft_computed, r.num_computed_tokens)
             guide = guides[start]
             try:
                 if guide is not None:

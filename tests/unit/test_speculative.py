@@ -476,3 +476,22 @@ def test_a_draft_model_through_preemption_and_a_stop_token_keeps_greedy_tokens(c
     assert c.tokens("stops") == greedy[:greedy.index(greedy[6]) + 1]
     assert c.finish_reason("stops") == "stop"
     c.assert_all_free()
+
+
+def test_guided_requests_verify_what_their_grammar_allows_of_a_coupled_drafts(cluster,
+                                                                             other_draft):
+    """A draft that knows nothing of the grammar: its drafts are cut where the grammar refuses
+    them; output equals plain decoding's."""
+    import xgrammar as xgr
+    grammar = str(xgr.Grammar.from_regex(r"([12][ab])+"))
+    prompts = {"g": _prompt(10, 95), "h": _prompt(7, 96)}
+    kw = dict(max_tokens=20, grammar=grammar, temperature=0.8, seed=3, logprobs=0)
+    roles = [("decode", 64)]
+    plain = _outputs(_run(cluster, roles, False, prompts, **kw), prompts)
+    spec = json.dumps({"model": str(other_draft), "num_speculative_tokens": 3})
+    c = cluster(roles, worker_kw={"speculative_config": spec})
+    for rid, p in prompts.items():
+        c.submit(rid, p, **kw)
+    c.run()
+    c.assert_all_free()
+    _assert_same(_outputs(c, prompts), plain)
