@@ -2,6 +2,10 @@
 transfer's share of TTFT for a 2k-token prompt on the tiny model, in one run.
 
     .venv/bin/python benchmarks/kv_transfer.py
+
+Every tcp and nccl frame carries a digest of its payload that the receiver checks (xxh3-128, or
+HMAC-SHA256 with `--kv-secret`): the table shows both digests' own GB/s on one thread and tcp
+with a secret beside tcp without, which is what integrity costs.
 """
 from __future__ import annotations
 
@@ -15,9 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.kv_layout import KVLayout
 from common.kv_cache import PagedKVCache  # noqa: E402
+from common.kv_layout import KVLayout
 from common.kv_transfer.base import KVReceiver, TransferConfig  # noqa: E402
+from common.kv_transfer.frames import payload_digest  # noqa: E402
 from common.kv_transfer.nccl import NcclListener, NcclSender  # noqa: E402
 from common.kv_transfer.shm import ShmListener, ShmSender  # noqa: E402
 from common.kv_transfer.tcp import TcpListener, TcpSender  # noqa: E402
@@ -49,14 +54,20 @@ def main() -> int:
     receiver = KVReceiver()
     tcp = TcpListener(dst, receiver, TransferConfig(timeout_s=120))
     asyncio.run_coroutine_threadsafe(tcp.start(), loop).result()
+    keyed = TransferConfig(timeout_s=120, secret=b"bench-secret")
+    tcp_keyed = TcpListener(dst, receiver, keyed)
+    asyncio.run_coroutine_threadsafe(tcp_keyed.start(), loop).result()
     gloo = NcclListener(dst, receiver, TransferConfig(timeout_s=120))
     asyncio.run_coroutine_threadsafe(gloo.start(), loop).result()
     senders = {"shm": (ShmSender(LAYOUT), ShmListener(dst).endpoint()),
                "tcp (loopback)": (TcpSender(LAYOUT, TransferConfig(timeout_s=120)),
                                   tcp.endpoint()),
+               "tcp + secret": (TcpSender(LAYOUT, keyed), tcp_keyed.endpoint()),
                "nccl (gloo, lo)": (NcclSender(LAYOUT, TransferConfig(timeout_s=120)),
                                    gloo.endpoint())}
+    digests = {"xxh3-128": b"", "hmac-sha256": keyed.secret}
     print(f"{'MiB':>6} {'blocks':>7} {'memcpy GB/s':>12} " +
+          " ".join(f"{name + ' GB/s':>16}" for name in digests) + " " +
           " ".join(f"{name + ' GB/s':>20}" for name in senders))
     n = 0
     try:
@@ -67,6 +78,9 @@ def main() -> int:
             flat_src = src.tensor[:, :, :blocks].contiguous()
             flat_dst = torch.empty_like(flat_src)
             row = [nbytes / best_of(lambda: flat_dst.copy_(flat_src), args.repeat) / 1e9]
+            raw = flat_src.view(torch.uint8).numpy().data
+            for secret in digests.values():
+                row.append(nbytes / best_of(lambda: payload_digest(secret, raw), args.repeat) / 1e9)
             for name, (sender, endpoint) in senders.items():
                 def once():
                     nonlocal n
@@ -76,13 +90,15 @@ def main() -> int:
                     receiver.complete(f"t{n}", ids)
                 row.append(nbytes / best_of(once, args.repeat) / 1e9)
             assert torch.equal(dst.tensor[:, :, :blocks], flat_src)
-            print(f"{mib:>6} {blocks:>7} {row[0]:>12.2f} " + " ".join(f"{v:>20.2f}" for v in row[1:]))
+            print(f"{mib:>6} {blocks:>7} {row[0]:>12.2f} "
+                  + " ".join(f"{v:>16.2f}" for v in row[1:1 + len(digests)]) + " "
+                  + " ".join(f"{v:>20.2f}" for v in row[1 + len(digests):]))
         ttft_share(senders, receiver)
     finally:
         for sender, _ in senders.values():
             sender.close()
-        asyncio.run_coroutine_threadsafe(tcp.close(), loop).result()
-        asyncio.run_coroutine_threadsafe(gloo.close(), loop).result()
+        for listener in (tcp, tcp_keyed, gloo):
+            asyncio.run_coroutine_threadsafe(listener.close(), loop).result()
         dst.close()
     return 0
 

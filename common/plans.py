@@ -132,6 +132,7 @@ class WorkerCounters:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # accepted drafts at position 0, 1, ...
+    kv_frames_rejected: int = 0     # KV frames refused on arrival: bad header, tag or digest
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVFrameHeader(_message.Message):
-    __slots__ = ("transfer_id", "dst_block_ids", "layer_start", "layer_end", "dtype", "shape", "payload_bytes", "last", "auth_tag")
+    __slots__ = ("transfer_id", "dst_block_ids", "layer_start", "layer_end", "dtype", "shape", "payload_bytes", "last", "auth_tag", "payload_digest")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class KVFrameHeader(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     layer_start: int
@@ -26,7 +27,8 @@ class KVFrameHeader(_message.Message):
     payload_bytes: int
     last: bool
     auth_tag: bytes
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., auth_tag: _Optional[bytes] = ...) -> None: ...
+    payload_digest: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., auth_tag: _Optional[bytes] = ..., payload_digest: _Optional[bytes] = ...) -> None: ...
 
 class KVTransferAck(_message.Message):
     __slots__ = ("transfer_id", "error")

@@ -126,13 +126,14 @@ def counters_to_pb(c: WorkerCounters) -> worker_pb2.WorkerCounters:
         kv_blocks_sent=c.kv_blocks_sent, kv_blocks_received=c.kv_blocks_received,
         steps=c.steps, spec_drafts=c.spec_drafts, spec_draft_tokens=c.spec_draft_tokens,
         spec_accepted_tokens=c.spec_accepted_tokens,
-        spec_accepted_per_pos=c.spec_accepted_per_pos)
+        spec_accepted_per_pos=c.spec_accepted_per_pos, kv_frames_rejected=c.kv_frames_rejected)
 
 
 def counters_from_pb(pb: worker_pb2.WorkerCounters) -> WorkerCounters:
     return WorkerCounters(pb.prompt_tokens_computed, pb.tokens_decoded, pb.kv_blocks_sent,
                           pb.kv_blocks_received, pb.steps, pb.spec_drafts, pb.spec_draft_tokens,
-                          pb.spec_accepted_tokens, tuple(pb.spec_accepted_per_pos))
+                          pb.spec_accepted_tokens, tuple(pb.spec_accepted_per_pos),
+                          pb.kv_frames_rejected)
 
 
 def result_to_pb(r: StepResult) -> worker_pb2.StepResult:

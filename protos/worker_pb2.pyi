@@ -236,7 +236,7 @@ class RequestError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class WorkerCounters(_message.Message):
-    __slots__ = ("prompt_tokens_computed", "tokens_decoded", "kv_blocks_sent", "kv_blocks_received", "steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos")
+    __slots__ = ("prompt_tokens_computed", "tokens_decoded", "kv_blocks_sent", "kv_blocks_received", "steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "kv_frames_rejected")
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_DECODED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class WorkerCounters(_message.Message):
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    KV_FRAMES_REJECTED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens_computed: int
     tokens_decoded: int
     kv_blocks_sent: int
@@ -255,7 +256,8 @@ class WorkerCounters(_message.Message):
     spec_draft_tokens: int
     spec_accepted_tokens: int
     spec_accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_frames_rejected: int
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., kv_frames_rejected: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled", "errors", "counters", "prompt_logprobs", "more")

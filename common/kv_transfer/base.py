@@ -32,7 +32,7 @@ class KVTransferError(Exception):
 @dataclass(frozen=True)
 class TransferConfig:
     timeout_s: float = 30.0       # deadline of one whole transfer
-    secret: bytes = b""           # shared secret authenticating tcp headers; empty: none
+    secret: bytes = b""           # shared secret authenticating KV frames, header and payload
     tcp_host: str = "127.0.0.1"   # where the tcp listener binds
     tcp_port: int = 0             # 0: a free port
     advertise_host: str = ""      # the address peers dial; default tcp_host
@@ -103,6 +103,12 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._expected: dict[str, tuple[str, tuple[int, ...], str]] = {}  # id -> rid, blocks, tr
         self._received: set[str] = set()
+        self.frames_rejected = 0  # frames refused on arrival: bad header, tag or payload digest
+
+    def reject(self) -> None:
+        """A listener refused a frame."""
+        with self._lock:
+            self.frames_rejected += 1
 
     def expect(self, transfer_id: str, request_id: str, block_ids: list[int],
                transport: str = "shm") -> None:

@@ -1,7 +1,12 @@
 """The KV frame header both network transports put in front of raw KV bytes, and the answer to a
 transfer: the codec of the worker <-> worker boundary (protos/kv_transfer.proto <-> FrameHeader),
 its size cap, its authentication and the receiver's checks, all made before a single payload byte
-is read. Nothing but this module sees the wire format."""
+is read. Nothing but this module sees the wire format.
+
+Every frame's header carries a digest of its payload, which the receiver checks before a byte of
+it reaches the cache: with a shared secret an HMAC-SHA256 of the payload (and the header's own
+HMAC covers that digest, so a frame cannot be altered without the secret), without one xxh3-128
+(a checksum against corruption on the way, not against an attacker)."""
 from __future__ import annotations
 
 import hashlib
@@ -9,6 +14,7 @@ import hmac
 from dataclasses import dataclass, replace
 from math import prod
 
+import xxhash
 from google.protobuf.message import DecodeError
 
 from common.kv_layout import KVLayout
@@ -32,13 +38,14 @@ class FrameHeader:
     payload_bytes: int
     last: bool                    # the transfer is complete after this frame
     auth_tag: bytes = b""         # HMAC over the header without it, when a secret is set
+    payload_digest: bytes = b""   # payload_digest(secret, payload)
 
 
 def _to_pb(h: FrameHeader) -> kv_transfer_pb2.KVFrameHeader:
     return kv_transfer_pb2.KVFrameHeader(
         transfer_id=h.transfer_id, dst_block_ids=h.dst_block_ids, layer_start=h.layer_start,
         layer_end=h.layer_end, dtype=h.dtype, shape=h.shape, payload_bytes=h.payload_bytes,
-        last=h.last, auth_tag=h.auth_tag)
+        last=h.last, auth_tag=h.auth_tag, payload_digest=h.payload_digest)
 
 
 def encode_header(h: FrameHeader, secret: bytes) -> bytes:
@@ -54,7 +61,8 @@ def decode_header(raw: bytes) -> FrameHeader:
     except DecodeError as e:
         raise MalformedFrame(f"unreadable KV frame header: {e}") from e
     return FrameHeader(pb.transfer_id, tuple(pb.dst_block_ids), pb.layer_start, pb.layer_end,
-                       pb.dtype, tuple(pb.shape), pb.payload_bytes, pb.last, pb.auth_tag)
+                       pb.dtype, tuple(pb.shape), pb.payload_bytes, pb.last, pb.auth_tag,
+                       pb.payload_digest)
 
 
 def encode_ack(transfer_id: str, error: str) -> bytes:
@@ -79,6 +87,19 @@ def auth_tag(secret: bytes, header: FrameHeader) -> bytes:
 
 def authentic(secret: bytes, header: FrameHeader) -> bool:
     return not secret or hmac.compare_digest(header.auth_tag, auth_tag(secret, header))
+
+
+def payload_digest(secret: bytes, payload) -> bytes:
+    """Digest of a frame's payload (any buffer of its raw bytes): HMAC-SHA256 keyed with the
+    secret when there is one, else xxh3-128."""
+    if secret:
+        return hmac.new(secret, payload, hashlib.sha256).digest()
+    return xxhash.xxh3_128(payload).digest()
+
+
+def intact(secret: bytes, header: FrameHeader, payload) -> bool:
+    """Whether the payload read for header is the one its sender digested."""
+    return hmac.compare_digest(header.payload_digest, payload_digest(secret, payload))
 
 
 def check_frame(h: FrameHeader, layout: KVLayout,

@@ -5,7 +5,9 @@ The receiver hosts a TCPStore at its endpoint. A sender joins once per receiver 
 the two build a two-rank process group on the store's prefix `pair/<n>/`. Per frame the sender
 puts a KVFrameHeader in the store, the receiver checks it exactly as the tcp transport does and
 answers `go` (or a refusal), then the payload moves with send/recv; after the frame marked `last`
-the receiver answers `ack`. Only raw tensor bytes ever cross the process group.
+the receiver answers `ack`. Only raw tensor bytes ever cross the process group. A payload whose
+digest does not match its header's (frames.py) is not copied into the cache, and the transfer's
+`ack` refuses it.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from common.kv_transfer.frames import (
     check_frame,
     decode_header,
     encode_header,
+    intact,
+    payload_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -126,7 +130,7 @@ class NcclSender(KVSender):
                 transfer_id=transfer_id, dst_block_ids=tuple(dst_block_ids),
                 layer_start=layer_start, layer_end=layer_end, dtype=self.layout.dtype,
                 shape=tuple(payload.shape), payload_bytes=payload.numel() * payload.element_size(),
-                last=last)
+                last=last, payload_digest=payload_digest(self.cfg.secret, _host_bytes(payload)))
             store.set(f"{pair}hdr/{seq}", encode_header(header, self.cfg.secret))
             refusal = _wait_key(store, f"{pair}go/{seq}", deadline).decode()
             if refusal:
@@ -155,6 +159,12 @@ class NcclSender(KVSender):
 
     def close(self):
         self._peers.clear()
+
+
+def _host_bytes(t: torch.Tensor):
+    """The raw bytes of a contiguous tensor, as a buffer in host memory (a device tensor is
+    copied out)."""
+    return t.view(torch.uint8).cpu().numpy().data
 
 
 def _abort(group) -> None:
@@ -223,6 +233,7 @@ class NcclListener(KVListener):
             log.warning("KV pair %s failed to form: %s", pair, e)
             return
         layers_seen: dict[str, set[int]] = {}
+        corrupt: set[str] = set()  # transfers a frame of which arrived altered
         seq = 0
         while not self._stop.is_set():
             seq += 1
@@ -232,36 +243,50 @@ class NcclListener(KVListener):
             raw = store.get(key)
             store.delete_key(key)
             try:
-                self._frame(store, pg, pair, seq, raw, layers_seen)
+                self._frame(store, pg, pair, seq, raw, layers_seen, corrupt)
             except (RuntimeError, KVTransferError) as e:
                 log.warning("KV pair %s broken: %s", pair, e)
                 return  # the sender starts a fresh pair
 
-    def _frame(self, store, pg, pair: str, seq: int, raw: bytes, layers_seen) -> None:
+    def _frame(self, store, pg, pair: str, seq: int, raw: bytes, layers_seen,
+               corrupt: set[str]) -> None:
         if len(raw) > MAX_HEADER_BYTES:
-            store.set(f"{pair}go/{seq}", b"header too large")
+            self._refuse(store, f"{pair}go/{seq}", "header too large")
             return
         try:
             h = decode_header(raw)
         except MalformedFrame as e:
-            store.set(f"{pair}go/{seq}", str(e).encode())
+            self._refuse(store, f"{pair}go/{seq}", str(e))
             return
         refusal, shape = self._check(h)
-        store.set(f"{pair}go/{seq}", refusal.encode())
         if refusal:
+            self._refuse(store, f"{pair}go/{seq}", refusal)
             return
+        store.set(f"{pair}go/{seq}", b"")
         buf = torch.empty(shape, dtype=self.layout.torch_dtype, device=self.cache.tensor.device)
         pg.recv([buf], 0, seq).wait(timedelta(seconds=self.cfg.timeout_s))
-        copy_blocks(self.cache.tensor[h.layer_start:h.layer_end], list(h.dst_block_ids), buf,
-                    range(len(h.dst_block_ids)))
+        if intact(self.cfg.secret, h, _host_bytes(buf)):
+            copy_blocks(self.cache.tensor[h.layer_start:h.layer_end], list(h.dst_block_ids), buf,
+                        range(len(h.dst_block_ids)))
+        else:
+            self.receiver.reject()
+            corrupt.add(h.transfer_id)
+            log.warning("KV frame of transfer %s refused: payload digest mismatch", h.transfer_id)
         seen = layers_seen.setdefault(h.transfer_id, set())
         seen.update(range(h.layer_start, h.layer_end))
         if h.last:
             del layers_seen[h.transfer_id]
-            complete = len(seen) == self.layout.num_layers
-            if complete:
+            error = "not every layer was sent" if len(seen) != self.layout.num_layers else ""
+            if h.transfer_id in corrupt:
+                corrupt.discard(h.transfer_id)
+                error = "payload digest mismatch"
+            if not error:
                 self.receiver.mark_received(h.transfer_id)
-            store.set(f"{pair}ack/{seq}", b"" if complete else b"not every layer was sent")
+            store.set(f"{pair}ack/{seq}", error.encode())
+
+    def _refuse(self, store, key: str, why: str) -> None:
+        self.receiver.reject()
+        store.set(key, why.encode())
 
     def _check(self, h: FrameHeader) -> tuple[str, tuple]:
         if not authentic(self.cfg.secret, h):

@@ -8,7 +8,10 @@ A transfer is one or more frames on a connection, then one ack:
 The receiver checks every header before it reads the payload: the transfer id must be expected,
 the blocks reserved for it, dtype, shape and byte count must match its cache layout, and with a
 shared secret the header's HMAC must verify. A bad header ends the connection (its payload is
-never read, let alone deserialized: the bytes go straight into tensor memory).
+never read, let alone deserialized: the bytes go straight into tensor memory). A payload whose
+digest does not match its header's (frames.py) is refused before it is copied into the cache;
+either refusal is counted (KVReceiver.frames_rejected) and fails the transfer, whose request is
+then recomputed.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ from common.kv_transfer.frames import (
     decode_header,
     encode_ack,
     encode_header,
+    intact,
+    payload_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -104,7 +109,8 @@ class TcpSender(KVSender):
             raw = encode_header(FrameHeader(
                 transfer_id=transfer_id, dst_block_ids=tuple(dst_block_ids), layer_start=l0,
                 layer_end=l1, dtype=self.layout.dtype, shape=tuple(payload.shape),
-                payload_bytes=data.nbytes, last=last and l1 == layer_end), self.cfg.secret)
+                payload_bytes=data.nbytes, last=last and l1 == layer_end,
+                payload_digest=payload_digest(self.cfg.secret, data)), self.cfg.secret)
             _settimeout(sock, deadline)
             sock.sendall(LEN.pack(len(raw)) + raw)
             _settimeout(sock, deadline)
@@ -274,31 +280,46 @@ class TcpListener(KVListener):
             sock.close()
 
     async def _frame(self, conn: _Conn, header_len: int) -> None:
+        """Reads one frame into its blocks; a refused one is counted, answered where its
+        transfer is known, and raised (FrameRejected)."""
         if header_len > MAX_HEADER_BYTES:
+            self.receiver.reject()
             raise FrameRejected(f"header of {header_len} bytes")
         try:
             header = decode_header(bytes(await conn.read(header_len)))
         except MalformedFrame as e:
+            self.receiver.reject()
             raise FrameRejected(str(e)) from e
         try:
             blocks, shape = await self._check(header)
         except FrameRejected as e:
-            await self._ack(conn, header.transfer_id, str(e))
-            raise
+            raise await self._refuse(conn, header.transfer_id, str(e)) from e
         payload = await conn.read(header.payload_bytes)
-        tensor = torch.frombuffer(payload, dtype=self.layout.torch_dtype).view(shape)
-        dst = self.cache.tensor[header.layer_start:header.layer_end]
-        await asyncio.to_thread(copy_blocks, dst, list(header.dst_block_ids), tensor,
-                                range(len(header.dst_block_ids)))
+        if not await asyncio.to_thread(self._land, header, payload, shape):
+            raise await self._refuse(conn, header.transfer_id, "payload digest mismatch")
         layers = self._covered.setdefault(header.transfer_id, set())
         layers.update(range(header.layer_start, header.layer_end))
         if header.last:
             del self._covered[header.transfer_id]
             if len(layers) != self.layout.num_layers:
-                await self._ack(conn, header.transfer_id, "not every layer was sent")
-                raise FrameRejected(f"transfer {header.transfer_id} incomplete")
+                raise await self._refuse(conn, header.transfer_id, "not every layer was sent")
             self.receiver.mark_received(header.transfer_id)
             await self._ack(conn, header.transfer_id, "")
+
+    async def _refuse(self, conn: _Conn, transfer_id: str, why: str) -> FrameRejected:
+        """Counts a refused frame and tells its sender; returns what the caller raises."""
+        self.receiver.reject()
+        await self._ack(conn, transfer_id, why)
+        return FrameRejected(f"transfer {transfer_id}: {why}")
+
+    def _land(self, h: FrameHeader, payload: memoryview, shape: tuple) -> bool:
+        """Copies a frame's payload into its blocks if it is intact; whether it was."""
+        if not intact(self.cfg.secret, h, payload):
+            return False
+        tensor = torch.frombuffer(payload, dtype=self.layout.torch_dtype).view(shape)
+        copy_blocks(self.cache.tensor[h.layer_start:h.layer_end], list(h.dst_block_ids), tensor,
+                    range(len(h.dst_block_ids)))
+        return True
 
     async def _check(self, h: FrameHeader) -> tuple[tuple[int, ...], tuple]:
         if not authentic(self.cfg.secret, h):

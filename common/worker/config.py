@@ -181,7 +181,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=int(env("PDSERVE_KV_ADVERTISE_PORT", 0)),
                    help="port peers dial for KV (behind NAT or a proxy); default the bound one")
     p.add_argument("--kv-secret", default=env("PDSERVE_KV_SECRET", ""),
-                   help="shared secret authenticating tcp KV frames (env PDSERVE_KV_SECRET)")
+                   help="shared secret authenticating KV frames, header and payload (HMAC-SHA256; "
+                        "without one an xxh3 digest still guards every payload; env "
+                        "PDSERVE_KV_SECRET)")
     p.add_argument("--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout_s,
                    help="seconds one KV transfer may take before it fails")
     p.add_argument("--host-id", default=env("PDSERVE_HOST_ID", ""),

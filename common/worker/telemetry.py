@@ -179,6 +179,9 @@ class _CountersCollector:
                 ("worker_generation_tokens", c.tokens_decoded, "Tokens decoded."),
                 ("worker_kv_blocks_sent", c.kv_blocks_sent, "KV blocks sent."),
                 ("worker_kv_blocks_received", c.kv_blocks_received, "KV blocks received."),
+                ("worker_kv_frames_rejected", c.kv_frames_rejected,
+                 "KV frames refused on arrival: bad header, authentication tag or payload "
+                 "digest."),
                 ("worker_steps", c.steps, "Steps run.")):
             m = CounterMetricFamily(PREFIX + name, doc, labels=["worker_id", "role"])
             m.add_metric(self.key, value)

@@ -77,7 +77,8 @@ class Worker:
         c = self._counts
         return WorkerCounters(c.prompt_tokens, c.decoded, c.blocks_sent, c.blocks_received,
                               c.steps, c.spec_drafts, c.spec_draft_tokens,
-                              c.spec_accepted_tokens, tuple(c.spec_accepted_per_pos))
+                              c.spec_accepted_tokens, tuple(c.spec_accepted_per_pos),
+                              self.receiver.frames_rejected)
 
     def execute(self, plan: StepPlan, sub_step: int = 0) -> StepResult:
         """Runs the plan (sub_step 0), or, for a plan of several decode steps, its next one:

@@ -143,7 +143,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 spec_decode_num_drafts=c.spec_drafts,
                 spec_decode_num_draft_tokens=c.spec_draft_tokens,
                 spec_decode_num_accepted_tokens=c.spec_accepted_tokens,
-                spec_decode_num_accepted_tokens_per_pos=c.spec_accepted_per_pos)
+                spec_decode_num_accepted_tokens_per_pos=c.spec_accepted_per_pos,
+                kv_frames_rejected=c.kv_frames_rejected)
         return resp
 
     # ---- worker side ---------------------------------------------------------------------------

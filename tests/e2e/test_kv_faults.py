@@ -1,6 +1,7 @@
 """KV transfer faults through the four real processes, over tcp: the transfer is dropped, stalls
-past its deadline, or its prefill worker is killed mid-transfer. Each request still completes
-with HuggingFace's greedy tokens, and every worker's blocks come back.
+past its deadline, has a byte of its payload altered on the way, or its prefill worker is killed
+mid-transfer. Each request still completes with HuggingFace's greedy tokens, and every worker's
+blocks come back.
 
 The decode worker advertises a proxy in front of its real KV port; the proxy injects the fault.
 """
@@ -19,7 +20,8 @@ from tests.e2e.test_serve import _body, _greedy, _prompt
 
 
 class FaultProxy:
-    """Forwards 127.0.0.1:port -> 127.0.0.1:target, unless told to drop or stall."""
+    """Forwards 127.0.0.1:port -> 127.0.0.1:target, unless told to drop, stall or corrupt (flip
+    one bit of the next large chunk: KV payload, past the frame's small header)."""
 
     def __init__(self, target: int):
         self.port, self.target = free_port(), target
@@ -47,6 +49,10 @@ class FaultProxy:
                 if faults and self.mode == "stall":  # swallow everything, answer nothing
                     self.faults += 1
                     continue
+                if faults and self.mode == "corrupt" and len(data) >= 4096:
+                    self.faults += 1
+                    self.mode = "pass"  # one bit, once
+                    data = data[:-1] + bytes([data[-1] ^ 0x10])
                 w.write(data)
                 await w.drain()
             w.close()
@@ -93,17 +99,23 @@ def _assert_all_free(stack):
     return s
 
 
-@pytest.mark.parametrize("mode", ["pass", "drop", "stall"])
+def _frames_rejected(stack) -> int:
+    return sum(int(w.get("kv_frames_rejected", 0)) for w in stack.stats()["workers"])
+
+
+@pytest.mark.parametrize("mode", ["pass", "drop", "stall", "corrupt"])
 def test_transfer_fault_recovers_with_the_same_tokens(faulty, hf, mode):
     stack, proxy = faulty
     proxy.mode = mode
-    prompt = _prompt(33, {"pass": 1, "drop": 2, "stall": 3}[mode])
-    before = proxy.faults
+    prompt = _prompt(33, {"pass": 1, "drop": 2, "stall": 3, "corrupt": 4}[mode])
+    before, rejected = proxy.faults, _frames_rejected(stack)
     assert _generate(stack, prompt) == _greedy(hf, prompt, 8)
     if mode != "pass":
         assert proxy.faults > before  # the fault was really on the path
     proxy.mode = "pass"
-    _assert_all_free(stack)
+    s = _assert_all_free(stack)
+    if mode == "corrupt":  # refused on arrival, counted, recomputed: never decoded from
+        assert sum(int(w.get("kv_frames_rejected", 0)) for w in s["workers"]) > rejected
 
 
 def test_prefill_worker_killed_mid_transfer(faulty, hf):

@@ -21,6 +21,8 @@ from common.kv_transfer.frames import (
     decode_header,
     encode_ack,
     encode_header,
+    intact,
+    payload_digest,
 )
 from common.kv_transfer.registry import create_listener, create_sender
 from common.kv_transfer.shm import ShmListener, ShmSender
@@ -249,3 +251,73 @@ def test_tcp_drops_a_connection_whose_header_is_garbage_and_serves_the_next(tcp)
     receiver.expect("t2", "r2", [1], transport="tcp")
     sender.send("t2", src, [1], listener.endpoint(), [1])
     assert torch.equal(dst.tensor[:, :, 1], src.tensor[:, :, 1])
+
+
+def _raw_frame(listener, header: FrameHeader, payload: bytes, secret: bytes) -> str:
+    """Sends one frame by hand (header, then payload) and returns the receiver's answer."""
+    raw = encode_header(header, secret)
+    host, port = listener.endpoint()[len("tcp://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(struct.pack("!I", len(raw)) + raw + payload)
+        n = struct.unpack("!I", s.recv(4))[0]
+        return kv_transfer_pb2.KVTransferAck.FromString(s.recv(n)).error
+
+
+@pytest.mark.parametrize("secret", [b"", b"key"])
+def test_tcp_refuses_an_altered_payload_before_it_reaches_the_cache(tcp, secret):
+    """One bit flipped in flight: refused, counted, nothing written; with a secret, a payload
+    altered together with a digest recomputed without the secret is refused too."""
+    src, dst, receiver, listener, sender = tcp(secret=secret)
+    before = dst.tensor.clone()
+    receiver.expect("t1", "r1", [3], transport="tcp")
+    payload = bytearray(src.tensor[:, :, 1].contiguous().view(torch.uint8).numpy().tobytes())
+    shape = (3, 2, 1, 4, 2, 8)
+    good = FrameHeader("t1", (3,), 0, 3, "float32", shape, len(payload), last=True,
+                       payload_digest=payload_digest(secret, bytes(payload)))
+    payload[len(payload) // 2] ^= 0x01
+    assert "digest mismatch" in _raw_frame(listener, good, bytes(payload), secret)
+    assert torch.equal(dst.tensor, before) and receiver.frames_rejected == 1
+    rejected = 1
+    if secret:  # without one the digest is a checksum: it catches damage, not forgery
+        forged = replace(good, payload_digest=payload_digest(b"", bytes(payload)))
+        assert "digest mismatch" in _raw_frame(listener, forged, bytes(payload), secret)
+        assert torch.equal(dst.tensor, before) and receiver.frames_rejected == 2
+        rejected = 2
+    # the receiver goes on serving: the genuine frame lands
+    sender.send("t1", src, [1], listener.endpoint(), [3])
+    assert torch.equal(dst.tensor[:, :, 3], src.tensor[:, :, 1])
+    assert receiver.complete("t1", [3]) == 1 and receiver.frames_rejected == rejected
+
+
+def test_nccl_refuses_a_payload_whose_digest_does_not_match(nccl, monkeypatch):
+    """A frame altered on the way (its sender's digest no longer matches): the blocks keep what
+    they held, the transfer is refused at its end, the frame counted."""
+    import common.kv_transfer.nccl as nccl_transport
+    src, dst, receiver, listener, sender = nccl()
+    before = dst.tensor.clone()
+    receiver.expect("t1", "r1", [2, 6], transport="nccl")
+    monkeypatch.setattr(nccl_transport, "payload_digest", lambda secret, data: b"\0" * 16)
+    sender.send_layers("t1", src, [1, 4], listener.endpoint(), [2, 6], 0, 1, last=False)
+    monkeypatch.undo()
+    with pytest.raises(KVTransferError, match="digest mismatch"):
+        sender.send_layers("t1", src, [1, 4], listener.endpoint(), [2, 6], 1, 3, last=True)
+    assert torch.equal(dst.tensor[0], before[0])  # the altered layer never landed
+    assert receiver.frames_rejected == 1
+    with pytest.raises(KVTransferError, match="never arrived"):
+        receiver.complete("t1", [2, 6])
+
+
+def test_payload_digests_are_keyed_with_a_secret():
+    data = os.urandom(4096)
+    h = FrameHeader("t", (1,), 0, 1, "float32", (1,), len(data), True,
+                    payload_digest=payload_digest(b"", data))
+    assert intact(b"", h, data) and len(h.payload_digest) == 16
+    flipped = bytes([data[0] ^ 0x80]) + data[1:]
+    assert not intact(b"", h, flipped)
+    keyed = replace(h, payload_digest=payload_digest(b"k", data))
+    assert intact(b"k", keyed, data) and not intact(b"other", keyed, data)
+    assert not intact(b"k", h, data)  # an unkeyed digest does not pass where a secret is set
+    # the header's tag covers the digest: swapping in another payload's digest is caught
+    signed = decode_header(encode_header(keyed, b"k"))
+    assert authentic(b"k", signed)
+    assert not authentic(b"k", replace(signed, payload_digest=payload_digest(b"k", flipped)))
