@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common import tracing
+from services.gateway.body_guard import BodyGuard
 from services.gateway.chat import ChatCompletion
 from services.gateway.completions import Completion
 from services.gateway.config import GatewayConfig
@@ -64,6 +65,7 @@ def create_app(
     app = FastAPI(title="pdserve gateway", summary="OpenAI-compatible API of pdserve")
     app.state.ctx = ctx
     install_error_handlers(app)
+    app.add_middleware(BodyGuard, limit=config.max_request_body_bytes)
     app.add_middleware(RequestIdMiddleware)
     auth = [Depends(_api_key_check(config.api_key))] if config.api_key else []
     api = APIRouter(dependencies=auth, responses=ERROR_RESPONSES)

@@ -39,6 +39,7 @@ class GatewayConfig:
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's calls are parsed
     tool_call_parser: str | None = None  # how: hermes or llama3_json (tools.py)
+    max_request_body_bytes: int = 16 << 20  # larger bodies get 413 (body_guard.py)
     sampling_defaults: SamplingDefaults = field(init=False, default=SamplingDefaults())
 
     def __post_init__(self) -> None:
@@ -57,6 +58,8 @@ class GatewayConfig:
             raise ValueError("scheduler address must not be empty")
         if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("request and connect timeouts must be positive")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-mib must be positive")
         if self.no_worker_wait_s < 0:
             raise ValueError("--no-worker-wait must be >= 0")
         if self.drain_timeout_s < 0:

@@ -99,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(0: they fail at once).",
     )
     parser.add_argument(
+        "--max-request-body-mib",
+        type=float,
+        default=16.0,
+        help="Largest request body in MiB; a larger one gets 413 before it is read.",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -152,6 +158,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        max_request_body_bytes=int(args.max_request_body_mib * (1 << 20)),
     )
 
 

@@ -100,6 +100,54 @@ async def test_bad_completion_requests_are_400(model_dir: str, tokenizer: Tokeni
     assert gw.scheduler.requests == []
 
 
+SURROGATES = [  # JSON escapes of lone UTF-16 surrogates, in keys and values of every route
+    ("/tokenize", b'{"prompt": "a\\ud800b"}'),
+    ("/tokenize", b'{"\\udc00": 1, "prompt": "x"}'),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "\\udbff"}]}'),
+    ("/detokenize", b'{"tokens": [1], "model": "\\ud800"}'),
+    ("/v1/completions", b'{"prompt": "\\ud83d", "max_tokens": 1}'),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ude00\\ud83d"], "max_tokens": 1}'),
+    ("/v1/completions", b'{"prompt": "x", "model": "\\ud800", "max_tokens": 1}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+]
+
+
+async def test_unpaired_surrogates_are_400_and_pairs_pass(model_dir: str,
+                                                          tokenizer: Tokenizer) -> None:
+    json_type = {"content-type": "application/json"}
+    async with fake_gateway(model_dir, tokenizer) as gw:
+        async with http_client(gw.url) as http:
+            for path, body in SURROGATES:
+                error = assert_error(await http.post(path, content=body, headers=json_type), 400)
+                assert "surrogate" in error["message"], (path, body)
+            paired = b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 1}'  # one code point
+            ok = await http.post("/v1/completions", content=paired, headers=json_type)
+            assert ok.status_code == 200, ok.text
+            tokenized = await http.post("/tokenize", content=paired.replace(b', "max_tokens": 1',
+                                                                            b""), headers=json_type)
+            assert tokenized.status_code == 200, tokenized.text
+    assert len(gw.scheduler.requests) == 1  # only the paired one
+
+
+async def test_a_body_over_the_limit_is_413_unread(model_dir: str, tokenizer: Tokenizer) -> None:
+    limit = 4096
+    async with fake_gateway(model_dir, tokenizer, max_request_body_bytes=limit) as gw:
+        async with http_client(gw.url) as http:
+            big = {"prompt": "x" * limit, "max_tokens": 1}
+            error = assert_error(await http.post("/v1/completions", json=big), 413)
+            assert str(limit) in error["message"]
+
+            async def chunked():  # no content-length: counted as it arrives
+                for _ in range(8):
+                    yield b" " * 1024
+            streamed = await http.post("/v1/completions", content=chunked(),
+                                       headers={"content-type": "application/json"})
+            assert_error(streamed, 413)
+            small = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert small.status_code == 200, small.text  # and it goes on serving
+    assert len(gw.scheduler.requests) == 1
+
+
 BAD_CHATS = [
     {"messages": []},
     {"messages": [{"content": "no role"}]},
