@@ -27,6 +27,7 @@ import grpc
 import torch
 
 from common import tracing
+from common.grpc_options import channel_options
 from common.health import Health
 from common.kv_cache import SEGMENT_PREFIX, PagedKVCache, on_device, sweep_stale_segments
 from common.kv_layout import KVLayout
@@ -174,9 +175,7 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
     `leaving` is set, tells the scheduler, which ends the stream when the worker is drained.
     `steps`: the one thread that runs steps (see serve); None: a thread of its own."""
     traced = telemetry if telemetry is not None and tracing.enabled() else None
-    async with grpc.aio.insecure_channel(
-            cfg.scheduler, options=[("grpc.max_receive_message_length", 64 << 20),
-                                    ("grpc.max_send_message_length", 64 << 20)]) as channel:
+    async with grpc.aio.insecure_channel(cfg.scheduler, options=channel_options()) as channel:
         await asyncio.wait_for(channel.channel_ready(), cfg.connect_timeout_s)
         call = worker_pb2_grpc.WorkerControlStub(channel).Attach()
         now = replace(reg, cached_blocks=tuple(worker.block_hashes.items()))

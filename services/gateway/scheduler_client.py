@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from common import tracing
+from common.grpc_options import channel_options
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.readiness import SchedulerReadiness
 
@@ -62,9 +63,9 @@ class SchedulerClient:
         recovery_s: float = 0.0,
     ) -> SchedulerClient:
         """Open a channel (lazily connected) in the running event loop."""
-        options = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
         channel = grpc.aio.insecure_channel(
-            address, options=options, interceptors=tracing.aio_client_interceptors() or None
+            address, options=channel_options(),
+            interceptors=tracing.aio_client_interceptors() or None
         )
         client = cls(channel, request_timeout_s, connect_timeout_s, recovery_s)
         client.readiness.start()

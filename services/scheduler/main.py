@@ -84,6 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "streamed as it ends); 1: one step a plan")
     p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
                    help="seconds a worker may take for one step before it is dropped")
+    p.add_argument("--keepalive-time", type=float, default=d.keepalive_time_s,
+                   help="seconds after which a quiet link to a worker or gateway is pinged")
+    p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s,
+                   help="seconds a ping may go unanswered before its link is dropped (a frozen "
+                        "worker's requests are then re-queued)")
     metrics.add_arguments(p)
     tracing.add_arguments(p)
 
@@ -94,6 +99,8 @@ def config_from_args(args) -> SchedulerConfig:
                            max_model_len=args.max_model_len,
                            scheduling_policy=args.scheduling_policy, placement=args.placement,
                            step_timeout_s=args.step_timeout, mode=args.mode,
+                           keepalive_time_s=args.keepalive_time,
+                           keepalive_timeout_s=args.keepalive_timeout,
                            enable_prefix_caching=args.enable_prefix_caching,
                            prefill_bypass_threshold=args.prefill_bypass_threshold,
                            saturated_prefill_bypass=args.saturated_prefill_bypass,

@@ -17,6 +17,7 @@ from collections import deque
 import grpc
 
 from common import tracing
+from common.grpc_options import server_options
 from common.health import Health
 from common.plans import StepPlan
 from common.sampling_params import GenerateOutput
@@ -277,8 +278,8 @@ def _to_response(out: Output, sample: int) -> scheduler_pb2.GenerateResponse:
 
 
 async def create_server(config: SchedulerConfig) -> tuple[grpc.aio.Server, int, SchedulerService]:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)],
+    server = grpc.aio.server(options=server_options(config.keepalive_time_s,
+                                                    config.keepalive_timeout_s),
                              interceptors=tracing.aio_server_interceptors(TRACED_METHODS))
     service = SchedulerService(config, Health(server))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)

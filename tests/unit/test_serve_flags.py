@@ -127,3 +127,15 @@ def test_each_services_help_shows_its_flags():
         for flag in flags:
             assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out), \
                 f"`pdserve {service} --help` lacks {flag}"
+
+
+@pytest.mark.parametrize("flag", ["--keepalive-time", "--keepalive-timeout"])
+def test_scheduler_keepalive_flags_refuse_non_positive_values(flag):
+    import argparse
+
+    from services.scheduler.main import add_arguments, config_from_args
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert config_from_args(p.parse_args([flag, "0.5"])) is not None
+    with pytest.raises(ValueError, match="positive"):
+        config_from_args(p.parse_args([flag, "0"]))

@@ -1,0 +1,98 @@
+"""A peer that stops answering without dying: a decode worker frozen (SIGSTOP) mid-stream is
+dropped by the scheduler's keepalive within seconds, not at the step timeout; its stream goes on
+on the other decode worker with HuggingFace's greedy tokens, and once thawed the worker attaches
+again and every block comes back."""
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import torch
+import transformers
+
+from protos import scheduler_pb2, scheduler_pb2_grpc
+from tests.e2e.conftest import Stack, stream_completion
+from tests.e2e.test_serve import _prompt
+
+KEEPALIVE_S, PING_TIMEOUT_S = 1, 2
+MAX_TOKENS = 1500
+
+
+def _greedy_through_eos(hf, prompt: list[int], n: int) -> list[int]:
+    """HuggingFace's greedy tokens as `ignore_eos` has them: an end-of-sequence token is one
+    more token, neither a stop nor suppressed (generate's min_new_tokens would suppress it)."""
+    out, past, ids = [], None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            step = hf(ids, past_key_values=past, use_cache=True)
+            past, token = step.past_key_values, int(step.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out
+
+
+def _pid_holding(stack: Stack, worker_id: str) -> int:
+    """The launcher's child that maps worker_id's KV segment."""
+    for pid, cmd in stack.children().items():
+        if "decode-worker" in cmd and worker_id in Path(f"/proc/{pid}/maps").read_text():
+            return pid
+    raise AssertionError(f"no process maps the KV cache of {worker_id}")
+
+
+def test_a_frozen_decode_worker_is_dropped_in_seconds_and_its_stream_resumes(tiny_llama,
+                                                                             tmp_path):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama,
+                                                           dtype=torch.float32).eval()
+    prompt = _prompt(12, 71)
+    want = _greedy_through_eos(hf, prompt, MAX_TOKENS)
+    stack = Stack(tiny_llama, tmp_path, "--num-kv-blocks", "256", "--decode-workers", "2",
+                  f"--scheduler-args=--keepalive-time {KEEPALIVE_S} "
+                  f"--keepalive-timeout {PING_TIMEOUT_S}")
+    frozen = None
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{stack.sched_port}") as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+
+            def decoders() -> dict[str, scheduler_pb2.WorkerStats]:
+                s = stub.Stats(scheduler_pb2.StatsRequest(), timeout=10)
+                return {w.worker_id: w for w in s.workers if w.role == "decode"}
+
+            got: list[list[int]] = []
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True}
+            streaming = threading.Thread(
+                target=lambda: got.append(stream_completion(stack.url, body)[0]))
+            streaming.start()
+            deadline = time.monotonic() + 60
+            while not (busy := [w for w in decoders().values()
+                                if w.num_running and w.tokens_decoded >= 20]):
+                assert time.monotonic() < deadline and streaming.is_alive(), \
+                    "the stream never reached a decode worker"
+                time.sleep(0.01)
+            victim = busy[0].worker_id
+            frozen = _pid_holding(stack, victim)
+            os.kill(frozen, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            while victim in decoders():
+                assert time.monotonic() - stopped_at < 30, "the frozen worker was not dropped"
+                time.sleep(0.05)
+            dropped_after = time.monotonic() - stopped_at
+            print(f"\nthe frozen decode worker was dropped {dropped_after:.1f} s after SIGSTOP "
+                  f"(keepalive {KEEPALIVE_S} s, ping timeout {PING_TIMEOUT_S} s)")
+            assert dropped_after < KEEPALIVE_S + PING_TIMEOUT_S + 5, dropped_after
+            streaming.join(120)
+            assert got and got[0] == want  # resumed on the other worker, nothing lost
+            os.kill(frozen, signal.SIGCONT)
+            frozen = None
+            deadline = time.monotonic() + 60
+            while len(decoders()) < 2:  # the thawed worker finds its stream gone: it re-attaches
+                assert time.monotonic() < deadline, "the thawed worker did not attach again"
+                time.sleep(0.2)
+        s = stack.wait_idle(timeout=60)
+        assert all(w["num_free_blocks"] == w["num_blocks"] for w in s["workers"]), s
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGCONT)
+        stack.stop()
