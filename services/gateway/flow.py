@@ -26,7 +26,15 @@ from services.gateway.protocol import SamplingRequest
 from services.gateway.request_builder import output_options
 from services.gateway.responses import StreamChunk, Usage
 from services.gateway.serving import ServingContext
-from services.gateway.sse import DONE_EVENT, SSEStart, error_event, event, prime, sse
+from services.gateway.sse import (
+    DONE_EVENT,
+    SSEResponse,
+    SSEStart,
+    error_event,
+    event,
+    prime,
+    sse,
+)
 from services.gateway.usage import UsageCounter
 
 
@@ -49,6 +57,21 @@ class Generation(ABC):
         self.prompt_ids: list[list[int]] = []
 
     async def serve(self) -> Response:
+        """The response; the request holds a slot of its API key's in-flight budget until the
+        response is built or, streamed, until its stream ends."""
+        release = self.ctx.in_flight.acquire(self.raw)
+        try:
+            response = await self._serve()
+        except BaseException:
+            release()
+            raise
+        if isinstance(response, SSEResponse):
+            response.on_close(release)
+        else:
+            release()
+        return response
+
+    async def _serve(self) -> Response:
         self.tokenizer.check_token_ids([t for t, _ in self.body.logit_bias_pairs()], "logit_bias")
         with tracing.span("gateway.tokenize"):
             self.prompt_ids = await self.prompts()
@@ -60,7 +83,8 @@ class Generation(ABC):
         streams = [self._shaped(s) for s in self.ctx.sequences(requests,
                                                              output_options(self.body))]
         if self.body.stream:
-            return sse(self._stream, await prime(self.raw, streams), self.request_id)
+            return sse(self._stream, await prime(self.raw, streams), self.request_id,
+                       self.ctx.config.stream_write_timeout_s)
         choices = await until_disconnected(self.raw, collect(streams))
         return Response(
             self.response(choices).model_dump_json(), media_type="application/json",

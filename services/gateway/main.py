@@ -105,6 +105,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Largest request body in MiB; a larger one gets 413 before it is read.",
     )
     parser.add_argument(
+        "--stream-write-timeout",
+        type=float,
+        default=30.0,
+        help="Seconds a streaming client may take nothing; then its stream ends and its "
+        "requests are aborted (a stalled reader never holds KV blocks for long).",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests-per-key",
+        type=int,
+        default=0,
+        help="Generation requests one API key (its bearer credential; none: one shared budget) "
+        "may have in flight in a gateway process; one more gets 429 with Retry-After (0: no "
+        "limit).",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -159,6 +174,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         max_request_body_bytes=int(args.max_request_body_mib * (1 << 20)),
+        stream_write_timeout_s=args.stream_write_timeout,
+        max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
     )
 
 

@@ -17,6 +17,7 @@ from protos.scheduler_codec import request_to_pb
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import model_not_found
 from services.gateway.generation import DeltaStream, OutputOptions, run_sequence
+from services.gateway.limits import InFlight
 from services.gateway.protocol import template_tools
 from services.gateway.request_builder import RequestBuilder
 from services.gateway.scheduler_client import SampleStreams, SchedulerClient
@@ -38,6 +39,7 @@ class ServingContext:
         assert config.max_model_len is not None, "GatewayConfig resolves it when made"
         self.max_model_len: int = config.max_model_len
         self.metrics = GatewayMetrics(config.served_model_name[0])
+        self.in_flight = InFlight(config.max_concurrent_requests_per_key)
         self.builder = RequestBuilder(
             self.max_model_len, tokenizer.eos_token_ids, config.sampling_defaults,
             config.structured_outputs,

@@ -25,7 +25,7 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 2  # a short prompt's fast lane beside one long prompt
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: half the step budget when partials > 1
-    max_waiting_requests: int = 0      # 0: unbounded
+    max_waiting_requests: int = 1024   # beyond it new requests get 429; 0: unbounded
     async_scheduling: bool = True      # plan a decode step while the one before it runs
     num_scheduler_steps: int = 1       # decode steps a decode-only plan runs (multi-step)
     step_timeout_s: float = 120.0    # a worker that does not answer a step in time is dropped

@@ -26,6 +26,7 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 
+from common.grpc_options import server_options
 from common.health import Health
 from common.sampling_params import GenerateOutput, GenerateRequest, TokenLogprobs, TopLogprob
 from protos import scheduler_pb2, scheduler_pb2_grpc
@@ -193,7 +194,7 @@ async def start_fake_scheduler(
     servicer: FakeScheduler, host: str = "127.0.0.1"
 ) -> tuple[grpc.aio.Server, str]:
     """Serve `servicer` on host:0; returns (server, "host:port")."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=server_options())  # the real scheduler's keepalive policy
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     Health(server)  # "" SERVING: as a scheduler with workers attached
     port = server.add_insecure_port(f"{host}:0")
@@ -232,6 +233,7 @@ class FakeGateway:
     scheduler: FakeScheduler
     config: GatewayConfig
     client: SchedulerClient
+    app: FastAPI
 
 
 @asynccontextmanager
@@ -256,7 +258,7 @@ async def fake_gateway(
     try:
         app = create_app(gateway_config, client, tokenizer)
         async with serve_app(app) as url:
-            yield FakeGateway(url, scheduler, gateway_config, client)
+            yield FakeGateway(url, scheduler, gateway_config, client, app)
     finally:
         await client.close()
         await server.stop(None)

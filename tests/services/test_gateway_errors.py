@@ -393,3 +393,66 @@ async def test_no_chat_template_is_400(
             completion = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert "no chat template" in assert_error(response, 400)["message"]
     assert completion.status_code == 200
+
+
+# -- overload: stalled readers, one key's share -------------------------------------------------
+
+
+async def test_a_stalled_reader_is_cut_off_and_others_stream_on(model_dir: str,
+                                                                tokenizer: Tokenizer) -> None:
+    """A client that sends a streaming request and then reads nothing: once the socket buffers
+    are full its stream ends within --stream-write-timeout and its request is aborted on the
+    scheduler (its blocks freed); a stream beside it runs to its end meanwhile."""
+    scheduler = FakeScheduler(tokens_per_message=8, delay_s=0.02)  # 10 s of tokens
+    big = {"prompt": "x", "max_tokens": 4000, "n": 4, "logprobs": 20, "stream": True,
+           "ignore_eos": True}
+    async with fake_gateway(model_dir, tokenizer, scheduler, max_model_len=4096,
+                            stream_write_timeout_s=1.0) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect((host, int(port)))
+        payload = json.dumps(big).encode()
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                        b"application/json\r\ncontent-length: %d\r\n\r\n%s"
+                        % (len(payload), payload))
+        try:
+            await wait_for(lambda: gw.scheduler.requests, 15)
+            sent = gw.scheduler.requests[0].request_id
+            async with http_client(gw.url) as http:
+                other = await http.post("/v1/completions", json={
+                    "prompt": "x y", "max_tokens": 40, "stream": True})
+            assert other.status_code == 200 and other.text.endswith("data: [DONE]\n\n")
+            await wait_for(lambda: sent in gw.scheduler.aborted or sent in gw.scheduler.cancelled,
+                           30)
+            assert sent not in gw.scheduler.finished
+        finally:
+            stalled.close()
+
+
+async def test_one_key_may_hold_only_its_share(model_dir: str, tokenizer: Tokenizer) -> None:
+    scheduler = FakeScheduler(delay_s=0.05)
+    slow = {"prompt": "x", "max_tokens": 200, "stream": True}
+
+    def key(k: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {k}"}
+
+    async with fake_gateway(model_dir, tokenizer, scheduler, max_model_len=2048,
+                            max_concurrent_requests_per_key=2) as gw:
+        async with http_client(gw.url) as http:
+            async with http.stream("POST", "/v1/completions", json=slow, headers=key("a")) as r1, \
+                    http.stream("POST", "/v1/completions", json=slow, headers=key("a")) as r2:
+                assert (r1.status_code, r2.status_code) == (200, 200)
+                third = await http.post("/v1/completions", json={"prompt": "x"},
+                                        headers=key("a"))
+                error = assert_error(third, 429)
+                assert error["code"] == "concurrency_limit_exceeded"
+                assert third.headers["retry-after"] == "1"
+                other = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                        headers=key("b"))
+                assert other.status_code == 200, other.text  # another key has its own share
+            # both streams ended (closed early): the slots are back
+            await wait_for(lambda: not gw.app.state.ctx.in_flight.counts, 10)
+            again = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                    headers=key("a"))
+            assert again.status_code == 200, again.text
