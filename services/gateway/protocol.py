@@ -218,6 +218,13 @@ class ChatMessage(BaseModel):
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
 
+    @model_validator(mode="after")
+    def _check_template_input(self) -> ChatMessage:
+        """Unsupported content parts and tool call arguments that are not JSON are a 400 for
+        every request that carries messages (chat completions and /tokenize alike)."""
+        self.for_template()
+        return self
+
     def for_template(self) -> dict:
         """The message as the chat template sees it: content flattened to text, and the
         arguments of an assistant's tool calls as objects (templates write them with tojson),
@@ -287,8 +294,6 @@ class ChatCompletionRequest(SamplingRequest):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among "
                              f"the tools ({', '.join(names)})")
-        for message in self.messages:
-            message.for_template()  # surfaces unsupported content parts as a 400
         return self
 
 

@@ -456,3 +456,20 @@ async def test_one_key_may_hold_only_its_share(model_dir: str, tokenizer: Tokeni
             again = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
                                     headers=key("a"))
             assert again.status_code == 200, again.text
+
+
+async def test_tokenize_refuses_what_chat_refuses(model_dir: str, tokenizer: Tokenizer) -> None:
+    """Messages the chat template cannot take are a 400 on /tokenize too (the fuzzer found a
+    500 there): unsupported content parts, tool call arguments that are not JSON."""
+    bad_messages = [
+        [{"role": "user", "content": [{"type": ""}]}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}],
+    ]
+    async with fake_gateway(model_dir, tokenizer) as gw:
+        async with http_client(gw.url) as http:
+            for messages in bad_messages:
+                assert_error(await http.post("/tokenize", json={"messages": messages}), 400)
+                assert_error(await http.post("/v1/chat/completions",
+                                             json={"messages": messages}), 400)
