@@ -37,7 +37,43 @@ from services.scheduler.workers import RegistrationError, Workers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["QueueFull", "RegistrationError", "Scheduler"]  # what server.py catches
+__all__ = ["ProtocolError", "QueueFull", "RegistrationError", "Scheduler"]  # server.py catches
+
+
+class ProtocolError(ValueError):
+    """A worker's answer that cannot be the answer to its step: nothing of it is applied, and
+    the worker is dropped (its requests are recomputed elsewhere)."""
+
+
+MAX_TOKEN_ID = 2 ** 31 - 1
+
+
+def _check_result(step: Step, result: StepResult, requests: dict[str, Request]) -> None:
+    """Raises ProtocolError unless token ids are ids, no request of the step got more tokens
+    than the step may add (1 + its draft slots) and prompt logprobs start past the first token.
+    (Tokens and errors of requests the step did not run are ignored, as answers about requests
+    that moved on since: a fork's first token comes with its leader's step.)"""
+    per_request: dict[str, int] = {}
+    for s in result.sampled:
+        if not 0 <= s.token_id <= MAX_TOKEN_ID:
+            raise ProtocolError(f"step {step.step_id}: token id {s.token_id}")
+        per_request[s.request_id] = per_request.get(s.request_id, 0) + 1
+    for rid, n in per_request.items():
+        most = 1 + step.lookahead.get(rid, 0)
+        if rid in step.request_ids and n > most:
+            raise ProtocolError(f"step {step.step_id}: {n} tokens for {rid!r}, at most {most} "
+                                "possible")
+    for p in result.prompt_logprobs:
+        if p.start < 1:
+            raise ProtocolError(f"step {step.step_id}: prompt logprobs of {p.request_id!r} "
+                                f"from position {p.start}")
+        req = requests.get(p.request_id)
+        if p.request_id in step.request_ids and req is not None and req.scores_prompt:
+            scored, total = len(req.prompt_logprobs), len(req.prompt_token_ids) - 1
+            if p.start != scored + 1 or scored + len(p.logprobs) > total:
+                raise ProtocolError(f"step {step.step_id}: prompt logprobs of {p.request_id!r} "
+                                    f"from position {p.start}, {len(p.logprobs)} of them, "
+                                    f"{scored} of {total} scored so far")
 
 
 class Scheduler:
@@ -225,8 +261,9 @@ class Scheduler:
         if w is None:
             return []
         if not w.steps or w.steps[0].step_id != result.step_id:
-            raise ValueError(f"worker {worker_id} answered step {result.step_id}, not the "
-                             "oldest it runs")
+            raise ProtocolError(f"worker {worker_id} answered step {result.step_id}, not the "
+                                "oldest it runs")
+        _check_result(w.steps[0], result, self.requests)  # before anything changes
         # a plan of several decode steps answers after each: it runs until its last answer
         step = w.steps[0] if result.more else w.steps.popleft()
         if step.prefill_tokens >= MIN_TIMED_PREFILL:  # fewer (a last chunk) say little

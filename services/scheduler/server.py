@@ -31,7 +31,7 @@ from protos.worker_codec import (
 )
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Output, Request, resume
-from services.scheduler.scheduler import QueueFull, RegistrationError, Scheduler
+from services.scheduler.scheduler import ProtocolError, QueueFull, RegistrationError, Scheduler
 from services.scheduler.telemetry import SchedulerTelemetry
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 elif msg.HasField("result") and link.steps \
                         and msg.result.step_id == link.steps[0][0]:
                     result = result_from_pb(msg.result)
-                    self._dispatch(self.scheduler.update(wid, result))
+                    try:
+                        outputs = self.scheduler.update(wid, result)
+                    except ProtocolError as e:  # nothing of it was applied
+                        log.error("worker %s answered out of protocol (%s); dropping it", wid, e)
+                        break
+                    self._dispatch(outputs)
                     if not result.more:  # a plan of several decode steps ends at its last
                         link.steps.popleft()[1].set_result(True)
                 else:

@@ -753,3 +753,68 @@ def test_workers_sharing_cores_run_each_step_with_the_threads_its_plan_gives(clu
         assert ("prefill", cores, cores) in seen  # the prompt alone: every core
         assert {n for role, n, _ in seen if role == "decode"} >= {cores}
     c.assert_all_free()
+
+
+def test_malformed_results_are_refused_whole_and_only_their_worker_goes(cluster, hf):
+    """Answers a decode worker cannot have given to its running step (token ids that are not
+    ids, more tokens than the step could add, prompt logprobs from position 0 or before, each
+    amid plausible noise): update refuses each whole (ProtocolError) with nothing changed; the
+    server then drops the worker and its requests finish elsewhere with HuggingFace's tokens."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from common.plans import PromptLogprobs, SampledToken, StepResult
+    from services.scheduler.scheduler import ProtocolError
+
+    c = cluster([("prefill", 64), ("decode", 64), ("decode", 64)])
+    prompts = {f"m{i}": _prompt(7, 40 + i) for i in range(4)}
+    for rid, p in prompts.items():
+        c.submit(rid, p, max_tokens=10)
+    for _ in range(6):
+        c.step()
+    victim = next(w for w in c.sched.workers.values() if w.role == "decode" and w.decoding)
+    wid = victim.worker_id
+    sent = c.sent.get(wid)  # its step planned ahead, if there is one; else a fresh plan
+    plan = sent.popleft() if sent else c.sched.schedule(wid)
+    assert plan is not None and plan.scheduled
+    honest = c.workers[wid].execute(plan)
+    ran = [s.request_id for s in plan.scheduled]
+
+    def snapshot():
+        reqs = {r.request_id: (r.status, tuple(r.output_token_ids), r.num_computed_tokens,
+                               r.prefill_worker, r.decode_worker)
+                for r in c.sched.requests.values()}
+        workers = {w.worker_id: (w.kv.num_free_blocks, [s.step_id for s in w.steps],
+                                 [r.request_id for r in w.decoding], len(w.prefilling))
+                   for w in c.sched.workers.values()}
+        return reqs, workers, c.sched.num_finished
+
+    noise = st.lists(st.builds(SampledToken, request_id=st.sampled_from(["ghost", *ran]),
+                               token_id=st.integers(0, 2000)), max_size=3)
+    bad_token = st.builds(SampledToken, request_id=st.sampled_from(ran),
+                          token_id=st.integers(max_value=-1) | st.integers(min_value=2 ** 31))
+    too_many = st.sampled_from(ran).map(lambda rid: (SampledToken(rid, 5), SampledToken(rid, 6)))
+    bad_logprobs = st.builds(PromptLogprobs, request_id=st.sampled_from(ran),
+                             start=st.integers(max_value=0), logprobs=st.just(()))
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck),
+              database=None)
+    @given(kind=st.sampled_from(["token", "count", "logprobs"]), noise=noise,
+           token=bad_token, pair=too_many, logprobs=bad_logprobs)
+    def refused_whole(kind, noise, token, pair, logprobs):
+        sampled = tuple(noise) + ((token,) if kind == "token" else ()) + \
+            (pair if kind == "count" else ())
+        result = StepResult(plan.step_id, sampled, counters=honest.counters,
+                            prompt_logprobs=(logprobs,) if kind == "logprobs" else ())
+        before = snapshot()
+        with pytest.raises(ProtocolError):
+            c.sched.update(wid, result)
+        assert snapshot() == before
+
+    refused_whole()
+    c.sched.remove_worker(wid)  # what the server does on a ProtocolError
+    c.workers.pop(wid).cache.close()
+    c.run()
+    for rid, p in prompts.items():
+        assert c.tokens(rid) == _greedy(hf, p, 10), rid
+    c.assert_all_free()
