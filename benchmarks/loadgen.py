@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import httpx
 from tqdm import tqdm
+
+from common.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 2000  # prompt token ids are drawn below this: valid for every model here
@@ -260,15 +261,9 @@ def records_json(records: list[Record]) -> list[dict]:
     return [{**asdict(r), "ttft": r.ttft, "tpot": r.tpot} for r in records]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(model: str, up_args: list[str], log: Path) -> tuple[subprocess.Popen, str, str]:
     """`pdserve up` on free ports: (process, gateway url, scheduler address)."""
-    port, sport = free_port(), free_port()
+    port, sport = free_ports(2)
     proc = subprocess.Popen([str(Path(sys.executable).parent / "pdserve"), "up", "--model", model,
                              "--port", str(port), "--scheduler-port", str(sport), *up_args],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT)

@@ -18,13 +18,13 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from common.models import dtype as dtypes
+from common.ports import free_ports
 from common.worker.speculative import SpeculativeConfig
 from services.gateway.tools import PARSERS
 
@@ -239,19 +239,13 @@ def environment(cmd: list[str]) -> dict[str, str]:
 
 
 def _metrics_ports(first: int, n: int) -> list[int]:
-    """n ports from `first` on; 0: n free ones; -1: none."""
+    """n ports from `first` on; 0: n free ones (outside the ephemeral range, so that no
+    connection takes one before its service binds it); -1: none."""
     if first < 0:
         return []
     if first > 0:
         return list(range(first, first + n))
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return free_ports(n)
 
 
 def metrics_urls(args) -> list[tuple[str, str]]:

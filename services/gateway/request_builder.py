@@ -103,6 +103,9 @@ class RequestBuilder:
         requests = []
         for i, prompt_ids in enumerate(prompts):
             max_tokens = self.max_tokens(req.requested_max_tokens(), len(prompt_ids))
+            if req.min_tokens > max_tokens:  # the default max_tokens: the room left
+                raise bad_request(f"min_tokens ({req.min_tokens}) must be <= max_tokens "
+                                  f"({max_tokens}, the room left in the context)", "min_tokens")
             ids = [base_id if total == 1 else f"{base_id}-{i * samples + j}"
                    for j in range(samples)]
             requests.append(GenerateRequest(

@@ -95,6 +95,10 @@ def request_grammar(req: SamplingRequest, config: StructuredOutputsConfig) -> st
         message = _ENGINE_PREFIX.sub("", str(e).strip())
         raise bad_request(f"The {ask.param} cannot be served as a grammar: {message}",
                           ask.param) from None
+    except UnicodeDecodeError:  # xgrammar's message quoting the text was cut inside a character
+        message = "it does not parse (the parser's message could not be decoded)"
+        raise bad_request(f"The {ask.param} cannot be served as a grammar: {message}",
+                          ask.param) from None
 
 
 def _asks(req: SamplingRequest) -> list[_Ask]:

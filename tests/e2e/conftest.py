@@ -2,7 +2,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,14 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 PDSERVE = Path(sys.executable).parent / "pdserve"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_all(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
@@ -33,24 +30,38 @@ def stop_all(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
             p.wait()
 
 
-def stream_completion(url: str, body: dict) -> tuple[list[int], list[float]]:
+def stream_completion(url: str, body: dict,
+                      connection_retries: int = 0) -> tuple[list[int], list[float]]:
     """POST /v1/completions streamed (body gets the served model and return_token_ids): the
-    choice tokens and each chunk's arrival time; fails on a non-200 or an error event."""
-    ids: list[int] = []
-    times: list[float] = []
-    with httpx.Client(base_url=url, timeout=120) as c:
-        body = {**body, "stream": True, "return_token_ids": True,
-                "model": c.get("/v1/models").json()["data"][0]["id"]}
-        with c.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    event = json.loads(line[6:])
-                    assert "error" not in event, event
-                    for choice in event["choices"]:
-                        ids += choice.get("token_ids") or []
-                        times.append(time.monotonic())
-    return ids, times
+    choice tokens and each chunk's arrival time; fails on a non-200 or an error event.
+
+    connection_retries: sends the request again when its connection failed before any response
+    began, as the OpenAI client does (a gateway process that drains for a restart closes the
+    keep-alive connections it has not read a request from; the request was never taken). An
+    error once the response began is never retried."""
+    for attempt in range(connection_retries + 1):
+        ids: list[int] = []
+        times: list[float] = []
+        began = False
+        try:
+            with httpx.Client(base_url=url, timeout=120) as c:
+                body = {**body, "stream": True, "return_token_ids": True,
+                        "model": c.get("/v1/models").json()["data"][0]["id"]}
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    began = True
+                    assert r.status_code == 200, r.read()
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            event = json.loads(line[6:])
+                            assert "error" not in event, event
+                            for choice in event["choices"]:
+                                ids += choice.get("token_ids") or []
+                                times.append(time.monotonic())
+            return ids, times
+        except httpx.TransportError:
+            if began or attempt == connection_retries:
+                raise
+    raise AssertionError("unreachable")
 
 
 class Stack:

@@ -26,10 +26,12 @@ def rolling(tiny_llama, tmp_path_factory):
 
 
 def complete(url: str, i: int) -> list[int]:
-    """Greedy when i is even, else seeded; streamed; raises on anything but a full answer."""
+    """Greedy when i is even, else seeded; streamed; raises on anything but a full answer (a
+    connection refused before any response began is sent again, as OpenAI's client does)."""
     ids, _ = stream_completion(url, {
         "prompt": f"Client {i} asks through a rolling restart", "max_tokens": MAX_TOKENS,
-        "ignore_eos": True, "temperature": 0.0 if i % 2 == 0 else 0.8, "seed": 7 * i})
+        "ignore_eos": True, "temperature": 0.0 if i % 2 == 0 else 0.8, "seed": 7 * i},
+        connection_retries=2)
     assert len(ids) == MAX_TOKENS
     return ids
 

@@ -416,7 +416,8 @@ async def test_sample_streams_close_one_sample_without_ending_the_others() -> No
         await server.stop(None)
 
 
-async def test_negative_seeds_wrap_to_the_unsigned_field(model_dir: str, tokenizer: Tokenizer) -> None:
+async def test_negative_seeds_wrap_to_the_unsigned_field(model_dir: str,
+                                                         tokenizer: Tokenizer) -> None:
     async with fake_gateway(model_dir, tokenizer) as gw:
         async with http_client(gw.url) as http:
             body = {"prompt": "hi", "max_tokens": 1, "seed": -1, "n": 2}

@@ -81,6 +81,17 @@ BAD_COMPLETIONS = [
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+    # integers past what the scheduler's int32 fields carry, or past the context
+    ({"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+    ({"prompt": "x", "top_k": 2**31}, "top_k"),
+    ({"prompt": "x", "min_tokens": 2**31}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": 10**6}, "min_tokens"),
+    ({"prompt": "x", "stop_token_ids": [600835554523665]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "x", "priority": 2**31}, "priority"),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
+    ({"prompt": "x", "best_of": 0}, "best_of"),
+    ({"prompt": "x", "best_of": 2**40}, "best_of"),
 ]
 
 

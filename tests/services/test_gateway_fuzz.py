@@ -5,6 +5,7 @@ answer is never a 5xx, and the gateway keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterator
 
@@ -15,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.services.fake_scheduler import fake_gateway
 
-EXAMPLES_PER_OPERATION = 60
+# a deeper run: PDSERVE_FUZZ_EXAMPLES=1000 pytest tests/services/test_gateway_fuzz.py
+EXAMPLES_PER_OPERATION = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60"))
 
 
 @pytest.fixture(scope="module")

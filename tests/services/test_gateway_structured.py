@@ -230,6 +230,8 @@ REFUSED = {
     "structured_outputs lookbehind": ({"structured_outputs": {"regex": "x(?<=a)b"}},
                                       "structured_outputs.regex", "Lookbehind"),
     "bad EBNF": ({"guided_grammar": "root ::= ("}, "guided_grammar", "EBNF"),
+    "EBNF whose error message splits a character": ({"guided_grammar": "\x80"},
+                                                     "guided_grammar", "parse"),
     "EBNF without root": ({"structured_outputs": {"grammar": 'foo ::= "a"'}},
                           "structured_outputs.grammar", "root"),
     "whitespace_pattern": ({"structured_outputs": {"json": POINT, "whitespace_pattern": " *"}},
