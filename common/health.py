@@ -51,6 +51,18 @@ class Health:
         await server.start()
         return health, bound
 
+    async def also_serve(self, host: str, port: int) -> int:
+        """The same statuses on a server of their own, in the clear, beside a server that takes
+        mutual TLS (probes that present no certificate); returns the bound port."""
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot bind the health port {host}:{port}")
+        await server.start()
+        self._own_server = server
+        return bound
+
     async def set(self, service: str, serving: bool) -> None:
         if self._serving.get(service) != serving:
             self._serving[service] = serving
@@ -64,10 +76,13 @@ class Health:
             await self._own_server.stop(grace=None)
 
 
-def check(address: str, service: str = "", timeout_s: float = 5.0) -> str:
-    """The service's status name at `address` (SERVING, NOT_SERVING, ...); raises grpc.RpcError
-    when the server cannot be reached or does not know the service (NOT_FOUND)."""
-    with grpc.insecure_channel(address) as channel:
-        response = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+def check(target: str | grpc.Channel, service: str = "", timeout_s: float = 5.0) -> str:
+    """The service's status name (SERVING, NOT_SERVING, ...) at an address (in the clear) or over
+    a channel; raises grpc.RpcError when the server cannot be reached or does not know the
+    service (NOT_FOUND)."""
+    if isinstance(target, str):
+        with grpc.insecure_channel(target) as channel:
+            return check(channel, service, timeout_s)
+    response = health_pb2_grpc.HealthStub(target).Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
     return status_name(response.status)

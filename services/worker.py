@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 from common.worker import config, service
 
@@ -19,5 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    role = ROLES[args.command]
-    return asyncio.run(service.serve(config.config_from_args(role, args)))
+    try:
+        cfg = config.config_from_args(ROLES[args.command], args)
+    except ValueError as e:
+        print(f"pdserve {args.command}: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(service.serve(cfg))

@@ -20,6 +20,7 @@ import torch
 
 from common.kv_cache import PagedKVCache, copy_blocks
 from common.kv_layout import KVLayout
+from common.tls import TLSFiles
 
 # the sender writes straight into the receiver's cache: no listener sees the data arrive
 DIRECT_WRITE_TRANSPORTS = ("shm", "cuda_ipc")
@@ -37,6 +38,7 @@ class TransferConfig:
     tcp_port: int = 0             # 0: a free port
     advertise_host: str = ""      # the address peers dial; default tcp_host
     advertise_port: int = 0       # the port peers dial; default the bound one
+    tls: TLSFiles | None = None   # tcp: mutual TLS between workers (common/tls.py)
 
 
 class KVSender(ABC):

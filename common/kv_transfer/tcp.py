@@ -12,12 +12,18 @@ never read, let alone deserialized: the bytes go straight into tensor memory). A
 digest does not match its header's (frames.py) is refused before it is copied into the cache;
 either refusal is counted (KVReceiver.frames_rejected) and fails the transfer, whose request is
 then recomputed.
+
+With TLS (TransferConfig.tls) every connection is mutual TLS 1.3 between holders of the
+deployment's "worker" certificate (common/tls.py): the receiver reads through asyncio's streams
+(its socket calls take no TLS), the sender through an ssl socket; a peer presenting any other
+certificate is dropped before a frame is read.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
+import ssl
 import struct
 import time
 
@@ -45,6 +51,7 @@ from common.kv_transfer.frames import (
     intact,
     payload_digest,
 )
+from common.tls import WORKER_NAME, common_name_of, kv_client_context, kv_server_context
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +77,7 @@ class TcpSender(KVSender):
         self._conns: dict[str, socket.socket] = {}
         self._buf: torch.Tensor | None = None
         self._deadlines: dict[str, float] = {}
+        self._tls = kv_client_context(cfg.tls) if cfg.tls is not None else None
 
     def send_layers(self, transfer_id, cache, src_block_ids, dst_endpoint, dst_block_ids,
                     layer_start, layer_end, last):
@@ -131,8 +139,26 @@ class TcpSender(KVSender):
             host, port = parse_endpoint(endpoint)
             sock = socket.create_connection((host, port), timeout=_remaining(deadline))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._handshake(sock, endpoint, deadline)
             self._conns[endpoint] = sock
         return sock
+
+    def _handshake(self, sock: socket.socket, endpoint: str, deadline: float) -> socket.socket:
+        """TLS over a fresh connection; the receiver must hold a worker certificate."""
+        assert self._tls is not None
+        try:
+            _settimeout(sock, deadline)
+            tls = self._tls.wrap_socket(sock)
+        except (OSError, KVTransferError):
+            sock.close()
+            raise
+        role = common_name_of(tls.getpeercert())
+        if role != WORKER_NAME:
+            tls.close()
+            raise KVTransferError(f"{endpoint} presents a {role!r} certificate, not a "
+                                  f"{WORKER_NAME!r} one")
+        return tls
 
     def _drop(self, endpoint: str) -> None:
         sock = self._conns.pop(endpoint, None)
@@ -206,6 +232,51 @@ class _Conn:
     async def write(self, data: bytes) -> None:
         await asyncio.wait_for(self.loop.sock_sendall(self.sock, data), self.timeout_s)
 
+    async def read_len(self) -> int | None:
+        """The next frame's header length; None when the sender closed between transfers (an
+        idle connection waits without a deadline: senders keep theirs open)."""
+        try:
+            raw = await self.loop.sock_recv(self.sock, LEN.size)
+        except ConnectionError:
+            return None
+        if not raw:
+            return None
+        if len(raw) < LEN.size:
+            raw += bytes(await self.read(LEN.size - len(raw)))
+        return LEN.unpack(raw)[0]
+
+
+class _TlsConn(_Conn):
+    """A TLS connection, read and written through asyncio's streams."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 timeout_s: float):
+        self.reader, self.writer = reader, writer
+        self.timeout_s = timeout_s
+        self.buf = bytearray()
+
+    async def read_into(self, view: memoryview) -> None:
+        try:
+            data = await asyncio.wait_for(self.reader.readexactly(len(view)), self.timeout_s)
+        except asyncio.IncompleteReadError as e:
+            raise ConnectionError("the sender closed the connection mid-frame") from e
+        view[:] = data
+
+    async def write(self, data: bytes) -> None:
+        self.writer.write(data)
+        await asyncio.wait_for(self.writer.drain(), self.timeout_s)
+
+    async def read_len(self) -> int | None:
+        try:
+            raw = await self.reader.readexactly(LEN.size)
+        except asyncio.IncompleteReadError as e:
+            if e.partial:
+                raise ConnectionError("the sender closed the connection mid-frame") from e
+            return None
+        except ConnectionError:
+            return None
+        return LEN.unpack(raw)[0]
+
 
 class TcpListener(KVListener):
     def __init__(self, cache: PagedKVCache, receiver: KVReceiver, cfg: TransferConfig):
@@ -214,6 +285,7 @@ class TcpListener(KVListener):
         self.cfg = cfg
         self.layout = cache.layout
         self._sock: socket.socket | None = None
+        self._server: asyncio.Server | None = None  # under TLS
         self._tasks: set[asyncio.Task] = set()
         self._covered: dict[str, set[int]] = {}  # transfer -> layers written so far
 
@@ -226,7 +298,12 @@ class TcpListener(KVListener):
         sock.listen(64)
         sock.setblocking(False)
         self._sock = sock
-        self._spawn(self._accept())
+        if self.cfg.tls is None:
+            self._spawn(self._accept())
+        else:
+            self._server = await asyncio.start_server(
+                self._serve_tls, sock=sock, ssl=kv_server_context(self.cfg.tls),
+                ssl_handshake_timeout=self.cfg.timeout_s, limit=1 << 20)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -240,6 +317,9 @@ class TcpListener(KVListener):
         return f"{SCHEME}{host}:{port}"
 
     async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -259,25 +339,40 @@ class TcpListener(KVListener):
             self._spawn(self._serve(sock, peer))
 
     async def _serve(self, sock: socket.socket, peer) -> None:
-        conn = _Conn(sock, self.cfg.timeout_s)
         try:
-            while True:
-                try:
-                    raw_len = await asyncio.get_running_loop().sock_recv(sock, LEN.size)
-                except ConnectionError:
-                    return
-                if not raw_len:
-                    return  # the sender closed between transfers
-                if len(raw_len) < LEN.size:
-                    rest = await conn.read(LEN.size - len(raw_len))
-                    raw_len += bytes(rest)
-                await self._frame(conn, LEN.unpack(raw_len)[0])
-        except FrameRejected as e:
-            log.warning("KV frame from %s rejected: %s", peer, e)
-        except (TimeoutError, ConnectionError) as e:
-            log.warning("KV connection from %s broken: %r", peer, e)
+            await self._frames(_Conn(sock, self.cfg.timeout_s), peer)
         finally:
             sock.close()
+
+    async def _serve_tls(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        """A connection whose TLS handshake passed (a certificate from the CA); only a worker's
+        may send frames."""
+        peer = writer.get_extra_info("peername")
+        task = asyncio.current_task()
+        if task is not None:  # closed with the listener, like the tasks of plain connections
+            self._tasks.add(task)
+        try:
+            role = common_name_of(writer.get_extra_info("peercert"))
+            if role != WORKER_NAME:
+                log.warning("KV connection from %s refused: a %r certificate, not a %r one",
+                            peer, role, WORKER_NAME)
+                return
+            await self._frames(_TlsConn(reader, writer, self.cfg.timeout_s), peer)
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
+            writer.close()
+
+    async def _frames(self, conn: _Conn, peer) -> None:
+        """Frames until the sender closes the connection or one is refused."""
+        try:
+            while (header_len := await conn.read_len()) is not None:
+                await self._frame(conn, header_len)
+        except FrameRejected as e:
+            log.warning("KV frame from %s rejected: %s", peer, e)
+        except (TimeoutError, ConnectionError, ssl.SSLError) as e:
+            log.warning("KV connection from %s broken: %r", peer, e)
 
     async def _frame(self, conn: _Conn, header_len: int) -> None:
         """Reads one frame into its blocks; a refused one is counted, answered where its

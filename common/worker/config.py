@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from common import metrics, tracing
 from common.kv_transfer.registry import KNOWN_TRANSPORTS
 from common.models import dtype as dtypes
+from common.tls import TLSFiles, add_tls_args, tls_from_args
 from common.worker.speculative import SpeculativeConfig
 
 
@@ -54,6 +55,7 @@ class WorkerConfig:
     reconnect_s: float = 1.0
     drain_timeout_s: float = 30.0    # SIGTERM: how long its requests may run on before it leaves
     speculative_config: str = ""     # vLLM's JSON (speculative.py); "": no speculation
+    tls: TLSFiles | None = None      # mutual TLS to the scheduler and between workers
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode"):
@@ -226,6 +228,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         '\'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
                         "(env PDSERVE_SPECULATIVE_CONFIG); default: none")
+    add_tls_args(p, "worker")
     tracing.add_arguments(p)
     p.add_argument("--detailed-traces", action="store_true",
                    help="with tracing on, a span per decode step of every request (costly)")
@@ -255,4 +258,5 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         drain_timeout_s=args.drain_timeout,
                         speculative_config=args.speculative_config,
                         otlp_traces_endpoint=args.otlp_traces_endpoint or "",
-                        detailed_traces=args.detailed_traces)
+                        detailed_traces=args.detailed_traces,
+                        tls=tls_from_args(args, "worker"))

@@ -36,6 +36,7 @@ from common.kv_transfer.registry import create_listener, create_sender
 from common.models.attention import create_attention_backend
 from common.models.llama import load_model
 from common.plans import Registration
+from common.tls import grpc_channel_credentials, scheduler_channel_options, warn_if_exposed
 from common.worker.config import WorkerConfig
 from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.draft import DraftModel
@@ -90,7 +91,14 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     tcfg = TransferConfig(timeout_s=cfg.kv_transfer_timeout_s, secret=cfg.kv_secret.encode(),
                           tcp_host=cfg.kv_host, tcp_port=cfg.kv_port,
                           advertise_host=cfg.kv_advertise_host,
-                          advertise_port=cfg.kv_advertise_port)
+                          advertise_port=cfg.kv_advertise_port, tls=cfg.tls)
+    if "tcp" in cfg.kv_transports:
+        warn_if_exposed(cfg.kv_host, cfg.tls, "the tcp KV listener",
+                        "read the KV it receives" + ("" if cfg.kv_secret else
+                                                     ", or write into its cache"))
+    if "nccl" in cfg.kv_transports and cfg.tls is not None:
+        log.warning("the nccl KV transport moves KV outside TLS (NCCL does not encrypt); "
+                    "--kv-secret still authenticates its frames")
     receiver = KVReceiver()
     max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     graphs = None
@@ -175,7 +183,13 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
     `leaving` is set, tells the scheduler, which ends the stream when the worker is drained.
     `steps`: the one thread that runs steps (see serve); None: a thread of its own."""
     traced = telemetry if telemetry is not None and tracing.enabled() else None
-    async with grpc.aio.insecure_channel(cfg.scheduler, options=channel_options()) as channel:
+    if cfg.tls is None:
+        channel = grpc.aio.insecure_channel(cfg.scheduler, options=channel_options())
+    else:
+        channel = grpc.aio.secure_channel(cfg.scheduler, grpc_channel_credentials(cfg.tls),
+                                          options=channel_options()
+                                          + scheduler_channel_options(cfg.tls))
+    async with channel:
         await asyncio.wait_for(channel.channel_ready(), cfg.connect_timeout_s)
         call = worker_pb2_grpc.WorkerControlStub(channel).Attach()
         now = replace(reg, cached_blocks=tuple(worker.block_hashes.items()))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.models.gguf import find_gguf, gguf_info
+from common.tls import TLSFiles
 from services.gateway.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from services.gateway.structured_outputs import StructuredOutputsConfig
 from services.gateway.tools import PARSERS
@@ -42,6 +43,11 @@ class GatewayConfig:
     max_request_body_bytes: int = 16 << 20  # larger bodies get 413 (body_guard.py)
     stream_write_timeout_s: float = 30.0  # a stream whose reader takes nothing this long ends
     max_concurrent_requests_per_key: int = 0  # in flight per API key (limits.py); 0: no limit
+    tls: TLSFiles | None = None  # mutual TLS to the scheduler (common/tls.py)
+    ssl_keyfile: str | None = None  # HTTPS on the API (with ssl_certfile)
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None  # clients' certificates are checked against these
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED of clients
     sampling_defaults: SamplingDefaults = field(init=False, default=SamplingDefaults())
 
     def __post_init__(self) -> None:
@@ -77,6 +83,17 @@ class GatewayConfig:
                              f"{', '.join(PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile),
+                           ("--ssl-certfile", self.ssl_certfile),
+                           ("--ssl-ca-certs", self.ssl_ca_certs)):
+            if path and not Path(path).is_file():
+                raise ValueError(f"{flag} {path}: no such file")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)")
+        if self.ssl_cert_reqs and not self.ssl_ca_certs:
+            raise ValueError("--ssl-cert-reqs needs --ssl-ca-certs")
         self._set_served_model_name()
         self._set_max_model_len(model_dir)
         if not self.api_key:

@@ -13,6 +13,7 @@ import sys
 import uvicorn
 
 from common import tracing
+from common.tls import add_tls_args, is_loopback, tls_from_args
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.processes import run_processes
@@ -152,6 +153,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="How tool calls are written: hermes (<tool_call>{...}</tool_call>, Qwen, Hermes) "
         "or llama3_json (Llama 3's JSON calls).",
     )
+    parser.add_argument("--ssl-keyfile", default=None,
+                        help="HTTPS on the API: the server's private key (PEM)")
+    parser.add_argument("--ssl-certfile", default=None,
+                        help="HTTPS on the API: the server's certificate (PEM)")
+    parser.add_argument("--ssl-ca-certs", default=None,
+                        help="CA certificates that client certificates are checked against")
+    parser.add_argument("--ssl-cert-reqs", type=int, default=0,
+                        help="client certificates: 0 none, 1 optional, 2 required "
+                             "(with --ssl-ca-certs)")
+    add_tls_args(parser, "gateway")
     tracing.add_arguments(parser)
 
 
@@ -176,6 +187,11 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_request_body_bytes=int(args.max_request_body_mib * (1 << 20)),
         stream_write_timeout_s=args.stream_write_timeout,
         max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
+        tls=tls_from_args(args, "gateway"),
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
 
 
@@ -214,8 +230,12 @@ async def serve(
     """Run the gateway in the current event loop (on `sock` if given, else host:port)."""
     client = SchedulerClient.connect(
         config.scheduler, config.request_timeout_s, config.connect_timeout_s,
-        config.scheduler_recovery_s,
+        config.scheduler_recovery_s, config.tls,
     )
+    if not config.ssl_certfile and not is_loopback(config.host):
+        logger.warning(
+            "the gateway serves plain HTTP on %s: API keys, prompts and completions cross the "
+            "network in the clear (--ssl-certfile/--ssl-keyfile serve HTTPS)", config.host)
     try:
         if not await client.ready():
             logger.warning(
@@ -229,6 +249,10 @@ async def serve(
                 port=config.port,
                 log_level=log_level,
                 timeout_graceful_shutdown=math.ceil(config.drain_timeout_s),
+                ssl_keyfile=config.ssl_keyfile,
+                ssl_certfile=config.ssl_certfile,
+                ssl_ca_certs=config.ssl_ca_certs,
+                ssl_cert_reqs=config.ssl_cert_reqs,
             )
         )
         try:

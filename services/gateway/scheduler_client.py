@@ -15,6 +15,7 @@ import grpc
 
 from common import tracing
 from common.grpc_options import channel_options
+from common.tls import TLSFiles, grpc_channel_credentials, scheduler_channel_options
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.readiness import SchedulerReadiness
 
@@ -60,13 +61,19 @@ class SchedulerClient:
     @classmethod
     def connect(
         cls, address: str, request_timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
-        recovery_s: float = 0.0,
+        recovery_s: float = 0.0, tls: TLSFiles | None = None,
     ) -> SchedulerClient:
-        """Open a channel (lazily connected) in the running event loop."""
-        channel = grpc.aio.insecure_channel(
-            address, options=channel_options(),
-            interceptors=tracing.aio_client_interceptors() or None
-        )
+        """Open a channel (lazily connected) in the running event loop; with `tls`, mutual TLS
+        as the gateway role."""
+        interceptors = tracing.aio_client_interceptors() or None
+        if tls is None:
+            channel = grpc.aio.insecure_channel(address, options=channel_options(),
+                                                interceptors=interceptors)
+        else:
+            channel = grpc.aio.secure_channel(
+                address, grpc_channel_credentials(tls),
+                options=channel_options() + scheduler_channel_options(tls),
+                interceptors=interceptors)
         client = cls(channel, request_timeout_s, connect_timeout_s, recovery_s)
         client.readiness.start()
         return client

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.grpc_options import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S
+from common.tls import TLSFiles
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class SchedulerConfig:
     keepalive_time_s: float = KEEPALIVE_TIME_S  # a quiet link to a worker or gateway is pinged
     keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S  # ... and dropped when it does not answer
     register_timeout_s: float = 30.0
+    tls: TLSFiles | None = None      # mutual TLS, each caller's role checked (common/tls.py)
+    health_port: int = 0             # a health-only port in the clear (probes under TLS); 0: none
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

@@ -6,8 +6,10 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 
 from common import metrics, tracing
+from common.tls import add_tls_args, tls_from_args
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.server import create_server
 
@@ -89,6 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s,
                    help="seconds a ping may go unanswered before its link is dropped (a frozen "
                         "worker's requests are then re-queued)")
+    p.add_argument("--health-port", type=int,
+                   default=int(os.environ.get("PDSERVE_SCHEDULER_HEALTH_PORT", d.health_port)),
+                   help="also serve grpc.health.v1 alone on this port, in the clear: for probes "
+                        "that cannot present a certificate (Kubernetes' grpc probes) when the "
+                        "API port takes mutual TLS; 0: none (env PDSERVE_SCHEDULER_HEALTH_PORT)")
+    add_tls_args(p, "scheduler")
     metrics.add_arguments(p)
     tracing.add_arguments(p)
 
@@ -112,14 +120,16 @@ def config_from_args(args) -> SchedulerConfig:
                            long_prefill_token_threshold=args.long_prefill_token_threshold,
                            max_waiting_requests=args.max_waiting_requests,
                            async_scheduling=args.async_scheduling,
-                           num_scheduler_steps=args.num_scheduler_steps)
+                           num_scheduler_steps=args.num_scheduler_steps,
+                           tls=tls_from_args(args, "scheduler"), health_port=args.health_port)
 
 
 async def serve(config: SchedulerConfig, metrics_host: str = "127.0.0.1",
                 metrics_port: int = 0) -> None:
     server, port, service = await create_server(config)
     log.info("scheduler listening on %s:%d", config.host, port)
-    print(f"pdserve scheduler listening on {config.host}:{port}", flush=True)
+    print(f"pdserve scheduler listening on {config.host}:{port}"
+          f"{' (mutual TLS)' if config.tls else ''}", flush=True)
     if metrics_port:
         await metrics.start_metrics_server(service.telemetry.registry, metrics_host,
                                            metrics_port)
@@ -136,6 +146,11 @@ async def serve(config: SchedulerConfig, metrics_host: str = "127.0.0.1",
 
 
 def run(args) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"pdserve scheduler: {e}", file=sys.stderr)
+        return 2
     tracing.setup_tracing("pdserve-scheduler", args.otlp_traces_endpoint)
-    asyncio.run(serve(config_from_args(args), args.metrics_host, args.metrics_port))
+    asyncio.run(serve(config, args.metrics_host, args.metrics_port))
     return 0

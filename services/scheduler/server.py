@@ -21,6 +21,7 @@ from common.grpc_options import server_options
 from common.health import Health
 from common.plans import StepPlan
 from common.sampling_params import GenerateOutput
+from common.tls import grpc_server_credentials, peer_role, warn_if_exposed
 from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from protos.scheduler_codec import output_to_pb, request_from_pb
 from protos.worker_codec import (
@@ -41,6 +42,10 @@ TRACED_METHODS = ("Generate", "Abort")  # not Attach: one span as long as a work
 API_SERVICE = "pdserve.scheduler.Scheduler"  # health: SERVING while the process serves its API
 PREFILL_SERVICE = "pdserve.prefill"  # health: a prefill worker can hand KV to a decode worker
 DECODE_SERVICE = "pdserve.decode"    # health: a decode worker is attached
+# under TLS, the certificate roles (common/tls.py) each method answers
+GATEWAY_ROLES = ("gateway",)
+STATS_ROLES = ("gateway", "admin")
+WORKER_ROLES = ("worker",)
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.WorkerControlServicer):
@@ -71,8 +76,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
 
     # ---- gateway side --------------------------------------------------------------------------
 
+    async def _authorize(self, context, roles: tuple[str, ...]) -> None:
+        """Under TLS, a caller whose certificate's role may not call this method is refused
+        (PERMISSION_DENIED); in the clear every caller may."""
+        if self.config.tls is None:
+            return
+        role = peer_role(context)
+        if role not in roles:
+            log.warning("refused a call from a %r certificate (%s); it takes %s", role,
+                        context.peer(), " or ".join(roles))
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"a {role!r} certificate may not call this; it takes "
+                                f"{' or '.join(roles)}")
+
     async def Generate(self, request: scheduler_pb2.GenerateRequest, context):
         """One stream for the request and its samples (n > 1), until each has finished."""
+        await self._authorize(context, GATEWAY_ROLES)
         gen = request_from_pb(request)
         ids = [gen.request_id or uuid.uuid4().hex, *gen.sample_ids]
         for i in ids:
@@ -121,6 +140,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                     self._wake_all()
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context):
+        await self._authorize(context, GATEWAY_ROLES)
         out = self.scheduler.abort(request.request_id)
         if out is not None:
             self._dispatch([out])
@@ -128,6 +148,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
         return scheduler_pb2.AbortResponse(found=out is not None)
 
     async def Stats(self, request, context):
+        await self._authorize(context, STATS_ROLES)
         s = self.scheduler
         resp = scheduler_pb2.StatsResponse(num_running=s.num_running, num_waiting=len(s.waiting),
                                            num_finished=s.num_finished,
@@ -151,6 +172,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
     # ---- worker side ---------------------------------------------------------------------------
 
     async def Attach(self, request_iterator, context):
+        await self._authorize(context, WORKER_ROLES)
         try:
             first = await asyncio.wait_for(context.read(), self.config.register_timeout_s)
         except TimeoutError:
@@ -289,9 +311,17 @@ async def create_server(config: SchedulerConfig) -> tuple[grpc.aio.Server, int, 
     service = SchedulerService(config, Health(server))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     worker_pb2_grpc.add_WorkerControlServicer_to_server(service, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    if config.tls is not None:
+        port = server.add_secure_port(address, grpc_server_credentials(config.tls))
+    else:
+        warn_if_exposed(config.host, None, "the scheduler",
+                        "submit and abort requests, read every stat, or attach as a worker")
+        port = server.add_insecure_port(address)
     if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
+        raise OSError(f"cannot bind {address}")
+    if config.health_port:
+        await service.health.also_serve(config.host, config.health_port)
     await service.update_health()  # NOT_SERVING: no worker yet
     await service.health.set(API_SERVICE, True)
     await server.start()

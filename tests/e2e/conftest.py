@@ -70,6 +70,8 @@ class Stack:
         self.port, self.sched_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "stack.log"
+        # `pdserve stats` speaks mutual TLS to a stack that does
+        self.tls = [a for i, a in enumerate(extra) if i and extra[i - 1] == "--tls-dir"]
         model = [str(model_dir)] if command == "serve" else ["--model", str(model_dir)]
         # float32, as the tests' references are, whatever --dtype auto picks on this host
         cmd = [str(PDSERVE), command, *model, "--port", str(self.port),
@@ -85,10 +87,23 @@ class Stack:
             time.sleep(0.3)
 
     def stats(self) -> dict:
-        out = subprocess.run([str(PDSERVE), "stats", "--scheduler", f"127.0.0.1:{self.sched_port}"],
-                             capture_output=True, text=True, timeout=30, check=True)
-        import json
-        return json.loads(out.stdout)
+        """`pdserve stats` as a dict, asked in-process (polling loops call it often); raises
+        grpc.RpcError while the scheduler is away."""
+        import grpc
+
+        from common.tls import TLSFiles, grpc_channel_credentials, scheduler_channel_options
+        from protos import scheduler_pb2, scheduler_pb2_grpc
+        from services.cli import _to_dict
+        address = f"127.0.0.1:{self.sched_port}"
+        if self.tls:
+            files = TLSFiles.in_dir(self.tls[0], "admin")
+            channel = grpc.secure_channel(address, grpc_channel_credentials(files),
+                                          options=scheduler_channel_options(files))
+        else:
+            channel = grpc.insecure_channel(address)
+        with channel:
+            return _to_dict(scheduler_pb2_grpc.SchedulerStub(channel).Stats(
+                scheduler_pb2.StatsRequest(), timeout=30))
 
     def children(self) -> dict[int, str]:
         """pid -> command line of the launcher's child processes."""

@@ -58,8 +58,8 @@ def test_an_invalid_file_fails(compose_bin, tmp_path):
 
 def test_default_stack_reserves_gpus(compose_bin):
     services = config(compose_bin)["services"]
-    assert set(services) == {"jaeger", "model-init", "scheduler", "gateway", "prefill-worker",
-                             "decode-worker"}
+    assert set(services) == {"jaeger", "model-init", "certs-init", "scheduler", "gateway",
+                             "prefill-worker", "decode-worker"}
     assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
     gpus = set()
     for name in ("prefill-worker", "decode-worker"):
@@ -87,7 +87,7 @@ def test_two_workers_can_share_one_gpu(compose_bin):
 
 def test_cpu_profile_runs_the_same_stack_without_gpus(compose_bin):
     services = config(compose_bin, "--profile", "cpu")["services"]
-    assert set(services) == {"jaeger", "model-init", "scheduler", "gateway",
+    assert set(services) == {"jaeger", "model-init", "certs-init", "scheduler", "gateway",
                              "prefill-worker-cpu", "decode-worker-cpu"}
     for name in ("prefill-worker-cpu", "decode-worker-cpu"):
         assert "deploy" not in services[name]
@@ -104,7 +104,7 @@ def test_every_service_is_observable_and_restarts(compose_bin):
     for profile in ((), ("--profile", "cpu")):
         services = config(compose_bin, *profile)["services"]
         for name, s in services.items():
-            if name in ("jaeger", "model-init"):
+            if name in ("jaeger", "model-init", "certs-init"):
                 continue
             assert s["healthcheck"]["test"][0] == "CMD", name
             assert s["restart"] == "unless-stopped", name
@@ -114,7 +114,17 @@ def test_every_service_is_observable_and_restarts(compose_bin):
             assert any(v["target"] == "/models" for v in s["volumes"]), name
             assert s["depends_on"]["model-init"]["condition"] == \
                 "service_completed_successfully", name
+            # mutual TLS: each finds its role's files where certs-init wrote them
+            assert env["PDSERVE_TLS_DIR"] == "/certs", name
+            assert any(v["source"] == "certs" and v["target"] == "/certs" and v["read_only"]
+                       for v in s["volumes"]), name
+            assert s["depends_on"]["certs-init"]["condition"] == \
+                "service_completed_successfully", name
         assert services["model-init"]["restart"] == "no"
+        init = services["certs-init"]
+        assert init["restart"] == "no" and init["volumes"][0]["target"] == "/certs"
+        assert "pdserve make-certs /certs" in init["command"][0]
+        assert "rm /certs/ca.key" in init["command"][0]
         assert "make-tiny-model" in services["model-init"]["command"][0]
 
 
@@ -132,8 +142,9 @@ def test_healthchecks_speak_the_health_protocol(compose_bin):
         assert len(workers) == 2
         for w in workers:
             port = w["environment"]["PDSERVE_HEALTH_PORT"]
-            assert w["healthcheck"]["test"] == [
-                "CMD", "pdserve", "health", f"127.0.0.1:{port}", "--timeout", "3"]
+            assert w["healthcheck"]["test"] == [  # in the clear, whatever PDSERVE_TLS_DIR says
+                "CMD", "pdserve", "health", f"127.0.0.1:{port}", "--timeout", "3", "--tls-dir",
+                ""]
 
 
 # ---- profile "observability": Prometheus and Grafana ----------------------------------------

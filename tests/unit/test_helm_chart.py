@@ -25,7 +25,18 @@ import helm_python
 import kubernetes_validate
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
+from common.tls import (
+    ROLES,
+    TLSFiles,
+    grpc_channel_credentials,
+    grpc_server_credentials,
+    kv_client_context,
+    kv_server_context,
+    make_certs,
+)
 from services.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +71,9 @@ CASES = {
                                    "apiKeySecret": {"name": "api"}},
                        "otlp": {"endpoint": "http://jaeger-collector:4317"}},
     "tiny-model": {"model": {"source": "tiny", "name": "tiny-llama"},
-                   "kvSecret": {"existingSecret": "mine", "key": "k"}},
+                   "kvSecret": {"existingSecret": "mine", "key": "k"},
+                   "tls": {"existingSecret": "pdserve-certs"}},
+    "no-tls": {"tls": {"enabled": False}},
     "host-path": {"model": {"hostPath": "/data/models"},
                   "decode": {"extraArgs": ["--max-num-batched-tokens", "4096"]},
                   "scheduler": {"extraArgs": ["--max-num-seqs", "64"]}},
@@ -161,6 +174,35 @@ def service_config(component: str, args):
     return worker_config(WORKER_ROLES[component], args)
 
 
+TLS_DIR = "/etc/pdserve/tls"
+
+
+def mounted_tls(docs: list[dict], spec: dict, container: dict, tmp: Path) -> str:
+    """The files the container finds at its TLS mount, written to `tmp` from the Secret the chart
+    rendered (an existingSecret: from `pdserve make-certs`, as the user made it); "" without TLS.
+    Checks that the pod mounts its own role's key and no other."""
+    mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    if TLS_DIR not in mounts:
+        return ""
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mounts[TLS_DIR]]
+    items = {i["key"]: i["path"] for i in volume["secret"]["items"]}
+    (role,) = {k.split(".")[0] for k in items} - {"ca"}
+    assert items == {"ca.crt": "ca.crt", f"{role}.crt": f"{role}.crt",
+                     f"{role}.key": f"{role}.key"}
+    tmp.mkdir(parents=True, exist_ok=True)
+    rendered = kind(docs, "Secret").get(volume["secret"]["secretName"])
+    if rendered is None:
+        source = tmp / "made"
+        if not source.exists():
+            make_certs(source)
+        data = {k: (source / k).read_bytes() for k in items}
+    else:
+        data = {k: base64.b64decode(rendered["data"][k]) for k in items}
+    for key, path in items.items():
+        (tmp / path).write_bytes(data[key])
+    return str(tmp)
+
+
 def listening_ports(args) -> set[int]:
     """Ports a service binds, from its parsed flags."""
     return {getattr(args, f) for f in ("port", "health_port", "metrics_port", "kv_port")
@@ -254,7 +296,7 @@ def test_helm_lint_finds_nothing():
         assert not report["errors"] and not serious, report
 
 
-def test_containers_run_flags_the_services_accept(case, monkeypatch):
+def test_containers_run_flags_the_services_accept(case, monkeypatch, tmp_path):
     name, docs = case
     found = workloads(docs)
     assert set(found) == {"gateway", "scheduler", "prefill-worker", "decode-worker"}, name
@@ -266,8 +308,10 @@ def test_containers_run_flags_the_services_accept(case, monkeypatch):
         (container,) = spec["containers"]
         args = run_args(container, monkeypatch)
         assert args.command == component
+        assert args.tls_dir == (TLS_DIR if name != "no-tls" else ""), (name, component)
+        args.tls_dir = mounted_tls(docs, spec, container, tmp_path / component)
         if component == "scheduler":
-            service_config(component, args)
+            assert service_config(component, args).tls is not None or name == "no-tls"
             continue
         assert args.scheduler == scheduler_address, (name, component)
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
@@ -279,6 +323,7 @@ def test_containers_run_flags_the_services_accept(case, monkeypatch):
         if component == "gateway":
             continue
         cfg = service_config(component, args)
+        assert (cfg.tls is None) == (name == "no-tls")
         assert cfg.kv_transports == ("tcp",)  # pods share no memory: shm and cuda_ipc never
         assert (cfg.kv_host, cfg.kv_advertise_host) == ("0.0.0.0", "<status.podIP>")
         assert cfg.health_host == "0.0.0.0" and cfg.metrics_host == "0.0.0.0"
@@ -340,8 +385,9 @@ def test_probes_and_services_reach_listening_ports(case, monkeypatch):
             else:  # Kubernetes' own gRPC probe, grpc.health.v1
                 assert set(probe) - {"periodSeconds", "failureThreshold"} == {"grpc"}
                 port = probe["grpc"]["port"]
-                if component == "scheduler":  # its API: "" waits for workers
-                    assert (port, probe["grpc"]["service"]) == (args.port, SCHEDULER_API)
+                if component == "scheduler":  # its API (under TLS on the health port)
+                    want = args.health_port if args.tls_dir else args.port
+                    assert (port, probe["grpc"]["service"]) == (want, SCHEDULER_API)
                 else:
                     assert port == args.health_port and "service" not in probe["grpc"]
         annotations = template["metadata"].get("annotations", {})
@@ -431,16 +477,56 @@ def test_the_kv_secret_reaches_every_worker(monkeypatch):
                 for c in WORKER_ROLES}
 
     docs = render()
-    (secret,) = kind(docs, "Secret").values()
+    secret = one(docs, "Secret", "-kv")
     assert workers_secret(docs) == {f"<secret {secret['metadata']['name']}/kv-secret>"}
     generated = base64.b64decode(secret["data"]["kv-secret"]).decode()
     assert re.fullmatch(r"[A-Za-z0-9]{48}", generated)
-    (secret,) = kind(render({"kvSecret": {"value": "s3cret"}}), "Secret").values()
+    secret = one(render({"kvSecret": {"value": "s3cret"}}), "Secret", "-kv")
     assert base64.b64decode(secret["data"]["kv-secret"]) == b"s3cret"
     docs = render({"kvSecret": {"existingSecret": "mine", "key": "k"}})
-    assert kind(docs, "Secret") == {} and workers_secret(docs) == {"<secret mine/k>"}
+    assert set(kind(docs, "Secret")) == {f"{RELEASE}-tls"}
+    assert workers_secret(docs) == {"<secret mine/k>"}
     gateway = pod_template(workloads(docs)["gateway"])["spec"]["containers"][0]
     assert "PDSERVE_KV_SECRET" not in container_env(gateway)  # workers only
+
+
+def test_the_chart_makes_the_deployments_certificates_and_each_pod_holds_its_role(tmp_path):
+    """tls.enabled (the default): a CA and a certificate per role (Helm's genCA/genSignedCert)
+    that pdserve's own TLS code loads; every service gets PDSERVE_TLS_DIR and its role's files."""
+    docs = render()
+    secret = one(docs, "Secret", "-tls")
+    data = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    assert set(data) == {"ca.crt"} | {f"{r}.{e}" for r in ROLES for e in ("crt", "key")}
+    ca = x509.load_pem_x509_certificate(data["ca.crt"])
+    for role in ROLES:
+        cert = x509.load_pem_x509_certificate(data[f"{role}.crt"])
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == role
+        cert.verify_directly_issued_by(ca)
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert role in sans.get_values_for_type(x509.DNSName)
+        directory = tmp_path / role
+        directory.mkdir()
+        for name in ("ca.crt", f"{role}.crt", f"{role}.key"):
+            (directory / name).write_bytes(data[name])
+        files = TLSFiles.in_dir(directory, role)
+        kv_server_context(files), kv_client_context(files)  # the key and chain load
+        grpc_server_credentials(files), grpc_channel_credentials(files)
+    roles = {"scheduler": "scheduler", "gateway": "gateway", "prefill-worker": "worker",
+             "decode-worker": "worker"}
+    for component, workload in workloads(docs).items():
+        spec = pod_template(workload)["spec"]
+        (container,) = spec["containers"]
+        assert container_env(container)["PDSERVE_TLS_DIR"] == TLS_DIR
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+        keys = {i["key"] for i in volume["secret"]["items"]}
+        assert keys == {"ca.crt", f"{roles[component]}.crt", f"{roles[component]}.key"}
+    clear = render({"tls": {"enabled": False}})
+    assert f"{RELEASE}-tls" not in kind(clear, "Secret")
+    for workload in workloads(clear).values():
+        (container,) = pod_template(workload)["spec"]["containers"]
+        assert "PDSERVE_TLS_DIR" not in container_env(container)
+        assert "--health-port" not in container["args"] or container["args"][0] != "scheduler"
 
 
 def test_the_dashboard_configmap_is_the_dashboard_file():
@@ -476,7 +562,8 @@ def test_scheduler_restarts_fast_and_alone():
     spec = pod_template(scheduler)["spec"]
     assert scheduler["spec"]["replicas"] == 1
     assert scheduler["spec"]["strategy"] == {"type": "Recreate"}  # never two at once
-    assert "initContainers" not in spec and "volumes" not in spec  # no model to load
+    assert "initContainers" not in spec  # no model to load
+    assert [v["name"] for v in spec["volumes"]] == ["tls"]  # its certificate only
     assert spec["containers"][0]["startupProbe"]["periodSeconds"] <= 2
     assert spec["terminationGracePeriodSeconds"] <= 10
 

@@ -2,6 +2,7 @@
 import asyncio
 import os
 import socket
+import ssl
 import struct
 import threading
 from dataclasses import replace
@@ -27,6 +28,7 @@ from common.kv_transfer.frames import (
 from common.kv_transfer.registry import create_listener, create_sender
 from common.kv_transfer.shm import ShmListener, ShmSender
 from common.kv_transfer.tcp import TcpSender
+from common.tls import TLSFiles, make_certs
 from protos import kv_transfer_pb2
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -53,19 +55,36 @@ def caches(name):
     return src, dst
 
 
+SAME = object()  # the sender's TLS files: the listener's
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    """A deployment's CA and role certificates (common/tls.py)."""
+    return Path(make_certs(tmp_path_factory.mktemp("certs"))[0]).parent
+
+
+@pytest.fixture(scope="module")
+def foreign_certs(tmp_path_factory) -> Path:
+    """Another deployment's: the same roles, another CA."""
+    return Path(make_certs(tmp_path_factory.mktemp("foreign"))[0]).parent
+
+
 @pytest.fixture
 def network(loop):
     """make(transport, ...) -> src cache, dst cache, receiver, listener, sender over it."""
     made = []
 
-    def make(transport, secret=b"", sender_secret=None, timeout=5.0):
+    def make(transport, secret=b"", sender_secret=None, timeout=5.0, tls=None,
+             sender_tls=SAME):
         src, dst = caches(transport)
         receiver = KVReceiver()
         listener = create_listener(transport, dst, receiver,
-                                   TransferConfig(timeout_s=timeout, secret=secret))
+                                   TransferConfig(timeout_s=timeout, secret=secret, tls=tls))
         run(loop, listener.start())
         sender = create_sender(transport, LAYOUT, TransferConfig(
-            timeout_s=timeout, secret=secret if sender_secret is None else sender_secret))
+            timeout_s=timeout, secret=secret if sender_secret is None else sender_secret,
+            tls=tls if sender_tls is SAME else sender_tls))
         made.append((listener, sender, dst))
         return src, dst, receiver, listener, sender
     yield make
@@ -100,6 +119,52 @@ def test_tcp_moves_exact_blocks_and_nothing_else(tcp):
     receiver.expect("t2", "r2", [0], transport="tcp")
     sender.send("t2", src, [4], listener.endpoint(), [0])
     assert torch.equal(dst.tensor[:, :, 0], src.tensor[:, :, 4])
+
+
+def test_tcp_under_mutual_tls_moves_exact_blocks(tcp, certs):
+    worker = TLSFiles.in_dir(certs, "worker")
+    src, dst, receiver, listener, sender = tcp(tls=worker)
+    before = dst.tensor.clone()
+    for i, (s_ids, d_ids) in enumerate([([1, 3, 9], [5, 2, 7]), ([4], [0])]):  # one connection
+        receiver.expect(f"t{i}", f"r{i}", d_ids, transport="tcp")
+        assert sender.send(f"t{i}", src, s_ids, listener.endpoint(), d_ids) == \
+            len(s_ids) * LAYOUT.block_bytes
+        for a, b in zip(s_ids, d_ids):
+            assert torch.equal(dst.tensor[:, :, b], src.tensor[:, :, a])
+    untouched = [b for b in range(8) if b not in (5, 2, 7, 0)]
+    assert torch.equal(dst.tensor[:, :, untouched], before[:, :, untouched])
+    assert len(sender._conns) == 1 and isinstance(next(iter(sender._conns.values())),
+                                                  ssl.SSLSocket)
+
+
+@pytest.mark.parametrize("who", ["clear", "gateway", "foreign worker"])
+def test_tcp_under_tls_refuses_a_sender_without_a_worker_certificate(tcp, certs, foreign_certs,
+                                                                      who):
+    """In the clear, with another role's certificate of the same CA, or with a worker
+    certificate of another CA: nothing reaches the cache, and a worker is served after."""
+    worker = TLSFiles.in_dir(certs, "worker")
+    sender_tls = {"clear": None, "gateway": TLSFiles.in_dir(certs, "gateway"),
+                  "foreign worker": TLSFiles.in_dir(foreign_certs, "worker")}[who]
+    src, dst, receiver, listener, sender = tcp(tls=worker, sender_tls=sender_tls, timeout=2.0)
+    before = dst.tensor.clone()
+    receiver.expect("t1", "r1", [1], transport="tcp")
+    with pytest.raises(KVTransferError):
+        sender.send("t1", src, [2], listener.endpoint(), [1])
+    assert torch.equal(dst.tensor, before)
+    good = TcpSender(LAYOUT, TransferConfig(timeout_s=2.0, tls=worker))
+    try:
+        assert good.send("t1", src, [2], listener.endpoint(), [1]) == LAYOUT.block_bytes
+    finally:
+        good.close()
+    assert torch.equal(dst.tensor[:, :, 1], src.tensor[:, :, 2])
+
+
+def test_tcp_sender_under_tls_refuses_a_receiver_without_a_worker_certificate(tcp, certs):
+    src, dst, receiver, listener, sender = tcp(tls=TLSFiles.in_dir(certs, "gateway"),
+                                               sender_tls=TLSFiles.in_dir(certs, "worker"))
+    receiver.expect("t1", "r1", [1], transport="tcp")
+    with pytest.raises(KVTransferError, match="presents a 'gateway' certificate"):
+        sender.send("t1", src, [2], listener.endpoint(), [1])
 
 
 def test_tcp_completion_needs_the_data(tcp):

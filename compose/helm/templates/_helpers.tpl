@@ -131,3 +131,37 @@ prometheus.io/path: /metrics
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
+
+{{- define "pdserve.tlsSecretName" -}}
+{{ .Values.tls.existingSecret | default (printf "%s-tls" (include "pdserve.fullname" .)) }}
+{{- end -}}
+
+{{/* With TLS: PDSERVE_TLS_DIR, for a container's env. */}}
+{{- define "pdserve.tlsEnv" -}}
+{{- if .Values.tls.enabled }}
+- {name: PDSERVE_TLS_DIR, value: /etc/pdserve/tls}
+{{- end }}
+{{- end -}}
+
+{{/* With TLS: the mount of a role's files, for a container's volumeMounts. */}}
+{{- define "pdserve.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- {name: tls, mountPath: /etc/pdserve/tls, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/* With TLS: the volume of one role's files (list $ role), for a pod's volumes. */}}
+{{- define "pdserve.tlsVolume" -}}
+{{- $ := index . 0 }}
+{{- $role := index . 1 }}
+{{- if $.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "pdserve.tlsSecretName" $ }}
+    defaultMode: 0440
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: {{ $role }}.crt, path: {{ $role }}.crt}
+      - {key: {{ $role }}.key, path: {{ $role }}.key}
+{{- end }}
+{{- end -}}

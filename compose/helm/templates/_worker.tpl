@@ -83,6 +83,7 @@ spec:
         - name: PDSERVE_KV_SECRET
           valueFrom:
             secretKeyRef: {name: {{ include "pdserve.kvSecretName" $ }}, key: {{ $.Values.kvSecret.key }}}
+        {{- include "pdserve.tlsEnv" $ | nindent 8 }}
       ports:
         - {name: kv, containerPort: {{ $ws.kvPort }}}
         - {name: health, containerPort: {{ $ws.healthPort }}}
@@ -105,6 +106,7 @@ spec:
       volumeMounts:
         - {name: models, mountPath: /models, readOnly: true}
         - {name: shm, mountPath: /dev/shm}
+        {{- include "pdserve.tlsMount" $ | nindent 8 }}
       resources:
         {{- $resources := deepCopy ($w.resources | default $profile.resources) }}
         {{- if $gpu.enabled }}
@@ -124,6 +126,7 @@ spec:
         {{- else }}
         sizeLimit: {{ add $.Values.cpu.kvCacheMemoryMiB 256 }}Mi
         {{- end }}
+    {{- include "pdserve.tlsVolume" (list $ "worker") | nindent 4 }}
   {{- with merge (deepCopy $w.nodeSelector) $profile.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
