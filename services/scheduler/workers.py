@@ -5,12 +5,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 
+from common.kv_layout import DTYPE_BYTES
 from common.plans import Registration
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.worker_state import WorkerState, transport_between
+from services.scheduler.worker_state import KNOWN_TRANSPORTS, WorkerState, transport_between
 
 log = logging.getLogger(__name__)
+
+
+# what a registration may claim: bounds that keep a wrong or hostile one from costing the
+# scheduler memory or time (MAX_BLOCKS: 4M blocks of 16 tokens, 67M tokens of KV, far past a
+# 141 GB GPU's; the scheduler's bookkeeping for that many takes about 0.5 GB)
+MAX_ID_CHARS = 256
+MAX_BLOCKS = 1 << 22
+MAX_BLOCK_SIZE = 1 << 16
+MAX_SPECULATIVE_TOKENS = 64
+MAX_CORES = 1 << 16
 
 
 class RegistrationError(Exception):
@@ -98,10 +109,28 @@ class Workers(Mapping[str, WorkerState]):
     def _check(self, reg: Registration) -> None:
         if reg.role not in ("prefill", "decode"):
             raise RegistrationError(f"unknown role {reg.role!r}; known: prefill, decode")
+        if not 0 < len(reg.worker_id) <= MAX_ID_CHARS or not reg.worker_id.isprintable():
+            raise RegistrationError(f"a worker id is 1 to {MAX_ID_CHARS} printable characters")
         if reg.worker_id in self._by_id:
             raise RegistrationError(f"worker id {reg.worker_id} is already registered")
-        if reg.num_blocks < 1 or reg.layout.block_size < 1:
-            raise RegistrationError("a worker needs at least one KV block of size >= 1")
+        if not 1 <= reg.num_blocks <= MAX_BLOCKS:
+            raise RegistrationError(f"a worker has 1 to {MAX_BLOCKS} KV blocks, not "
+                                    f"{reg.num_blocks}")
+        lay = reg.layout
+        if min(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size) < 1 \
+                or lay.block_size > MAX_BLOCK_SIZE or lay.dtype not in DTYPE_BYTES:
+            raise RegistrationError(f"KV layout {lay} is not one a cache can have")
+        if reg.max_model_len < 0:
+            raise RegistrationError("max_model_len must be >= 0")
+        if not 0 <= reg.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise RegistrationError("num_speculative_tokens must be in "
+                                    f"0..{MAX_SPECULATIVE_TOKENS}")
+        unknown = sorted(set(reg.transports) - set(KNOWN_TRANSPORTS))
+        if unknown:
+            raise RegistrationError(f"unknown KV transports {', '.join(map(repr, unknown))}; "
+                                    f"known: {', '.join(KNOWN_TRANSPORTS)}")
+        if len(reg.cpu_cores) > MAX_CORES or any(c < 0 for c in reg.cpu_cores):
+            raise RegistrationError("cpu_cores must be core numbers >= 0")
         for other in self._by_id.values():
             if other.fingerprint != reg.model_fingerprint:
                 raise RegistrationError(

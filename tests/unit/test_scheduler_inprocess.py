@@ -818,3 +818,70 @@ def test_malformed_results_are_refused_whole_and_only_their_worker_goes(cluster,
     for rid, p in prompts.items():
         assert c.tokens(rid) == _greedy(hf, p, 10), rid
     c.assert_all_free()
+
+
+def test_malformed_registrations_are_refused_and_nothing_else_changes(cluster, hf):
+    """Attach messages a wrong or hostile worker might send (Hypothesis): ids empty, repeated or
+    unprintable, block counts from 0 to 2^31 (a free list that large would cost the scheduler
+    gigabytes), impossible layouts, unknown transports, negative limits, cached blocks outside
+    the cache: each is refused (RegistrationError) or, when valid, joins and leaves; the workers
+    serving meanwhile never notice, and their requests finish with HuggingFace's tokens."""
+    from dataclasses import replace
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from common.kv_layout import KVLayout
+
+    c = cluster([("prefill", 64), ("decode", 64)])
+    prompts = {f"a{i}": _prompt(9, 60 + i) for i in range(3)}
+    for rid, p in prompts.items():
+        c.submit(rid, p, max_tokens=10)
+    for _ in range(4):
+        c.step()
+    honest = c.registrations[1]  # the decode worker's, as it sent it
+    serving = {w: (s.kv.num_free_blocks, len(s.decoding), len(s.prefilling))
+               for w, s in c.sched.workers.items()}
+    sizes = st.integers(min_value=-2, max_value=2 ** 31 - 1)
+    layouts = st.builds(KVLayout, num_layers=sizes, num_kv_heads=sizes, head_dim=sizes,
+                        block_size=st.sampled_from([0, -4, 4, 1 << 17, 2 ** 31 - 1]),
+                        dtype=st.sampled_from(["float32", "int8", "", "complex128"]))
+    ids = st.sampled_from(["", "x" * 300, "bad\x00id", "ok-worker", *c.sched.workers])
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck),
+              database=None)
+    @given(worker_id=ids, num_blocks=sizes, layout=layouts | st.just(honest.layout),
+           role=st.sampled_from(["decode", "prefill", "gateway", ""]),
+           transports=st.lists(st.sampled_from(["shm", "tcp", "carrier-pigeon"]), max_size=3),
+           max_model_len=st.integers(-5, 1 << 20),
+           spec=st.integers(-3, 200), cores=st.lists(st.integers(-2, 8), max_size=3),
+           cached=st.lists(st.tuples(st.integers(-5, 2 ** 31 - 1), st.binary(max_size=40)),
+                           max_size=4))
+    def refused_or_joined(worker_id, num_blocks, layout, role, transports, max_model_len, spec,
+                          cores, cached):
+        reg = replace(honest, worker_id=worker_id, num_blocks=num_blocks, layout=layout,
+                      role=role, transports=tuple(transports), max_model_len=max_model_len,
+                      num_speculative_tokens=spec, cpu_cores=tuple(cores),
+                      cached_blocks=tuple(cached))
+        before = set(c.sched.workers)
+        try:
+            joined = c.sched.add_worker(reg)
+        except RegistrationError:
+            assert set(c.sched.workers) == before
+        else:  # valid after all: it served nothing, and leaves at once
+            assert 1 <= joined.kv.num_blocks <= 1 << 22 and joined.worker_id not in before
+            c.sched.remove_worker(joined.worker_id)
+        assert {w: (s.kv.num_free_blocks, len(s.decoding), len(s.prefilling))
+                for w, s in c.sched.workers.items()} == serving
+
+    refused_or_joined()
+    c.run()
+    for rid, p in prompts.items():
+        assert c.tokens(rid) == _greedy(hf, p, 10), rid
+    c.assert_all_free()
+
+
+def test_the_scheduler_knows_every_kv_transport():
+    from common.kv_transfer.registry import KNOWN_TRANSPORTS as BUILT
+    from services.scheduler.worker_state import KNOWN_TRANSPORTS
+    assert KNOWN_TRANSPORTS == BUILT
