@@ -137,12 +137,14 @@ async def code_of(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-async def attach_code(address: str, files: TLSFiles) -> tuple[grpc.StatusCode, str]:
-    """Attach, then a first message that does not register: past the role check, the scheduler
-    answers INVALID_ARGUMENT; before it, PERMISSION_DENIED."""
+async def attach_code(address: str, files: TLSFiles, write: bool) -> tuple[grpc.StatusCode, str]:
+    """Attach: a caller refused by its role gets PERMISSION_DENIED before anything is read (so
+    it writes nothing: a write racing the refusal fails on its own); one past the role check
+    that writes a first message that does not register gets INVALID_ARGUMENT."""
     async with channel(address, files) as ch:
         call = worker_pb2_grpc.WorkerControlStub(ch).Attach(timeout=10)
-        await call.write(worker_pb2.WorkerMessage())
+        if write:
+            await call.write(worker_pb2.WorkerMessage())
         try:
             await call.read()
         except grpc.aio.AioRpcError as e:
@@ -179,9 +181,9 @@ async def test_the_scheduler_under_tls_answers_each_role_its_methods_only(
                     call = stub.Generate(generate, timeout=10)
                     assert await code_of(call.read()) == want_generate, name
         for name in ("gateway", "admin", "scheduler"):
-            code, details = await attach_code(address, role[name])
+            code, details = await attach_code(address, role[name], write=False)
             assert code == grpc.StatusCode.PERMISSION_DENIED and "worker" in details, name
-        code, details = await attach_code(address, role["worker"])
+        code, details = await attach_code(address, role["worker"], write=True)
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "register" in details
         # in the clear, or with another deployment's certificate: no connection at all
         for files in (None, TLSFiles.in_dir(foreign, "gateway")):
