@@ -5,13 +5,16 @@ transfer's share of TTFT for a 2k-token prompt on the tiny model, in one run.
 
 Every tcp and nccl frame carries a digest of its payload that the receiver checks (xxh3-128, or
 HMAC-SHA256 with `--kv-secret`): the table shows both digests' own GB/s on one thread and tcp
-with a secret beside tcp without, which is what integrity costs.
+with a secret beside tcp without, which is what integrity costs; and tcp under mutual TLS 1.3
+(`--tls-dir`, certificates made for the run), which is what encryption costs.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,6 +29,7 @@ from common.kv_transfer.frames import payload_digest  # noqa: E402
 from common.kv_transfer.nccl import NcclListener, NcclSender  # noqa: E402
 from common.kv_transfer.shm import ShmListener, ShmSender  # noqa: E402
 from common.kv_transfer.tcp import TcpListener, TcpSender  # noqa: E402
+from common.tls import TLSFiles, make_certs  # noqa: E402
 
 # tiny-model layout: 4 layers x 2 kv heads x 32 dims, fp32, 16-token blocks = 32 KiB a block
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
@@ -57,12 +61,18 @@ def main() -> int:
     keyed = TransferConfig(timeout_s=120, secret=b"bench-secret")
     tcp_keyed = TcpListener(dst, receiver, keyed)
     asyncio.run_coroutine_threadsafe(tcp_keyed.start(), loop).result()
+    certs = tempfile.mkdtemp(prefix="pdserve-bench-certs-")
+    make_certs(certs)
+    tls = TransferConfig(timeout_s=120, tls=TLSFiles.in_dir(certs, "worker"))
+    tcp_tls = TcpListener(dst, receiver, tls)
+    asyncio.run_coroutine_threadsafe(tcp_tls.start(), loop).result()
     gloo = NcclListener(dst, receiver, TransferConfig(timeout_s=120))
     asyncio.run_coroutine_threadsafe(gloo.start(), loop).result()
     senders = {"shm": (ShmSender(LAYOUT), ShmListener(dst).endpoint()),
                "tcp (loopback)": (TcpSender(LAYOUT, TransferConfig(timeout_s=120)),
                                   tcp.endpoint()),
                "tcp + secret": (TcpSender(LAYOUT, keyed), tcp_keyed.endpoint()),
+               "tcp + TLS": (TcpSender(LAYOUT, tls), tcp_tls.endpoint()),
                "nccl (gloo, lo)": (NcclSender(LAYOUT, TransferConfig(timeout_s=120)),
                                    gloo.endpoint())}
     digests = {"xxh3-128": b"", "hmac-sha256": keyed.secret}
@@ -97,9 +107,10 @@ def main() -> int:
     finally:
         for sender, _ in senders.values():
             sender.close()
-        for listener in (tcp, tcp_keyed, gloo):
+        for listener in (tcp, tcp_keyed, tcp_tls, gloo):
             asyncio.run_coroutine_threadsafe(listener.close(), loop).result()
         dst.close()
+        shutil.rmtree(certs, ignore_errors=True)
     return 0
 
 

@@ -14,9 +14,10 @@ either refusal is counted (KVReceiver.frames_rejected) and fails the transfer, w
 then recomputed.
 
 With TLS (TransferConfig.tls) every connection is mutual TLS 1.3 between holders of the
-deployment's "worker" certificate (common/tls.py): the receiver reads through asyncio's streams
-(its socket calls take no TLS), the sender through an ssl socket; a peer presenting any other
-certificate is dropped before a frame is read.
+deployment's "worker" certificate (common/tls.py): the receiver reads each connection's frames
+with a blocking ssl socket on a thread of its own (asyncio's socket calls take no TLS), the
+sender through an ssl socket; a peer presenting any other certificate is dropped before a frame
+is read.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import socket
 import ssl
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -247,35 +249,77 @@ class _Conn:
 
 
 class _TlsConn(_Conn):
-    """A TLS connection, read and written through asyncio's streams."""
+    """A TLS connection: a blocking ssl socket read and written by a thread of its own (OpenSSL
+    decrypts there without the GIL, straight into the frame's memory; asyncio's TLS streams
+    would copy every byte twice more). The thread is the connection's for its life, so an idle
+    one waiting for its next frame holds no shared worker thread."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 timeout_s: float):
-        self.reader, self.writer = reader, writer
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, timeout_s: float):
+        """`sock`: accepted, not yet wrapped (handshake() does it on the connection's thread)."""
+        self.sock = sock
+        self.context = context
+        self.loop = asyncio.get_running_loop()
         self.timeout_s = timeout_s
         self.buf = bytearray()
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="kv-tls")
+
+    def _handshake(self) -> str | None:
+        self.sock.setblocking(True)
+        self.sock.settimeout(self.timeout_s)
+        self.sock = self.context.wrap_socket(self.sock, server_side=True)
+        assert isinstance(self.sock, ssl.SSLSocket)
+        return common_name_of(self.sock.getpeercert())
+
+    async def handshake(self) -> str | None:
+        """The TLS handshake within the transfer timeout; the peer certificate's role."""
+        return await self._call(self._handshake)
+
+    def _call(self, fn, *args):
+        return self.loop.run_in_executor(self.thread, fn, *args)
+
+    def _recv_into(self, view: memoryview) -> None:
+        self.sock.settimeout(self.timeout_s)
+        got = 0
+        while got < len(view):
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionError("the sender closed the connection mid-frame")
+            got += n
 
     async def read_into(self, view: memoryview) -> None:
-        try:
-            data = await asyncio.wait_for(self.reader.readexactly(len(view)), self.timeout_s)
-        except asyncio.IncompleteReadError as e:
-            raise ConnectionError("the sender closed the connection mid-frame") from e
-        view[:] = data
+        await self._call(self._recv_into, view)
+
+    def _sendall(self, data: bytes) -> None:
+        self.sock.settimeout(self.timeout_s)
+        self.sock.sendall(data)
 
     async def write(self, data: bytes) -> None:
-        self.writer.write(data)
-        await asyncio.wait_for(self.writer.drain(), self.timeout_s)
+        await self._call(self._sendall, data)
+
+    def _read_len(self) -> int | None:
+        self.sock.settimeout(None)  # idle between transfers: keepalive-free, like the plain one
+        raw = self.sock.recv(LEN.size)
+        if not raw:
+            return None
+        if len(raw) < LEN.size:
+            rest = memoryview(bytearray(LEN.size - len(raw)))
+            self._recv_into(rest)
+            raw += bytes(rest)
+        return LEN.unpack(raw)[0]
 
     async def read_len(self) -> int | None:
         try:
-            raw = await self.reader.readexactly(LEN.size)
-        except asyncio.IncompleteReadError as e:
-            if e.partial:
-                raise ConnectionError("the sender closed the connection mid-frame") from e
-            return None
+            return await self._call(self._read_len)
         except ConnectionError:
             return None
-        return LEN.unpack(raw)[0]
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread if it waits in recv
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.shutdown(wait=False)
 
 
 class TcpListener(KVListener):
@@ -285,7 +329,8 @@ class TcpListener(KVListener):
         self.cfg = cfg
         self.layout = cache.layout
         self._sock: socket.socket | None = None
-        self._server: asyncio.Server | None = None  # under TLS
+        self._tls = kv_server_context(cfg.tls) if cfg.tls is not None else None
+        self._tls_conns: set[_TlsConn] = set()
         self._tasks: set[asyncio.Task] = set()
         self._covered: dict[str, set[int]] = {}  # transfer -> layers written so far
 
@@ -298,12 +343,7 @@ class TcpListener(KVListener):
         sock.listen(64)
         sock.setblocking(False)
         self._sock = sock
-        if self.cfg.tls is None:
-            self._spawn(self._accept())
-        else:
-            self._server = await asyncio.start_server(
-                self._serve_tls, sock=sock, ssl=kv_server_context(self.cfg.tls),
-                ssl_handshake_timeout=self.cfg.timeout_s, limit=1 << 20)
+        self._spawn(self._accept())
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -317,9 +357,8 @@ class TcpListener(KVListener):
         return f"{SCHEME}{host}:{port}"
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        for conn in list(self._tls_conns):
+            conn.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -336,7 +375,8 @@ class TcpListener(KVListener):
             sock, peer = await loop.sock_accept(listening)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._spawn(self._serve(sock, peer))
+            self._spawn(self._serve(sock, peer) if self._tls is None
+                        else self._serve_tls(sock, peer))
 
     async def _serve(self, sock: socket.socket, peer) -> None:
         try:
@@ -344,25 +384,26 @@ class TcpListener(KVListener):
         finally:
             sock.close()
 
-    async def _serve_tls(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> None:
-        """A connection whose TLS handshake passed (a certificate from the CA); only a worker's
-        may send frames."""
-        peer = writer.get_extra_info("peername")
-        task = asyncio.current_task()
-        if task is not None:  # closed with the listener, like the tasks of plain connections
-            self._tasks.add(task)
+    async def _serve_tls(self, sock: socket.socket, peer) -> None:
+        """The TLS handshake (a certificate from the CA); then frames, only from a worker's
+        certificate."""
+        assert self._tls is not None
+        conn = _TlsConn(sock, self._tls, self.cfg.timeout_s)
+        self._tls_conns.add(conn)
         try:
-            role = common_name_of(writer.get_extra_info("peercert"))
+            try:
+                role = await conn.handshake()
+            except (OSError, ValueError) as e:  # ssl.SSLError, a timeout, a reset
+                log.warning("KV connection from %s refused: TLS handshake failed: %r", peer, e)
+                return
             if role != WORKER_NAME:
                 log.warning("KV connection from %s refused: a %r certificate, not a %r one",
                             peer, role, WORKER_NAME)
                 return
-            await self._frames(_TlsConn(reader, writer, self.cfg.timeout_s), peer)
+            await self._frames(conn, peer)
         finally:
-            if task is not None:
-                self._tasks.discard(task)
-            writer.close()
+            self._tls_conns.discard(conn)
+            conn.close()
 
     async def _frames(self, conn: _Conn, peer) -> None:
         """Frames until the sender closes the connection or one is refused."""
