@@ -19,6 +19,8 @@ import grpc
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.grpc_options import server_options
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -41,7 +43,7 @@ class Health:
     async def serve(cls, host: str, port: int) -> tuple[Health, int]:
         """A gRPC server of its own with nothing but the health service, "" NOT_SERVING;
         returns the Health (stop() stops the server too) and the bound port."""
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=server_options())
         health = cls(server)
         health._own_server = server
         await health.set("", False)
@@ -54,7 +56,7 @@ class Health:
     async def also_serve(self, host: str, port: int) -> int:
         """The same statuses on a server of their own, in the clear, beside a server that takes
         mutual TLS (probes that present no certificate); returns the bound port."""
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=server_options())
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
         bound = server.add_insecure_port(f"{host}:{port}")
         if bound == 0:

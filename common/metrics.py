@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PREFIX = "pdserve:"
-READ_TIMEOUT_S = 5.0
+IO_TIMEOUT_S = 5.0
 
 # vLLM's buckets, so that dashboards built for it read the same
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -45,7 +45,7 @@ async def start_metrics_server(registry: CollectorRegistry, host: str,
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IO_TIMEOUT_S)
             parts = head.split(b" ", 2)
             path = parts[1].split(b"?")[0] if len(parts) > 1 else b""
             if parts[0] == b"GET" and path in (b"/metrics", b"/"):
@@ -56,7 +56,7 @@ async def start_metrics_server(registry: CollectorRegistry, host: str,
             writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype +
                          b"\r\nContent-Length: " + str(len(body)).encode() +
                          b"\r\nConnection: close\r\n\r\n" + body)
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), IO_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                 ConnectionError):
             pass

@@ -18,6 +18,10 @@ deployment's "worker" certificate (common/tls.py): the receiver reads each conne
 with a blocking ssl socket on a thread of its own (asyncio's socket calls take no TLS), the
 sender through an ssl socket; a peer presenting any other certificate is dropped before a frame
 is read.
+
+A connection waits between transfers without a deadline (the sender keeps it for the next one);
+TCP keepalive probes it after KEEPALIVE_IDLE_S of quiet, so a peer whose host vanished without a
+FIN is found in under a minute and its reader (a task, or a thread under TLS) ends.
 """
 from __future__ import annotations
 
@@ -61,6 +65,19 @@ SCHEME = "tcp://"
 LEN = struct.Struct("!I")
 MAX_FRAME_BYTES = 64 << 20
 EXPECT_POLL_S = 0.005
+KEEPALIVE_IDLE_S = 20    # quiet this long, a connection is probed...
+KEEPALIVE_INTERVAL_S = 5  # ... every this long...
+KEEPALIVE_PROBES = 4      # ... and dropped after this many unanswered probes
+
+
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay; TCP keepalive on an idle connection (Linux's per-socket knobs)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -140,7 +157,7 @@ class TcpSender(KVSender):
         if sock is None:
             host, port = parse_endpoint(endpoint)
             sock = socket.create_connection((host, port), timeout=_remaining(deadline))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(sock)
             if self._tls is not None:
                 sock = self._handshake(sock, endpoint, deadline)
             self._conns[endpoint] = sock
@@ -374,7 +391,7 @@ class TcpListener(KVListener):
         while True:
             sock, peer = await loop.sock_accept(listening)
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(sock)
             self._spawn(self._serve(sock, peer) if self._tls is None
                         else self._serve_tls(sock, peer))
 

@@ -65,7 +65,9 @@ def create_app(
     app = FastAPI(title="pdserve gateway", summary="OpenAI-compatible API of pdserve")
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.add_middleware(BodyGuard, limit=config.max_request_body_bytes)
+    app.add_middleware(BodyGuard, limit=config.max_request_body_bytes,
+                       read_timeout_s=config.request_body_timeout_s,
+                       write_timeout_s=config.stream_write_timeout_s)
     app.add_middleware(RequestIdMiddleware)
     auth = [Depends(_api_key_check(config.api_key))] if config.api_key else []
     api = APIRouter(dependencies=auth, responses=ERROR_RESPONSES)

@@ -41,7 +41,8 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's calls are parsed
     tool_call_parser: str | None = None  # how: hermes or llama3_json (tools.py)
     max_request_body_bytes: int = 16 << 20  # larger bodies get 413 (body_guard.py)
-    stream_write_timeout_s: float = 30.0  # a stream whose reader takes nothing this long ends
+    request_body_timeout_s: float = 30.0  # a body not in by then gets 408 (body_guard.py)
+    stream_write_timeout_s: float = 30.0  # a response whose reader takes nothing this long ends
     max_concurrent_requests_per_key: int = 0  # in flight per API key (limits.py); 0: no limit
     tls: TLSFiles | None = None  # mutual TLS to the scheduler (common/tls.py)
     ssl_keyfile: str | None = None  # HTTPS on the API (with ssl_certfile)
@@ -68,6 +69,8 @@ class GatewayConfig:
             raise ValueError("request and connect timeouts must be positive")
         if self.stream_write_timeout_s <= 0:
             raise ValueError("--stream-write-timeout must be positive")
+        if self.request_body_timeout_s <= 0:
+            raise ValueError("--request-body-timeout must be positive")
         if self.max_concurrent_requests_per_key < 0:
             raise ValueError("--max-concurrent-requests-per-key must be >= 0")
         if self.max_request_body_bytes < 1:

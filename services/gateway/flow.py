@@ -83,8 +83,7 @@ class Generation(ABC):
         streams = [self._shaped(s) for s in self.ctx.sequences(requests,
                                                              output_options(self.body))]
         if self.body.stream:
-            return sse(self._stream, await prime(self.raw, streams), self.request_id,
-                       self.ctx.config.stream_write_timeout_s)
+            return sse(self._stream, await prime(self.raw, streams), self.request_id)
         choices = await until_disconnected(self.raw, collect(streams))
         return Response(
             self.response(choices).model_dump_json(), media_type="application/json",

@@ -106,11 +106,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Largest request body in MiB; a larger one gets 413 before it is read.",
     )
     parser.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=30.0,
+        help="Seconds a client has to send its whole request body; then it gets 408.",
+    )
+    parser.add_argument(
         "--stream-write-timeout",
         type=float,
         default=30.0,
-        help="Seconds a streaming client may take nothing; then its stream ends and its "
-        "requests are aborted (a stalled reader never holds KV blocks for long).",
+        help="Seconds a client may take nothing of its response; then the response is cut off "
+        "and, streamed, its requests are aborted (a stalled reader never holds KV blocks for "
+        "long).",
     )
     parser.add_argument(
         "--max-concurrent-requests-per-key",
@@ -185,6 +192,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         max_request_body_bytes=int(args.max_request_body_mib * (1 << 20)),
+        request_body_timeout_s=args.request_body_timeout,
         stream_write_timeout_s=args.stream_write_timeout,
         max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
         tls=tls_from_args(args, "gateway"),

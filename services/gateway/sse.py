@@ -2,17 +2,15 @@
 after the 200 went out, and a response that closes its generators however the stream ends.
 
 A reader that takes nothing for --stream-write-timeout seconds (stalled, or too slow to take one
-event in that long) ends its stream: its requests are aborted on the scheduler, their blocks
-freed; other streams never wait on it (each writes on its own).
+event in that long; BodyGuard times every write) ends its stream: its requests are aborted on the
+scheduler, their blocks freed; other streams never wait on it (each writes on its own).
 
     prime(streams) -> SSEStart (first delta, rest) -> render(start) -> SSEResponse
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
@@ -20,13 +18,11 @@ import grpc
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from services.gateway.disconnect import until_disconnected
 from services.gateway.errors import GatewayError, to_gateway_error
 from services.gateway.generation import DeltaStream, SeqDelta, merge
-
-logger = logging.getLogger(__name__)
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -81,29 +77,18 @@ class SSEResponse(StreamingResponse):
 
     def __init__(
         self, body: AsyncGenerator[str, None], start: SSEStart, headers: dict[str, str],
-        write_timeout_s: float,
     ) -> None:
         super().__init__(body, headers={"Cache-Control": "no-cache", **headers})
         self._closers = (body, start.rest)
         self._on_close: list[Callable[[], None]] = []
-        self.write_timeout_s = write_timeout_s
 
     def on_close(self, callback: Callable[[], None]) -> None:
         """Called once the stream has ended, however it ended."""
         self._on_close.append(callback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def send_in_time(message: Message) -> None:
-            try:
-                await asyncio.wait_for(send(message), self.write_timeout_s)
-            except TimeoutError:
-                raise StalledReader from None
-
         try:
-            await super().__call__(scope, receive, send_in_time)
-        except StalledReader:  # the connection is dropped: the response never completed
-            logger.warning("%s: the client took nothing for %.0f s; its stream is ended",
-                           self.headers.get("x-request-id", "a stream"), self.write_timeout_s)
+            await super().__call__(scope, receive, send)
         finally:
             for generator in self._closers:
                 await generator.aclose()
@@ -111,13 +96,7 @@ class SSEResponse(StreamingResponse):
                 callback()
 
 
-class StalledReader(Exception):
-    """The client did not take an event within the write timeout."""
-
-
 def sse(
     render: Callable[[SSEStart], AsyncGenerator[str, None]], start: SSEStart, request_id: str,
-    write_timeout_s: float,
 ) -> SSEResponse:
-    return SSEResponse(render(start), start, headers={"x-request-id": request_id},
-                       write_timeout_s=write_timeout_s)
+    return SSEResponse(render(start), start, headers={"x-request-id": request_id})

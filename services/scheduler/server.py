@@ -263,11 +263,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                     except TimeoutError:
                         pass
                     continue
-                await self._send(link, plan, planned_at)
+                if not await self._send(link, plan, planned_at):
+                    return
             # again if the running step's result landed while a plan was being written
             while len(link.steps) == 1 and \
                     (ahead := self.scheduler.schedule_ahead(wid)) is not None:
-                await self._send(link, ahead, time.time())
+                if not await self._send(link, ahead, time.time()):
+                    return
             if not link.steps:
                 continue  # answered while the plan was being written
             step_id, done = link.steps[0]
@@ -279,10 +281,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                           step_id, self.config.step_timeout_s)
                 return
 
-    async def _send(self, link: _WorkerLink, plan: StepPlan, planned_at: float) -> None:
+    async def _send(self, link: _WorkerLink, plan: StepPlan, planned_at: float) -> bool:
+        """Writes a plan; False when the worker took none within the step timeout (alive to
+        keepalive's pings but reading nothing: it is dropped)."""
         self.telemetry.on_plan(link.worker_id, plan, planned_at)
         link.steps.append((plan.step_id, asyncio.get_running_loop().create_future()))
-        await link.context.write(worker_pb2.SchedulerMessage(plan=plan_to_pb(plan)))
+        message = worker_pb2.SchedulerMessage(plan=plan_to_pb(plan))
+        try:
+            await asyncio.wait_for(link.context.write(message), self.config.step_timeout_s)
+        except TimeoutError:
+            log.error("worker %s took no plan in %.0fs; dropping it", link.worker_id,
+                      self.config.step_timeout_s)
+            return False
+        return True
 
 
 class _WorkerLink:

@@ -441,6 +441,63 @@ async def test_a_stalled_reader_is_cut_off_and_others_stream_on(model_dir: str,
             stalled.close()
 
 
+async def test_a_stalled_reader_of_a_whole_response_is_cut_off(model_dir: str,
+                                                              tokenizer: Tokenizer) -> None:
+    """Not streamed: a client that reads nothing of a response larger than the socket buffers
+    holds its connection only until --stream-write-timeout; what it reads afterwards ends short
+    of the declared length (the server dropped the connection) while other requests are served
+    meanwhile."""
+    scheduler = FakeScheduler(tokens_per_message=64)  # ~8 MB: past the kernel's buffers (4 MB)
+    big = {"prompt": "x", "max_tokens": 4000, "n": 8, "logprobs": 20, "ignore_eos": True}
+    async with fake_gateway(model_dir, tokenizer, scheduler, max_model_len=4096,
+                            stream_write_timeout_s=1.0) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect((host, int(port)))
+        payload = json.dumps(big).encode()
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                        b"application/json\r\ncontent-length: %d\r\n\r\n%s"
+                        % (len(payload), payload))
+        try:
+            await wait_for(lambda: gw.scheduler.finished, 15)
+            async with http_client(gw.url) as http:
+                other = await http.post("/v1/completions", json={"prompt": "x y", "max_tokens": 4})
+            assert other.status_code == 200
+            await asyncio.sleep(3.0)  # the write timeout, and then some
+            stalled.settimeout(10)
+            received = b""
+            while chunk := await asyncio.to_thread(stalled.recv, 1 << 20):
+                received += chunk
+        finally:
+            stalled.close()
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        declared = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                            if line.lower().startswith(b"content-length")))
+        assert declared > 6 << 20 and len(body) < declared
+
+
+async def test_a_body_that_does_not_arrive_in_time_gets_408(model_dir: str,
+                                                           tokenizer: Tokenizer) -> None:
+    """A client that declares a body and sends part of it (slowloris) gets 408 after
+    --request-body-timeout; nothing reaches the scheduler; a whole body beside it is served."""
+    scheduler = FakeScheduler()
+    async with fake_gateway(model_dir, tokenizer, scheduler, request_body_timeout_s=1.0) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\": ")
+            async with http_client(gw.url) as http:
+                other = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert other.status_code == 200
+            answer = await asyncio.to_thread(slow.recv, 65536)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer
+        assert b"--request-body-timeout" in body
+        assert len(scheduler.requests) == 1  # the other request's only
+
+
 async def test_one_key_may_hold_only_its_share(model_dir: str, tokenizer: Tokenizer) -> None:
     scheduler = FakeScheduler(delay_s=0.05)
     slow = {"prompt": "x", "max_tokens": 200, "stream": True}

@@ -1,10 +1,13 @@
 """KV transports moving real blocks between two caches: exact bytes, validation, deadlines."""
 import asyncio
 import os
+import shutil
 import socket
 import ssl
 import struct
+import subprocess
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from common.kv_transfer.frames import (
 )
 from common.kv_transfer.registry import create_listener, create_sender
 from common.kv_transfer.shm import ShmListener, ShmSender
-from common.kv_transfer.tcp import TcpSender
+from common.kv_transfer.tcp import KEEPALIVE_IDLE_S, TcpSender
 from common.tls import TLSFiles, make_certs
 from protos import kv_transfer_pb2
 
@@ -135,6 +138,32 @@ def test_tcp_under_mutual_tls_moves_exact_blocks(tcp, certs):
     assert torch.equal(dst.tensor[:, :, untouched], before[:, :, untouched])
     assert len(sender._conns) == 1 and isinstance(next(iter(sender._conns.values())),
                                                   ssl.SSLSocket)
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+@pytest.mark.parametrize("secure", [False, True], ids=["clear", "tls"])
+def test_tcp_connections_carry_keepalive_both_ways(tcp, certs, secure):
+    """A connection idle between transfers has no deadline: TCP keepalive probes it from both
+    ends (the kernel's timers, as ss shows them), so a peer whose host vanished is found."""
+    src, _, receiver, listener, sender = tcp(tls=TLSFiles.in_dir(certs, "worker") if secure
+                                             else None)
+    receiver.expect("t1", "r1", [5], transport="tcp")
+    sender.send("t1", src, [1], listener.endpoint(), [5])
+    port = listener.endpoint().rpartition(":")[2]
+
+    def timers() -> list[str]:  # ss shows one timer: a retransmission's while bytes are unacked
+        return subprocess.run(["ss", "-tnoH", "state", "established", f"( sport = :{port} or "
+                               f"dport = :{port} )"], capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    deadline = time.monotonic() + 5
+    lines = timers()
+    while not all("timer:(keepalive," in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        lines = timers()
+    assert len(lines) == 2 and all("timer:(keepalive," in line for line in lines), lines
+    idle = next(iter(sender._conns.values())).getsockopt(socket.IPPROTO_TCP,
+                                                         socket.TCP_KEEPIDLE)
+    assert idle == KEEPALIVE_IDLE_S
 
 
 @pytest.mark.parametrize("who", ["clear", "gateway", "foreign worker"])
