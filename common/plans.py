@@ -28,6 +28,7 @@ class Registration:
     cpu_cores: tuple[int, ...] = ()  # a CPU worker's cores (its affinity); () on a GPU
     cached_blocks: tuple[tuple[int, bytes], ...] = ()  # (block id, hash) its cache holds
     num_speculative_tokens: int = 0  # drafts it verifies per decode step (0: no speculation)
+    num_tier_blocks: int = 0  # blocks of its second KV tier (--kv-offloading-size); 0: none
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,14 @@ class StepPlan:
     num_steps: int = 1  # a decode-only plan may run this many decode steps (multi-step), a
                         # result after each
     cached_blocks: list[tuple[int, bytes]] = field(default_factory=list)  # newly cached
+    # before anything else: (block, slot) cached blocks the plan reuses go to the second tier,
+    # then (slot, block) prefix hits in the tier come back into the cache
+    tier_stores: list[tuple[int, int]] = field(default_factory=list)
+    tier_loads: list[tuple[int, int]] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (self.scheduled or self.finished_request_ids or self.recvs
-                    or self.new_requests or self.sends)
+                    or self.new_requests or self.sends or self.tier_stores or self.tier_loads)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,8 @@ class WorkerCounters:
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # accepted drafts at position 0, 1, ...
     kv_frames_rejected: int = 0     # KV frames refused on arrival: bad header, tag or digest
+    tier_blocks_stored: int = 0     # blocks copied to the second KV tier
+    tier_blocks_loaded: int = 0     # ... and back into the cache
 
 
 @dataclass(frozen=True)

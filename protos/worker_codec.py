@@ -47,7 +47,7 @@ def registration_to_pb(r: Registration) -> worker_pb2.Register:
         num_blocks=r.num_blocks, layout=layout_to_pb(r.layout), kv_endpoint=first,
         transports=r.transports, host_id=r.host_id, max_model_len=r.max_model_len,
         kv_endpoints=r.kv_endpoints, cpu_cores=r.cpu_cores,
-        num_speculative_tokens=r.num_speculative_tokens,
+        num_speculative_tokens=r.num_speculative_tokens, num_tier_blocks=r.num_tier_blocks,
         cached_blocks=[worker_pb2.CachedBlock(block_id=b, hash=h) for b, h in r.cached_blocks])
 
 
@@ -59,7 +59,7 @@ def registration_from_pb(pb: worker_pb2.Register) -> Registration:
         num_blocks=pb.num_blocks, layout=layout_from_pb(pb.layout),
         transports=tuple(pb.transports), kv_endpoints=endpoints, host_id=pb.host_id,
         max_model_len=pb.max_model_len, cpu_cores=tuple(pb.cpu_cores),
-        num_speculative_tokens=pb.num_speculative_tokens,
+        num_speculative_tokens=pb.num_speculative_tokens, num_tier_blocks=pb.num_tier_blocks,
         cached_blocks=tuple((c.block_id, c.hash) for c in pb.cached_blocks))
 
 
@@ -68,7 +68,11 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
                              num_steps=plan.num_steps,
                              finished_request_ids=plan.finished_request_ids,
                              cached_blocks=[worker_pb2.CachedBlock(block_id=b, hash=h)
-                                            for b, h in plan.cached_blocks])
+                                            for b, h in plan.cached_blocks],
+                             tier_stores=[worker_pb2.TierCopy(block=b, slot=t)
+                                          for b, t in plan.tier_stores],
+                             tier_loads=[worker_pb2.TierCopy(block=b, slot=t)
+                                         for t, b in plan.tier_loads])
     for n in plan.new_requests:
         pb.new_requests.add(
             request_id=n.request_id, all_token_ids=n.all_token_ids,
@@ -117,7 +121,9 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> StepPlan:
         finished_request_ids=list(pb.finished_request_ids),
         copies=[BlockCopy(b.src, b.dst, b.request_id, b.leader_id) for b in pb.copies],
         num_threads=pb.num_threads, num_steps=max(1, pb.num_steps),
-        cached_blocks=[(c.block_id, c.hash) for c in pb.cached_blocks])
+        cached_blocks=[(c.block_id, c.hash) for c in pb.cached_blocks],
+        tier_stores=[(c.block, c.slot) for c in pb.tier_stores],
+        tier_loads=[(c.slot, c.block) for c in pb.tier_loads])
 
 
 def counters_to_pb(c: WorkerCounters) -> worker_pb2.WorkerCounters:
@@ -126,14 +132,15 @@ def counters_to_pb(c: WorkerCounters) -> worker_pb2.WorkerCounters:
         kv_blocks_sent=c.kv_blocks_sent, kv_blocks_received=c.kv_blocks_received,
         steps=c.steps, spec_drafts=c.spec_drafts, spec_draft_tokens=c.spec_draft_tokens,
         spec_accepted_tokens=c.spec_accepted_tokens,
-        spec_accepted_per_pos=c.spec_accepted_per_pos, kv_frames_rejected=c.kv_frames_rejected)
+        spec_accepted_per_pos=c.spec_accepted_per_pos, kv_frames_rejected=c.kv_frames_rejected,
+        tier_blocks_stored=c.tier_blocks_stored, tier_blocks_loaded=c.tier_blocks_loaded)
 
 
 def counters_from_pb(pb: worker_pb2.WorkerCounters) -> WorkerCounters:
     return WorkerCounters(pb.prompt_tokens_computed, pb.tokens_decoded, pb.kv_blocks_sent,
                           pb.kv_blocks_received, pb.steps, pb.spec_drafts, pb.spec_draft_tokens,
                           pb.spec_accepted_tokens, tuple(pb.spec_accepted_per_pos),
-                          pb.kv_frames_rejected)
+                          pb.kv_frames_rejected, pb.tier_blocks_stored, pb.tier_blocks_loaded)
 
 
 def result_to_pb(r: StepResult) -> worker_pb2.StepResult:

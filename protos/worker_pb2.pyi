@@ -22,7 +22,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("worker_id", "role", "model_fingerprint", "num_blocks", "layout", "kv_endpoint", "transports", "host_id", "max_model_len", "kv_endpoints", "cpu_cores", "cached_blocks", "num_speculative_tokens")
+    __slots__ = ("worker_id", "role", "model_fingerprint", "num_blocks", "layout", "kv_endpoint", "transports", "host_id", "max_model_len", "kv_endpoints", "cpu_cores", "cached_blocks", "num_speculative_tokens", "num_tier_blocks")
     class KvEndpointsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class Register(_message.Message):
     CPU_CORES_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model_fingerprint: str
@@ -56,7 +57,8 @@ class Register(_message.Message):
     cpu_cores: _containers.RepeatedScalarFieldContainer[int]
     cached_blocks: _containers.RepeatedCompositeFieldContainer[CachedBlock]
     num_speculative_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_endpoints: _Optional[_Mapping[str, str]] = ..., cpu_cores: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    num_tier_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_endpoints: _Optional[_Mapping[str, str]] = ..., cpu_cores: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., num_speculative_tokens: _Optional[int] = ..., num_tier_blocks: _Optional[int] = ...) -> None: ...
 
 class CachedBlock(_message.Message):
     __slots__ = ("block_id", "hash")
@@ -162,7 +164,7 @@ class KVRecv(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled", "sends", "recvs", "finished_request_ids", "copies", "num_threads", "cached_blocks", "num_steps")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled", "sends", "recvs", "finished_request_ids", "copies", "num_threads", "cached_blocks", "num_steps", "tier_stores", "tier_loads")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +176,8 @@ class StepPlan(_message.Message):
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TIER_STORES_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOADS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -185,7 +189,17 @@ class StepPlan(_message.Message):
     num_threads: int
     cached_blocks: _containers.RepeatedCompositeFieldContainer[CachedBlock]
     num_steps: int
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., recvs: _Optional[_Iterable[_Union[KVRecv, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_threads: _Optional[int] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    tier_stores: _containers.RepeatedCompositeFieldContainer[TierCopy]
+    tier_loads: _containers.RepeatedCompositeFieldContainer[TierCopy]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., recvs: _Optional[_Iterable[_Union[KVRecv, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_threads: _Optional[int] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., num_steps: _Optional[int] = ..., tier_stores: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ..., tier_loads: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ...) -> None: ...
+
+class TierCopy(_message.Message):
+    __slots__ = ("block", "slot")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    slot: int
+    def __init__(self, block: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst", "request_id", "leader_id")
@@ -236,7 +250,7 @@ class RequestError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class WorkerCounters(_message.Message):
-    __slots__ = ("prompt_tokens_computed", "tokens_decoded", "kv_blocks_sent", "kv_blocks_received", "steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "kv_frames_rejected")
+    __slots__ = ("prompt_tokens_computed", "tokens_decoded", "kv_blocks_sent", "kv_blocks_received", "steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "kv_frames_rejected", "tier_blocks_stored", "tier_blocks_loaded")
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_DECODED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +261,8 @@ class WorkerCounters(_message.Message):
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
     KV_FRAMES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCKS_LOADED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens_computed: int
     tokens_decoded: int
     kv_blocks_sent: int
@@ -257,7 +273,9 @@ class WorkerCounters(_message.Message):
     spec_accepted_tokens: int
     spec_accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
     kv_frames_rejected: int
-    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., kv_frames_rejected: _Optional[int] = ...) -> None: ...
+    tier_blocks_stored: int
+    tier_blocks_loaded: int
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., kv_frames_rejected: _Optional[int] = ..., tier_blocks_stored: _Optional[int] = ..., tier_blocks_loaded: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled", "errors", "counters", "prompt_logprobs", "more")

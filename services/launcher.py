@@ -66,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=0,
                    help="KV blocks per worker; 0 sizes them from the workers' default memory")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                   help="a second KV tier of this many GiB of host memory per worker: blocks "
+                        "its cache evicts are kept there and prefix hits in it copied back "
+                        "instead of recomputed; 0: none")
     p.add_argument("--max-num-seqs", type=int, default=256, help="see `pdserve scheduler`")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps a plan that only decodes runs on its worker (see `pdserve "
@@ -195,6 +199,8 @@ def commands(args) -> list[list[str]]:
     cores = _core_sets(num_workers) if args.pin_cpus else [[]] * num_workers
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.kv_offloading_size:
+        worker += ["--kv-offloading-size", str(args.kv_offloading_size)]
     if args.max_model_len:
         worker += ["--max-model-len", str(args.max_model_len)]
     worker += ["--seed", str(args.seed)]

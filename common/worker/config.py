@@ -25,6 +25,8 @@ class WorkerConfig:
     num_kv_blocks: int = 0           # 0: from kv_cache_memory_mib
     kv_cache_memory_mib: int = 0     # 0: 1024 on CPU, from gpu_memory_utilization on a GPU
     gpu_memory_utilization: float = 0.9
+    kv_offloading_size_gib: float = 0.0  # a second KV tier in host memory; 0: none
+    kv_offloading_blocks: int = 0    # its size in blocks instead (tests); 0: from the GiB
     max_num_batched_tokens: int = 2048  # the largest step, profiled to size a GPU's KV cache
     max_model_len: int = 0           # 0: the model's max_position_embeddings
     cpu_threads: int = 0             # 0: torch's default (or one per core of cpu_cores)
@@ -64,6 +66,8 @@ class WorkerConfig:
             raise ValueError("--block-size must be a power of two")
         if self.num_kv_blocks < 0 or self.kv_cache_memory_mib < 0:
             raise ValueError("--num-kv-blocks and --kv-cache-memory-mib must be >= 0")
+        if self.kv_offloading_size_gib < 0 or self.kv_offloading_blocks < 0:
+            raise ValueError("--kv-offloading-size and --kv-offloading-blocks must be >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_cudagraph_capture_size < 1:
@@ -150,6 +154,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-mib", type=int, default=d.kv_cache_memory_mib,
                    help="memory for the KV cache when --num-kv-blocks is 0; 0: 1 GiB on CPU, "
                         "from --gpu-memory-utilization on a GPU")
+    p.add_argument("--kv-offloading-size", type=float, default=d.kv_offloading_size_gib,
+                   metavar="GIB",
+                   help="a second KV tier of this many GiB in host memory behind the cache: "
+                        "cached blocks the cache evicts are kept there and prefix hits in it "
+                        "are copied back instead of recomputed; 0: none")
+    p.add_argument("--kv-offloading-backend", choices=["native"], default="native",
+                   help="where the second tier lives: native, the worker's own host memory")
+    p.add_argument("--kv-offloading-blocks", type=int, default=d.kv_offloading_blocks,
+                   help="the second tier's size in blocks instead of --kv-offloading-size")
     p.add_argument("--gpu-memory-utilization", type=float,
                    default=float(env("PDSERVE_GPU_MEMORY_UTILIZATION", d.gpu_memory_utilization)),
                    help="share of the GPU's memory this worker may use for weights, activations "
@@ -240,6 +253,8 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory_mib=args.kv_cache_memory_mib,
                         gpu_memory_utilization=args.gpu_memory_utilization,
+                        kv_offloading_size_gib=args.kv_offloading_size,
+                        kv_offloading_blocks=args.kv_offloading_blocks,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, cpu_threads=args.cpu_threads,
                         cpu_cores=args.cpu_cores, cpu_nice=args.cpu_nice,

@@ -41,7 +41,7 @@ from common.worker.config import WorkerConfig
 from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.draft import DraftModel
 from common.worker.grammars import Grammars
-from common.worker.memory import num_kv_blocks
+from common.worker.memory import GIB, num_kv_blocks
 from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
 from common.worker.speculative import SpeculativeConfig
@@ -88,6 +88,14 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     # on a GPU the cache is device memory: peers reach it over tcp or nccl, not shm
     shm_name = f"{SEGMENT_PREFIX}{cfg.worker_id}" if device.type == "cpu" else None
     cache = PagedKVCache(layout, num_blocks, shm_name=shm_name, device=device)
+    tier_blocks = cfg.kv_offloading_blocks or int(cfg.kv_offloading_size_gib * GIB) // \
+        layout.block_bytes
+    # host memory (pinned beside a GPU), its pages touched only where blocks are stored
+    tier = torch.empty(layout.cache_shape(tier_blocks), dtype=layout.torch_dtype,
+                       pin_memory=device.type == "cuda") if tier_blocks else None
+    if tier is not None:
+        log.info("second KV tier: %d blocks, %.2f GiB of host memory", tier_blocks,
+                 tier_blocks * layout.block_bytes / GIB)
     tcfg = TransferConfig(timeout_s=cfg.kv_transfer_timeout_s, secret=cfg.kv_secret.encode(),
                           tcp_host=cfg.kv_host, tcp_port=cfg.kv_port,
                           advertise_host=cfg.kv_advertise_host,
@@ -118,13 +126,15 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     runner = ModelRunner(model, cache, sampler, graphs, grammars, speculative, draft)
     worker = Worker(runner, cache,
                     {t: create_sender(t, layout, tcfg) for t in cfg.kv_transports}, receiver,
-                    {t: create_listener(t, cache, receiver, tcfg) for t in cfg.kv_transports})
+                    {t: create_listener(t, cache, receiver, tcfg) for t in cfg.kv_transports},
+                    tier)
     reg = Registration(
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
         num_blocks=num_blocks, layout=layout, transports=cfg.kv_transports, kv_endpoints={},
         host_id=cfg.host_id or default_host_id(), max_model_len=max_len,
         cpu_cores=tuple(sorted(os.sched_getaffinity(0))) if device.type == "cpu" else (),
-        num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
+        num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+        num_tier_blocks=tier_blocks)
     return worker, reg
 
 

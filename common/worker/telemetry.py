@@ -182,7 +182,12 @@ class _CountersCollector:
                 ("worker_kv_frames_rejected", c.kv_frames_rejected,
                  "KV frames refused on arrival: bad header, authentication tag or payload "
                  "digest."),
-                ("worker_steps", c.steps, "Steps run.")):
+                ("worker_steps", c.steps, "Steps run."),
+                ("worker_kv_tier_blocks_stored", c.tier_blocks_stored,
+                 "KV blocks copied to the second tier (--kv-offloading-size) before the cache "
+                 "reused them."),
+                ("worker_kv_tier_blocks_loaded", c.tier_blocks_loaded,
+                 "KV blocks copied back from the second tier: prefix hits there.")):
             m = CounterMetricFamily(PREFIX + name, doc, labels=["worker_id", "role"])
             m.add_metric(self.key, value)
             yield m

@@ -44,6 +44,8 @@ class _Counts:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    tier_stored: int = 0
+    tier_loaded: int = 0
 
 
 class Worker:
@@ -51,9 +53,11 @@ class Worker:
     on_send: Callable[[KVSend, float, float, str], None] | None = None
 
     def __init__(self, runner: ModelRunner, cache: PagedKVCache, senders: dict[str, KVSender],
-                 receiver: KVReceiver, listeners: dict[str, KVListener]):
+                 receiver: KVReceiver, listeners: dict[str, KVListener],
+                 tier: torch.Tensor | None = None):
         self.runner = runner
         self.cache = cache
+        self.tier = tier  # the second KV tier: blocks laid out as the cache's, in host memory
         self.senders = senders
         self.receiver = receiver
         self.listeners = listeners
@@ -78,7 +82,7 @@ class Worker:
         return WorkerCounters(c.prompt_tokens, c.decoded, c.blocks_sent, c.blocks_received,
                               c.steps, c.spec_drafts, c.spec_draft_tokens,
                               c.spec_accepted_tokens, tuple(c.spec_accepted_per_pos),
-                              self.receiver.frames_rejected)
+                              self.receiver.frames_rejected, c.tier_stored, c.tier_loaded)
 
     def execute(self, plan: StepPlan, sub_step: int = 0) -> StepResult:
         """Runs the plan (sub_step 0), or, for a plan of several decode steps, its next one:
@@ -127,6 +131,8 @@ class Worker:
 
     def _execute(self, plan: StepPlan) -> StepResult:
         errors: list[RequestError] = []
+        if plan.tier_stores or plan.tier_loads:  # before anything writes a block
+            self._tier_copies(plan)
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
             self.receiver.cancel_request(rid)
@@ -181,6 +187,20 @@ class Worker:
         self._decoding = self._go_on(sampled, errors) if plan.num_steps > 1 else []
         return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters,
                           tuple(prompt_logprobs), more=bool(self._decoding))
+
+    def _tier_copies(self, plan: StepPlan) -> None:
+        """Blocks the plan reuses into the second tier, then prefix hits back from it."""
+        if self.tier is None:
+            raise ValueError(f"step {plan.step_id} copies KV to a second tier this worker lacks")
+        if plan.tier_stores:
+            blocks, slots = zip(*plan.tier_stores)
+            copy_blocks(self.tier, slots, self.cache.tensor, blocks)
+            self._counts.tier_stored += len(blocks)
+        if plan.tier_loads:
+            slots, blocks = zip(*plan.tier_loads)
+            self._overwritten(blocks)
+            copy_blocks(self.cache.tensor, blocks, self.tier, slots)
+            self._counts.tier_loaded += len(blocks)
 
     def _count_speculation(self, stats) -> None:
         c = self._counts

@@ -7,6 +7,7 @@ again. The free queue is in eviction order: the front is reused (and its hash fo
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class BlockPool:
@@ -18,6 +19,8 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # told of each cached block that allocate() evicts, before it is handed out
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -38,6 +41,8 @@ class BlockPool:
             if h is not None:
                 del self.cached[h]
                 self.block_hash[b] = None
+                if self.on_evict is not None:
+                    self.on_evict(b, h)
             self.ref_cnt[b] = 1
             ids.append(b)
         return ids

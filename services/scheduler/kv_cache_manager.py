@@ -10,6 +10,11 @@ A request's blocks:
 Blocks that something may still read or write (a planned step, an ordered KV send) are released
 after that event rather than now: `free(request_id, after=event)` / `release(blocks, after=...)`
 keep them referenced until `done(event)`.
+
+With a second tier (tier.py), a cached block the pool evicts is stored there first, and a
+request's prefix continues from the cache into the tier: those blocks are new blocks of the
+request that the worker loads from the tier before its step computes. The stores and loads go
+out with the worker's next plan (`take_tier_copies`), stores first.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 from services.scheduler.block_hash import HASH_BYTES
 from services.scheduler.block_pool import BlockPool
+from services.scheduler.tier import TierPool
 
 
 class NoFreeBlocks(Exception):
@@ -25,9 +31,15 @@ class NoFreeBlocks(Exception):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_tier_slots: int = 0):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.tier = TierPool(num_tier_slots) if num_tier_slots and enable_caching else None
+        self._tier_stores: list[tuple[int, int]] = []  # (block, slot) for the next plan
+        self._tier_loads: list[tuple[int, int]] = []   # (slot, block), after the stores
+        if self.tier is not None:
+            self.pool.on_evict = self._store
         self._blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks already in the prefix cache
         self._deferred: defaultdict[Hashable, list[list[int]]] = defaultdict(list)
@@ -36,6 +48,8 @@ class KVCacheManager:
         # prefix-cache lookups that led to an allocation, in tokens (vLLM's units for metrics)
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.num_tier_hit_tokens = 0  # ... of the hits, those loaded from the tier
+        self.num_tier_stores = 0
 
     @property
     def num_blocks(self) -> int:
@@ -61,6 +75,13 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
+    def find_tier(self, block_hashes: list[bytes], num_tokens: int, num_cached: int) -> int:
+        """How many blocks the tier holds of the sequence past its first num_cached (those the
+        cache holds), the last token's block never counting (as find_prefix)."""
+        if self.tier is None:
+            return 0
+        return len(self.tier.find(block_hashes[num_cached:(num_tokens - 1) // self.block_size]))
+
     def can_fit(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
         held = self._blocks.get(request_id)
         if held is None:
@@ -70,24 +91,54 @@ class KVCacheManager:
             need = self.blocks_for(num_tokens) - len(held)
         return need <= self.pool.num_free_blocks
 
-    def allocate_slots(self, request_id: str, num_tokens: int,
-                       prefix: Sequence[int] = ()) -> list[int] | None:
+    def allocate_slots(self, request_id: str, num_tokens: int, prefix: Sequence[int] = (),
+                       tier_hashes: Sequence[bytes] = ()) -> list[int] | None:
         """Grows the request's blocks to hold num_tokens tokens in all; a new request starts
-        from the cached `prefix` blocks. Returns the newly allocated block ids (possibly none),
-        or None when the pool cannot supply them, in which case nothing changes."""
+        from the cached `prefix` blocks, then blocks loaded from the tier holding `tier_hashes`
+        (find_tier's run after the prefix). Returns the newly allocated block ids (possibly
+        none), or None when the pool cannot supply them, in which case nothing changes."""
         if not self.can_fit(request_id, num_tokens, prefix):
             return None
         held = self._blocks.get(request_id)
+        loads: list[int] = []
         if held is None:
             if self.pool.enable_caching:
                 self.num_queried_tokens += num_tokens
-                self.num_hit_tokens += len(prefix) * self.block_size
+                self.num_hit_tokens += (len(prefix) + len(tier_hashes)) * self.block_size
+                self.num_tier_hit_tokens += len(tier_hashes) * self.block_size
             self.pool.touch(list(prefix))
             held = self._blocks[request_id] = list(prefix)
             self._num_registered[request_id] = len(prefix)
+            if tier_hashes:
+                assert self.tier is not None, "tier hits without a tier"
+                loads = self.tier.load(list(tier_hashes))
+                assert len(loads) == len(tier_hashes), "the tier lost a hit before its load"
         new = self._allocate(max(0, self.blocks_for(num_tokens) - len(held)))
         held.extend(new)
+        if loads:  # cached at once: the plan's loads run before anything reads them
+            self._tier_loads.extend(zip(loads, new))
+            for b, h in zip(new, tier_hashes):
+                if self.pool.cache(b, h):
+                    self._announce[b] = h
+            self._num_registered[request_id] += len(loads)
         return new
+
+    def _store(self, block_id: int, block_hash: bytes) -> None:
+        """BlockPool.on_evict with a tier: the block goes to a slot before it is reused."""
+        assert self.tier is not None
+        slot = self.tier.store(block_hash)
+        if slot is not None:
+            self._tier_stores.append((block_id, slot))
+            self.num_tier_stores += 1
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(block, slot) stores and then (slot, block) loads since the last call: for the
+        worker's next plan, which runs them in that order before anything else."""
+        stores, loads = self._tier_stores, self._tier_loads
+        self._tier_stores, self._tier_loads = [], []
+        if self.tier is not None:
+            self.tier.unpin_all()
+        return stores, loads
 
     def fork(self, child_id: str, parent_id: str, num_tokens: int) -> tuple[int, int] | None:
         """Gives child_id the parent's first num_tokens tokens: their full blocks shared (one

@@ -141,14 +141,16 @@ class Prefill:
         n = req.num_tokens
         hashes = req.hashes(w.kv.block_size)
         prefix = w.kv.find_prefix(hashes, n)
-        todo = n - len(prefix) * w.kv.block_size
+        in_tier = hashes[len(prefix):len(prefix) + w.kv.find_tier(hashes, n, len(prefix))]
+        hit = len(prefix) + len(in_tier)  # blocks not to compute: cached, or loaded from the tier
+        todo = n - hit * w.kv.block_size
         if w.role == "decode" and self.workers.has_prefill and not req.prefill_locally and \
                 not self._decode_takes(w, req, hashes, todo):
             return 0  # a prefill worker takes it
         if w.role == "prefill" and (req.prefill_locally or self._decoder_holds_more(req, hashes,
                                                                                    todo)):
             return 0  # its decode worker prefills it: no recompute, no KV hop
-        if w.role == "prefill" and self._better_prefill(w, req, hashes, len(prefix)):
+        if w.role == "prefill" and self._better_prefill(w, req, hashes, hit):
             return 0  # another prefill worker holds more of its prefix: leave it to that one
         if todo > min(budget, self._chunk_cap()) and not self._may_start_partial(w, req):
             return 0
@@ -160,13 +162,13 @@ class Prefill:
             if dst is None:
                 return None
             dst_prefix = dst.kv.find_prefix(hashes, n)
-        if w.kv.allocate_slots(req.request_id, n, prefix) is None:
+        if w.kv.allocate_slots(req.request_id, n, prefix, in_tier) is None:
             return None
         self.waiting.remove(req)
         req.status = Status.PREFILLING
         req.prefill_worker = w.worker_id
         req.decode_worker = (dst or w).worker_id
-        req.num_computed_tokens = len(prefix) * w.kv.block_size
+        req.num_computed_tokens = hit * w.kv.block_size
         if req.num_cached_tokens is None:  # first admission: the hit the client is told
             req.num_cached_tokens = req.num_computed_tokens
         if self._beside_batch(w, req):
@@ -186,9 +188,11 @@ class Prefill:
                    for tail in tails)
 
     def _todo(self, w: WorkerState, req: Request, hashes: list[bytes]) -> int:
-        """Tokens of req that w would compute: those past its cached prefix."""
+        """Tokens of req that w would compute: those past its cached prefix and what its tier
+        holds after that."""
         n = req.num_tokens
-        return n - len(w.kv.find_prefix(hashes, n)) * w.kv.block_size
+        cached = len(w.kv.find_prefix(hashes, n))
+        return n - (cached + w.kv.find_tier(hashes, n, cached)) * w.kv.block_size
 
     @property
     def long_prefill_token_threshold(self) -> int:

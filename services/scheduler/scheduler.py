@@ -212,6 +212,7 @@ class Scheduler:
         w.steps.append(step)
         if step.decodes_only and self._multi_step(w):
             self.decode.more_steps(w, plan, step, self.config.num_scheduler_steps, ahead=False)
+        self._tier_copies(w, plan)
         return plan
 
     def _multi_step(self, w: WorkerState) -> bool:
@@ -234,7 +235,15 @@ class Scheduler:
                                        ahead=True)
             plan.cached_blocks.extend(w.kv.take_announcements())
             plan.num_threads = self._threads(w)
+            self._tier_copies(w, plan)
         return plan
+
+    def _tier_copies(self, w: WorkerState, plan: StepPlan) -> None:
+        """The tier stores and loads planning w's steps (and transfers into w) made so far:
+        they go with this plan, which runs them before anything else."""
+        stores, loads = w.kv.take_tier_copies()
+        plan.tier_stores.extend(stores)
+        plan.tier_loads.extend(loads)
 
     def _threads(self, w: WorkerState) -> int:
         """Threads for w's step, from the cores it shares with busy peers (cores.py)."""

@@ -159,6 +159,16 @@ class _StateCollector:
                                   "A worker's measured seconds per prompt token in its steps "
                                   "that prefill (0: none timed yet); long prompts are placed "
                                   "by it.", labels=labels)
+        tier_hits = CounterMetricFamily(PREFIX + "kv_tier_hits",
+                                        "Prefix hits loaded from a worker's second KV tier "
+                                        "(--kv-offloading-size), in tokens; part of "
+                                        "prefix_cache_hits.", labels=labels)
+        tier_stores = CounterMetricFamily(PREFIX + "kv_tier_stores",
+                                          "Blocks the cache evicted into the second tier.",
+                                          labels=labels)
+        tier_evictions = CounterMetricFamily(PREFIX + "kv_tier_evictions",
+                                             "Blocks the second tier evicted (least recently "
+                                             "used) to make room.", labels=labels)
         for w in list(s.workers.values()):
             key = [w.worker_id, w.role]
             usage.add_metric(key, 1.0 - w.kv.num_free_blocks / w.kv.num_blocks)
@@ -166,4 +176,8 @@ class _StateCollector:
             hits.add_metric(key, w.kv.num_hit_tokens)
             running.add_metric(key, len(w.kv.request_ids()))
             speed.add_metric(key, w.prefill_speed.seconds_per_token)
-        yield from (usage, queries, hits, running, speed)
+            if w.kv.tier is not None:
+                tier_hits.add_metric(key, w.kv.num_tier_hit_tokens)
+                tier_stores.add_metric(key, w.kv.num_tier_stores)
+                tier_evictions.add_metric(key, w.kv.tier.num_evicted)
+        yield from (usage, queries, hits, running, speed, tier_hits, tier_stores, tier_evictions)

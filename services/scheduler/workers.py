@@ -88,7 +88,8 @@ class Workers(Mapping[str, WorkerState]):
                         num_speculative_tokens=reg.num_speculative_tokens,
                         endpoints=dict(reg.kv_endpoints),
                         kv=KVCacheManager(reg.num_blocks, reg.layout.block_size,
-                                          self.config.enable_prefix_caching))
+                                          self.config.enable_prefix_caching,
+                                          num_tier_slots=reg.num_tier_blocks))
         for other in self._by_id.values():
             if other.role != w.role:
                 p, d = (w, other) if w.role == "prefill" else (other, w)
@@ -99,8 +100,8 @@ class Workers(Mapping[str, WorkerState]):
                         "host id: offer tcp (or nccl) on both")
         self._by_id[w.worker_id] = w
         cached = w.kv.seed(reg.cached_blocks)  # what it kept through a scheduler's restart
-        log.info("worker %s joined: role=%s blocks=%d (%d of them cached)", w.worker_id, w.role,
-                 reg.num_blocks, cached)
+        log.info("worker %s joined: role=%s blocks=%d (%d of them cached), tier blocks=%d",
+                 w.worker_id, w.role, reg.num_blocks, cached, reg.num_tier_blocks)
         return w
 
     def leave(self, worker_id: str) -> WorkerState | None:
@@ -116,6 +117,9 @@ class Workers(Mapping[str, WorkerState]):
         if not 1 <= reg.num_blocks <= MAX_BLOCKS:
             raise RegistrationError(f"a worker has 1 to {MAX_BLOCKS} KV blocks, not "
                                     f"{reg.num_blocks}")
+        if not 0 <= reg.num_tier_blocks <= MAX_BLOCKS:
+            raise RegistrationError(f"a worker's KV tier has 0 to {MAX_BLOCKS} blocks, not "
+                                    f"{reg.num_tier_blocks}")
         lay = reg.layout
         if min(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size) < 1 \
                 or lay.block_size > MAX_BLOCK_SIZE or lay.dtype not in DTYPE_BYTES:

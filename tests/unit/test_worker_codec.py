@@ -33,14 +33,14 @@ def test_a_full_plan_round_trips():
         recvs=[KVRecv("u", "e", (3, 4), "shm")],
         finished_request_ids=["x", "y"],
         copies=[BlockCopy(src=8, dst=12, request_id="a/1", leader_id="a")],
-        num_threads=3)
+        num_threads=3, tier_stores=[(5, 0), (6, 9)], tier_loads=[(9, 7)])
     back = plan_from_pb(worker_pb2.StepPlan.FromString(plan_to_pb(plan).SerializeToString()))
     assert back == plan
     assert plan_from_pb(plan_to_pb(StepPlan(0))) == StepPlan(0)
 
 
 def test_results_and_transfer_reports_round_trip():
-    counters = WorkerCounters(100, 20, 7, 5, 33)
+    counters = WorkerCounters(100, 20, 7, 5, 33, tier_blocks_stored=4, tier_blocks_loaded=2)
     result = StepResult(
         step_id=9,
         sampled=(SampledToken("a", 5), SampledToken("b", 6, TokenLogprobs(
@@ -58,7 +58,7 @@ def test_results_and_transfer_reports_round_trip():
 def test_registrations_round_trip_and_one_endpoint_serves_every_transport():
     reg = Registration("w", "decode", "fp", 128, LAYOUT, ("shm", "tcp"),
                        {"shm": "shm://w", "tcp": "tcp://h:2"}, host_id="h", max_model_len=4096,
-                       cpu_cores=(0, 2, 3))
+                       cpu_cores=(0, 2, 3), num_tier_blocks=640)
     pb = registration_to_pb(reg)
     assert pb.kv_endpoint == "shm://w"  # the preferred transport's, for older readers
     assert registration_from_pb(pb) == reg
