@@ -38,6 +38,8 @@ def workload(name: str, n: int, seed: int) -> list[Prompt]:
     bimodal:       80% of prompts 50-200 tokens, 20% 2000-3800 (the disaggregation lesson's)
     mixed:         90% 50-200, 10% 2000-3000
     shared-prefix: one 1024-token system prompt and a 20-80-token question each
+    multi-turn:    conversations taking turns (multi_turn): each turn's prompt is the one
+                   before, an answer and a new question, so it shares a growing prefix
     chat:          real text for a chat model (chat_conversations)
     idle:          prompts of IDLE_LENGTHS tokens in turn, for one request at a time"""
     rng = random.Random(seed)
@@ -51,6 +53,8 @@ def workload(name: str, n: int, seed: int) -> list[Prompt]:
         return [tokens(IDLE_LENGTHS[i % len(IDLE_LENGTHS)]) for i in range(n)]
     if name == "shared-prefix":
         return shared_prefix(n, 1024, (20, 80), seed)
+    if name == "multi-turn":
+        return multi_turn(n, MULTI_TURN_CONVERSATIONS, seed)
     if name == "chat":
         return chat_conversations(n, seed)
     long_frac, long = {"bimodal": (0.2, (2000, 3800)), "mixed": (0.1, (2000, 3000))}[name]
@@ -65,6 +69,31 @@ def shared_prefix(n: int, system_len: int, question: tuple[int, int],
     system = [rng.randrange(0, VOCAB) for _ in range(system_len)]
     return [system + [rng.randrange(0, VOCAB) for _ in range(rng.randint(*question))]
             for _ in range(n)]
+
+
+MULTI_TURN_CONVERSATIONS = 16
+
+
+def multi_turn(n: int, conversations: int, seed: int) -> list[list[int]]:
+    """n prompts of `conversations` conversations taking turns in order (each one's next turn
+    after every other's): a conversation opens with a document of 300-600 tokens and a question
+    of 30-80, and each later turn is its previous prompt, an answer of 64 tokens and a new
+    question. Between two turns of one conversation every other one takes a turn, so a KV cache
+    smaller than all of them together has evicted its prefix by then."""
+    rng = random.Random(seed)
+
+    def tokens(k: int) -> list[int]:
+        return [rng.randrange(0, VOCAB) for _ in range(k)]
+
+    history = [tokens(rng.randint(300, 600)) + tokens(rng.randint(30, 80))
+               for _ in range(conversations)]
+    out = []
+    for i in range(n):
+        c = i % conversations
+        if i >= conversations:
+            history[c] = history[c] + tokens(64) + tokens(rng.randint(30, 80))
+        out.append(list(history[c]))
+    return out
 
 
 SYSTEM_PROMPT = (
@@ -139,7 +168,7 @@ def _corpus_sections() -> list[str]:
     return ["\n\n".join(s) for s in sections if s]
 
 
-WORKLOADS = ("random", "bimodal", "mixed", "shared-prefix", "chat", "idle")
+WORKLOADS = ("random", "bimodal", "mixed", "shared-prefix", "multi-turn", "chat", "idle")
 IDLE_LENGTHS = (128, 1024, 3000)  # an idle server's TTFT at each of these prompt lengths
 
 

@@ -43,6 +43,9 @@ SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
     "fixed-held-chunk": ("pdserve, 32-token chunks beside the batch",  # no step-time target
                          ["--scheduler-args=--decode-step-target-ms=0"]),
     "colocated": ("pdserve colocated 0P+2D", ["--mode", "colocated", "--decode-workers", "2"]),
+    "offload": ("pdserve, 1 GiB KV tier per worker", ["--kv-offloading-size", "1"]),
+    "offload-host": ("pdserve, 1 GiB KV tier per host", ["--kv-offloading-size", "1",
+                                                        "--kv-offloading-backend", "host"]),
     "disagg-sync": ("pdserve 1P+1D, no async sched.",
                     ["--prefill-workers", "1", "--decode-workers", "1",
                      "--scheduler-args=--no-async-scheduling"]),

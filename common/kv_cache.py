@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -102,6 +104,89 @@ class PagedKVCache:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+TIER_PREFIX = f"{SEGMENT_PREFIX}tier-"
+
+
+class LocalTier:
+    """A worker's own second KV tier (--kv-offloading-backend native): blocks laid out as the
+    cache's, in host memory (pinned beside a GPU) whose pages are touched only where blocks are
+    stored."""
+
+    tier_id = ""  # its own: the scheduler keeps an index for this worker alone
+
+    def __init__(self, layout: KVLayout, num_blocks: int, pin: bool = False):
+        self.num_blocks = num_blocks
+        self.tensor = torch.empty(layout.cache_shape(num_blocks), dtype=layout.torch_dtype,
+                                  pin_memory=pin)
+
+    def close(self) -> None:
+        pass
+
+
+class SharedTier:
+    """A second KV tier in one /dev/shm segment that every worker of a host serving the same
+    model with the same KV layout maps (--kv-offloading-backend host): blocks one worker stores
+    another can load. The first worker creates it at its --kv-offloading-size, later ones map
+    it at the size it has. Every worker holds a shared lock on it while it lives, so it outlives
+    any one of them and is swept (sweep_stale_segments) once none is left; its name, random per
+    creation, is the tier's id for the scheduler, which keeps its index."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, key: str,
+                 shm_dir: Path = SHM_DIR):
+        digest = hashlib.sha256(f"{key}|{layout}".encode()).hexdigest()[:16]
+        self.layout = layout
+        self._fd: int | None = None
+        for path in sorted(shm_dir.glob(f"{TIER_PREFIX}{digest}-*")):
+            fd = _lock_shared(path)
+            if fd is not None and os.fstat(fd).st_size >= layout.block_bytes:
+                self._fd, self.path = fd, path
+                num_blocks = os.fstat(fd).st_size // layout.block_bytes
+                break
+            if fd is not None:
+                os.close(fd)
+        else:
+            self.path = shm_dir / f"{TIER_PREFIX}{digest}-{secrets.token_hex(8)}"
+            self._fd = create_segment(self.path, layout.block_bytes * num_blocks)
+        self.num_blocks = num_blocks
+        self.tensor = map_shared(self.path, layout.cache_shape(num_blocks), layout.torch_dtype,
+                                 create=False)
+
+    @property
+    def tier_id(self) -> str:
+        return self.path.name
+
+    def close(self) -> None:
+        """Lets go of the segment; the last worker to let go removes it."""
+        if self._fd is None:
+            return
+        os.close(self._fd)
+        self._fd = None
+        fd = os.open(self.path, os.O_RDWR) if self.path.exists() else None
+        if fd is None:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.path.unlink(missing_ok=True)
+        except BlockingIOError:
+            pass  # others still map it
+        finally:
+            os.close(fd)
+
+
+def _lock_shared(path: Path) -> int | None:
+    """An fd holding a shared lock on the segment at path, or None if it is gone (swept between
+    the listing and the lock)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    if not path.exists() or os.fstat(fd).st_nlink == 0:
+        os.close(fd)
+        return None
+    return fd
 
 
 def on_device(device: torch.device):

@@ -29,6 +29,7 @@ class Registration:
     cached_blocks: tuple[tuple[int, bytes], ...] = ()  # (block id, hash) its cache holds
     num_speculative_tokens: int = 0  # drafts it verifies per decode step (0: no speculation)
     num_tier_blocks: int = 0  # blocks of its second KV tier (--kv-offloading-size); 0: none
+    tier_id: str = ""  # a tier shared by the workers of its host: its name; "": its own
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ def registration_to_pb(r: Registration) -> worker_pb2.Register:
         transports=r.transports, host_id=r.host_id, max_model_len=r.max_model_len,
         kv_endpoints=r.kv_endpoints, cpu_cores=r.cpu_cores,
         num_speculative_tokens=r.num_speculative_tokens, num_tier_blocks=r.num_tier_blocks,
+        tier_id=r.tier_id,
         cached_blocks=[worker_pb2.CachedBlock(block_id=b, hash=h) for b, h in r.cached_blocks])
 
 
@@ -60,6 +61,7 @@ def registration_from_pb(pb: worker_pb2.Register) -> Registration:
         transports=tuple(pb.transports), kv_endpoints=endpoints, host_id=pb.host_id,
         max_model_len=pb.max_model_len, cpu_cores=tuple(pb.cpu_cores),
         num_speculative_tokens=pb.num_speculative_tokens, num_tier_blocks=pb.num_tier_blocks,
+        tier_id=pb.tier_id,
         cached_blocks=tuple((c.block_id, c.hash) for c in pb.cached_blocks))
 
 

@@ -22,7 +22,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("worker_id", "role", "model_fingerprint", "num_blocks", "layout", "kv_endpoint", "transports", "host_id", "max_model_len", "kv_endpoints", "cpu_cores", "cached_blocks", "num_speculative_tokens", "num_tier_blocks")
+    __slots__ = ("worker_id", "role", "model_fingerprint", "num_blocks", "layout", "kv_endpoint", "transports", "host_id", "max_model_len", "kv_endpoints", "cpu_cores", "cached_blocks", "num_speculative_tokens", "num_tier_blocks", "tier_id")
     class KvEndpointsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class Register(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model_fingerprint: str
@@ -58,7 +59,8 @@ class Register(_message.Message):
     cached_blocks: _containers.RepeatedCompositeFieldContainer[CachedBlock]
     num_speculative_tokens: int
     num_tier_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_endpoints: _Optional[_Mapping[str, str]] = ..., cpu_cores: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., num_speculative_tokens: _Optional[int] = ..., num_tier_blocks: _Optional[int] = ...) -> None: ...
+    tier_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_endpoints: _Optional[_Mapping[str, str]] = ..., cpu_cores: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., num_speculative_tokens: _Optional[int] = ..., num_tier_blocks: _Optional[int] = ..., tier_id: _Optional[str] = ...) -> None: ...
 
 class CachedBlock(_message.Message):
     __slots__ = ("block_id", "hash")

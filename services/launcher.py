@@ -70,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a second KV tier of this many GiB of host memory per worker: blocks "
                         "its cache evicts are kept there and prefix hits in it copied back "
                         "instead of recomputed; 0: none")
+    p.add_argument("--kv-offloading-backend", choices=["native", "host"], default="native",
+                   help="native: each worker's own tier; host: one tier the workers share")
     p.add_argument("--max-num-seqs", type=int, default=256, help="see `pdserve scheduler`")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps a plan that only decodes runs on its worker (see `pdserve "
@@ -200,7 +202,8 @@ def commands(args) -> list[list[str]]:
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.kv_offloading_size:
-        worker += ["--kv-offloading-size", str(args.kv_offloading_size)]
+        worker += ["--kv-offloading-size", str(args.kv_offloading_size),
+                   "--kv-offloading-backend", args.kv_offloading_backend]
     if args.max_model_len:
         worker += ["--max-model-len", str(args.max_model_len)]
     worker += ["--seed", str(args.seed)]

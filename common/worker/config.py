@@ -27,6 +27,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     kv_offloading_size_gib: float = 0.0  # a second KV tier in host memory; 0: none
     kv_offloading_blocks: int = 0    # its size in blocks instead (tests); 0: from the GiB
+    kv_offloading_backend: str = "native"  # native: the worker's own; host: its host's, shared
     max_num_batched_tokens: int = 2048  # the largest step, profiled to size a GPU's KV cache
     max_model_len: int = 0           # 0: the model's max_position_embeddings
     cpu_threads: int = 0             # 0: torch's default (or one per core of cpu_cores)
@@ -68,6 +69,8 @@ class WorkerConfig:
             raise ValueError("--num-kv-blocks and --kv-cache-memory-mib must be >= 0")
         if self.kv_offloading_size_gib < 0 or self.kv_offloading_blocks < 0:
             raise ValueError("--kv-offloading-size and --kv-offloading-blocks must be >= 0")
+        if self.kv_offloading_backend not in ("native", "host"):
+            raise ValueError("--kv-offloading-backend is native or host")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_cudagraph_capture_size < 1:
@@ -159,8 +162,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a second KV tier of this many GiB in host memory behind the cache: "
                         "cached blocks the cache evicts are kept there and prefix hits in it "
                         "are copied back instead of recomputed; 0: none")
-    p.add_argument("--kv-offloading-backend", choices=["native"], default="native",
-                   help="where the second tier lives: native, the worker's own host memory")
+    p.add_argument("--kv-offloading-backend", choices=["native", "host"],
+                   default=d.kv_offloading_backend,
+                   help="where the second tier lives: native, the worker's own host memory; "
+                        "host, one /dev/shm segment every CPU worker of the host serving the "
+                        "same model maps (a prefix one computed, another loads; the first "
+                        "worker sizes it)")
     p.add_argument("--kv-offloading-blocks", type=int, default=d.kv_offloading_blocks,
                    help="the second tier's size in blocks instead of --kv-offloading-size")
     p.add_argument("--gpu-memory-utilization", type=float,
@@ -255,6 +262,7 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_offloading_size_gib=args.kv_offloading_size,
                         kv_offloading_blocks=args.kv_offloading_blocks,
+                        kv_offloading_backend=args.kv_offloading_backend,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, cpu_threads=args.cpu_threads,
                         cpu_cores=args.cpu_cores, cpu_nice=args.cpu_nice,

@@ -29,7 +29,14 @@ import torch
 from common import tracing
 from common.grpc_options import channel_options
 from common.health import Health
-from common.kv_cache import SEGMENT_PREFIX, PagedKVCache, on_device, sweep_stale_segments
+from common.kv_cache import (
+    SEGMENT_PREFIX,
+    LocalTier,
+    PagedKVCache,
+    SharedTier,
+    on_device,
+    sweep_stale_segments,
+)
 from common.kv_layout import KVLayout
 from common.kv_transfer.base import KVReceiver, TransferConfig
 from common.kv_transfer.registry import create_listener, create_sender
@@ -88,14 +95,8 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     # on a GPU the cache is device memory: peers reach it over tcp or nccl, not shm
     shm_name = f"{SEGMENT_PREFIX}{cfg.worker_id}" if device.type == "cpu" else None
     cache = PagedKVCache(layout, num_blocks, shm_name=shm_name, device=device)
-    tier_blocks = cfg.kv_offloading_blocks or int(cfg.kv_offloading_size_gib * GIB) // \
-        layout.block_bytes
-    # host memory (pinned beside a GPU), its pages touched only where blocks are stored
-    tier = torch.empty(layout.cache_shape(tier_blocks), dtype=layout.torch_dtype,
-                       pin_memory=device.type == "cuda") if tier_blocks else None
-    if tier is not None:
-        log.info("second KV tier: %d blocks, %.2f GiB of host memory", tier_blocks,
-                 tier_blocks * layout.block_bytes / GIB)
+    host_id = cfg.host_id or default_host_id()
+    tier = second_tier(cfg, layout, host_id, mc.fingerprint, device)
     tcfg = TransferConfig(timeout_s=cfg.kv_transfer_timeout_s, secret=cfg.kv_secret.encode(),
                           tcp_host=cfg.kv_host, tcp_port=cfg.kv_port,
                           advertise_host=cfg.kv_advertise_host,
@@ -131,11 +132,32 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     reg = Registration(
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
         num_blocks=num_blocks, layout=layout, transports=cfg.kv_transports, kv_endpoints={},
-        host_id=cfg.host_id or default_host_id(), max_model_len=max_len,
+        host_id=host_id, max_model_len=max_len,
         cpu_cores=tuple(sorted(os.sched_getaffinity(0))) if device.type == "cpu" else (),
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
-        num_tier_blocks=tier_blocks)
+        num_tier_blocks=tier.num_blocks if tier else 0, tier_id=tier.tier_id if tier else "")
     return worker, reg
+
+
+def second_tier(cfg: WorkerConfig, layout: KVLayout, host_id: str, fingerprint: str,
+                device: torch.device) -> LocalTier | SharedTier | None:
+    """The worker's second KV tier, if --kv-offloading-size (or -blocks) asks for one: its own
+    (native) or its host's (host)."""
+    blocks = cfg.kv_offloading_blocks or int(cfg.kv_offloading_size_gib * GIB) // \
+        layout.block_bytes
+    if not blocks:
+        return None
+    if cfg.kv_offloading_backend == "host":
+        if device.type != "cpu":
+            raise ValueError("--kv-offloading-backend host shares a tier in /dev/shm between "
+                             "CPU workers; beside a GPU use native")
+        tier: LocalTier | SharedTier = SharedTier(layout, blocks, f"{host_id}|{fingerprint}")
+    else:
+        tier = LocalTier(layout, blocks, pin=device.type == "cuda")
+    log.info("second KV tier (%s): %d blocks, %.2f GiB of host memory%s",
+             cfg.kv_offloading_backend, tier.num_blocks, tier.num_blocks * layout.block_bytes / GIB,
+             f", shared as {tier.tier_id}" if tier.tier_id else "")
+    return tier
 
 
 def build_draft(spec: SpeculativeConfig, target, backend, dtype: torch.dtype,
@@ -335,6 +357,8 @@ async def serve(cfg: WorkerConfig) -> int:
         if health is not None:
             await health.stop()
         worker.cache.close()
+        if worker.tier is not None:
+            worker.tier.close()
         for sender in worker.senders.values():
             sender.close()
         for listener in worker.listeners.values():

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.kv_cache import PagedKVCache, copy_blocks, on_device
+from common.kv_cache import LocalTier, PagedKVCache, SharedTier, copy_blocks, on_device
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, KVTransferError
 from common.plans import (
     BlockCopy,
@@ -54,7 +54,7 @@ class Worker:
 
     def __init__(self, runner: ModelRunner, cache: PagedKVCache, senders: dict[str, KVSender],
                  receiver: KVReceiver, listeners: dict[str, KVListener],
-                 tier: torch.Tensor | None = None):
+                 tier: LocalTier | SharedTier | None = None):
         self.runner = runner
         self.cache = cache
         self.tier = tier  # the second KV tier: blocks laid out as the cache's, in host memory
@@ -194,12 +194,12 @@ class Worker:
             raise ValueError(f"step {plan.step_id} copies KV to a second tier this worker lacks")
         if plan.tier_stores:
             blocks, slots = zip(*plan.tier_stores)
-            copy_blocks(self.tier, slots, self.cache.tensor, blocks)
+            copy_blocks(self.tier.tensor, slots, self.cache.tensor, blocks)
             self._counts.tier_stored += len(blocks)
         if plan.tier_loads:
             slots, blocks = zip(*plan.tier_loads)
             self._overwritten(blocks)
-            copy_blocks(self.cache.tensor, blocks, self.tier, slots)
+            copy_blocks(self.cache.tensor, blocks, self.tier.tensor, slots)
             self._counts.tier_loaded += len(blocks)
 
     def _count_speculation(self, stats) -> None:

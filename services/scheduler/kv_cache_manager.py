@@ -11,10 +11,10 @@ Blocks that something may still read or write (a planned step, an ordered KV sen
 after that event rather than now: `free(request_id, after=event)` / `release(blocks, after=...)`
 keep them referenced until `done(event)`.
 
-With a second tier (tier.py), a cached block the pool evicts is stored there first, and a
-request's prefix continues from the cache into the tier: those blocks are new blocks of the
-request that the worker loads from the tier before its step computes. The stores and loads go
-out with the worker's next plan (`take_tier_copies`), stores first.
+With a second tier (tier.py, the worker's own or its host's), a cached block the pool evicts is
+stored there first, and a request's prefix continues from the cache into the tier: those blocks
+are new blocks of the request that the worker loads from the tier before its step computes. The
+stores and loads go out with the worker's next plan (`take_tier_copies`), stores first.
 """
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ class NoFreeBlocks(Exception):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_tier_slots: int = 0):
+                 tier: TierPool | None = None, owner: str = ""):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.tier = TierPool(num_tier_slots) if num_tier_slots and enable_caching else None
+        self.tier = tier if enable_caching else None
+        self.owner = owner  # the worker, as the tier knows it
         self._tier_stores: list[tuple[int, int]] = []  # (block, slot) for the next plan
         self._tier_loads: list[tuple[int, int]] = []   # (slot, block), after the stores
         if self.tier is not None:
@@ -80,7 +81,8 @@ class KVCacheManager:
         cache holds), the last token's block never counting (as find_prefix)."""
         if self.tier is None:
             return 0
-        return len(self.tier.find(block_hashes[num_cached:(num_tokens - 1) // self.block_size]))
+        return len(self.tier.find(block_hashes[num_cached:(num_tokens - 1) // self.block_size],
+                                  self.owner))
 
     def can_fit(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
         held = self._blocks.get(request_id)
@@ -111,7 +113,7 @@ class KVCacheManager:
             self._num_registered[request_id] = len(prefix)
             if tier_hashes:
                 assert self.tier is not None, "tier hits without a tier"
-                loads = self.tier.load(list(tier_hashes))
+                loads = self.tier.load(tier_hashes, self.owner)
                 assert len(loads) == len(tier_hashes), "the tier lost a hit before its load"
         new = self._allocate(max(0, self.blocks_for(num_tokens) - len(held)))
         held.extend(new)
@@ -126,19 +128,29 @@ class KVCacheManager:
     def _store(self, block_id: int, block_hash: bytes) -> None:
         """BlockPool.on_evict with a tier: the block goes to a slot before it is reused."""
         assert self.tier is not None
-        slot = self.tier.store(block_hash)
+        slot = self.tier.store(block_hash, self.owner)
         if slot is not None:
             self._tier_stores.append((block_id, slot))
             self.num_tier_stores += 1
 
-    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def take_tier_copies(self, event: Hashable) -> tuple[list[tuple[int, int]],
+                                                         list[tuple[int, int]]]:
         """(block, slot) stores and then (slot, block) loads since the last call: for the
-        worker's next plan, which runs them in that order before anything else."""
+        worker's next plan, which runs them in that order before anything else, as the step
+        `event` (its done() ends them in the tier)."""
         stores, loads = self._tier_stores, self._tier_loads
         self._tier_stores, self._tier_loads = [], []
         if self.tier is not None:
-            self.tier.unpin_all()
+            self.tier.seal(event, self.owner, [s for _, s in stores], [s for s, _ in loads])
         return stores, loads
+
+    def close(self) -> None:
+        """The worker is gone: what it was to store in the tier, or was storing, is dropped
+        there (nobody may read a block it may have half written), its loads unpinned."""
+        if self.tier is not None:
+            self.tier.abandon([s for _, s in self._tier_stores], [s for s, _ in self._tier_loads])
+            self.tier.worker_gone(self.owner)
+        self._tier_stores, self._tier_loads = [], []
 
     def fork(self, child_id: str, parent_id: str, num_tokens: int) -> tuple[int, int] | None:
         """Gives child_id the parent's first num_tokens tokens: their full blocks shared (one
@@ -225,9 +237,12 @@ class KVCacheManager:
             self._deferred[after].append(list(block_ids))
 
     def done(self, event: Hashable) -> None:
-        """Releases every block deferred until `event`."""
+        """Releases every block deferred until `event` (and the tier's stores and loads of the
+        step it is)."""
         for blocks in self._deferred.pop(event, []):
             self.pool.free(blocks)
+        if self.tier is not None:
+            self.tier.done(event)
 
     def num_deferred(self, event: Hashable) -> int:
         return sum(map(len, self._deferred.get(event, [])))

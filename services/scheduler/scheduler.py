@@ -116,6 +116,7 @@ class Scheduler:
         w = self.workers.leave(worker_id)
         if w is None:
             return
+        w.kv.close()
         self.transfers.sender_lost(w)
         lost = [r for r in self.requests.values()
                 if worker_id in (r.prefill_worker, r.decode_worker)]
@@ -241,7 +242,7 @@ class Scheduler:
     def _tier_copies(self, w: WorkerState, plan: StepPlan) -> None:
         """The tier stores and loads planning w's steps (and transfers into w) made so far:
         they go with this plan, which runs them before anything else."""
-        stores, loads = w.kv.take_tier_copies()
+        stores, loads = w.kv.take_tier_copies(step_event(plan.step_id))
         plan.tier_stores.extend(stores)
         plan.tier_loads.extend(loads)
 

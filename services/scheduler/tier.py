@@ -1,17 +1,27 @@
-"""A worker's second KV tier (--kv-offloading-size): slots in a larger, slower memory behind its
-cache, indexed by block hash. Knows nothing of requests or blocks of the cache.
+"""A second KV tier (--kv-offloading-size): slots in a larger, slower memory behind the caches,
+indexed by block hash; one worker's own, or one shared by every worker of a host. Knows
+nothing of requests or of blocks of the caches.
 
-A cached block about to be reused by the cache is stored in a slot first (the plan that reuses
-it copies it out before anything writes it); a prefix hit in the tier is loaded back into fresh
-blocks of the cache instead of being recomputed. The tier evicts least recently used: a store
-or a hit makes a hash the most recent.
+A cached block a worker's cache is about to reuse is stored in a slot first (the plan that
+reuses it copies it out before anything writes the block); a prefix hit in the tier is loaded
+back into fresh blocks instead of being recomputed. The tier evicts least recently used: a
+store or a hit makes a hash the most recent.
 
-Slots that a plan under construction loads from are pinned until the plan is taken: the worker
-runs a plan's stores before its loads, so a store of that plan must not reuse such a slot.
+Workers run their plans concurrently, each its own in order, so a slot changes hands only when
+nobody can be touching it:
+
+- a stored slot is *pending* until the step whose plan writes it has answered (`done(event)`):
+  only its writer finds it meanwhile (its later plans run after the store); if the writer dies
+  first, the slot is dropped (`worker_gone`), so nobody ever reads a half-written block;
+- a slot a plan loads from is *pinned* until that step has answered: no store reuses it.
+
+A worker's stores and loads are tied to the step that runs them when its plan is made
+(`seal(event, ...)`).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Sequence
 
 
 class TierPool:
@@ -19,8 +29,11 @@ class TierPool:
         assert num_slots > 0, "a tier needs at least one slot"
         self.num_slots = num_slots
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
+        self._hash_of: dict[int, bytes] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
-        self._pinned: set[int] = set()
+        self._writer: dict[int, str] = {}  # pending slot -> the worker storing it
+        self._pins: Counter[int] = Counter()  # slot -> loads planned and not yet answered
+        self._events: dict[Hashable, tuple[str, list[int], list[int]]] = {}
         self.num_evicted = 0
 
     def __len__(self) -> int:
@@ -30,45 +43,87 @@ class TierPool:
         return block_hash in self._slot_of
 
     def lru_order(self) -> list[bytes]:
-        """Hashes held, least recently used first (tests and invariant checks)."""
+        """Hashes held (pending ones too), least recently used first (tests, invariants)."""
         return list(self._slot_of)
 
-    def store(self, block_hash: bytes) -> int | None:
-        """The slot a block of this hash is to be copied into, or None: the tier holds it
-        already (it becomes the most recent), or every slot is pinned."""
+    def is_pending(self, slot: int) -> bool:
+        return slot in self._writer
+
+    def store(self, block_hash: bytes, worker: str) -> int | None:
+        """The slot `worker` is to copy a block of this hash into, pending until the step doing
+        it answers; or None: the tier holds the hash already (it becomes the most recent), or
+        every slot is pending or pinned."""
         if block_hash in self._slot_of:
             self._slot_of.move_to_end(block_hash)
             return None
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((h for h, s in self._slot_of.items() if s not in self._pinned), None)
+            victim = next((h for h, s in self._slot_of.items()
+                           if s not in self._writer and not self._pins[s]), None)
             if victim is None:
                 return None
             slot = self._slot_of.pop(victim)
             self.num_evicted += 1
         self._slot_of[block_hash] = slot
+        self._hash_of[slot] = block_hash
+        self._writer[slot] = worker
         return slot
 
-    def find(self, block_hashes: list[bytes]) -> list[int]:
-        """Slots holding the longest run of the hashes from the first on."""
+    def find(self, block_hashes: Sequence[bytes], worker: str) -> list[int]:
+        """Slots holding the longest run of the hashes from the first on that `worker` may
+        read: written, or pending by itself."""
         slots = []
         for h in block_hashes:
             slot = self._slot_of.get(h)
-            if slot is None:
+            if slot is None or self._writer.get(slot, worker) != worker:
                 break
             slots.append(slot)
         return slots
 
-    def load(self, block_hashes: list[bytes]) -> list[int]:
-        """find(), for a plan that copies the slots into the cache: they become the most recent
-        and stay pinned until unpin_all()."""
-        slots = self.find(block_hashes)
+    def load(self, block_hashes: Sequence[bytes], worker: str) -> list[int]:
+        """find(), for a plan of `worker` that copies the slots into its cache: they become the
+        most recent and stay pinned until its step answers."""
+        slots = self.find(block_hashes, worker)
         for h, s in zip(block_hashes, slots):
             self._slot_of.move_to_end(h)
-            self._pinned.add(s)
+            self._pins[s] += 1
         return slots
 
-    def unpin_all(self) -> None:
-        """The plan that loads from the pinned slots was taken: later plans run after it."""
-        self._pinned.clear()
+    def seal(self, event: Hashable, worker: str, stored: Sequence[int],
+             loaded: Sequence[int]) -> None:
+        """The step `event` of `worker` runs these stores and loads: done(event) ends them."""
+        if stored or loaded:
+            self._events[event] = (worker, list(stored), list(loaded))
+
+    def done(self, event: Hashable) -> None:
+        """The step has answered: its stores are written, its loads read."""
+        entry = self._events.pop(event, None)
+        if entry is None:
+            return
+        _, stored, loaded = entry
+        for s in stored:
+            self._writer.pop(s, None)
+        self._unpin(loaded)
+
+    def abandon(self, stored: Sequence[int], loaded: Sequence[int]) -> None:
+        """Stores and loads that will never run (their worker is gone): the stored slots are
+        dropped, the loaded ones unpinned."""
+        for s in stored:
+            if self._writer.pop(s, None) is not None:
+                del self._slot_of[self._hash_of.pop(s)]
+                self._free.append(s)
+        self._unpin(loaded)
+
+    def worker_gone(self, worker: str) -> None:
+        """Every sealed step of `worker` that has not answered will not: abandoned."""
+        for event, (w, stored, loaded) in list(self._events.items()):
+            if w == worker:
+                del self._events[event]
+                self.abandon(stored, loaded)
+
+    def _unpin(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self._pins[s] -= 1
+            if not self._pins[s]:
+                del self._pins[s]

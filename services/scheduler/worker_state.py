@@ -127,7 +127,8 @@ class Transfer:
     src: WorkerState
     dst: WorkerState
     transport: str
-    skip: int = 0            # leading blocks the receiver has cached: they do not travel
+    skip: int = 0            # leading blocks the receiver has (cached, or loads from its
+                             # second tier): they do not travel
     computed: bool = False   # the sender's step computing the last chunk is planned
     receiver_ready: bool = False  # the receiver ran the step that registered the expectation
     ordered: bool = False    # the send is in a plan

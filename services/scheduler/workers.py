@@ -9,6 +9,7 @@ from common.kv_layout import DTYPE_BYTES
 from common.plans import Registration
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.tier import TierPool
 from services.scheduler.worker_state import KNOWN_TRANSPORTS, WorkerState, transport_between
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class Workers(Mapping[str, WorkerState]):
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self._by_id: dict[str, WorkerState] = {}
+        # second KV tiers shared by workers of a host: tier id -> (its index, their ids)
+        self._shared_tiers: dict[str, tuple[TierPool, set[str]]] = {}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_id)
@@ -89,7 +92,7 @@ class Workers(Mapping[str, WorkerState]):
                         endpoints=dict(reg.kv_endpoints),
                         kv=KVCacheManager(reg.num_blocks, reg.layout.block_size,
                                           self.config.enable_prefix_caching,
-                                          num_tier_slots=reg.num_tier_blocks))
+                                          tier=self._tier(reg), owner=reg.worker_id))
         for other in self._by_id.values():
             if other.role != w.role:
                 p, d = (w, other) if w.role == "prefill" else (other, w)
@@ -99,13 +102,32 @@ class Workers(Mapping[str, WorkerState]):
                         f"decode worker {d.worker_id} ({_offer(d)}); shm works only within one "
                         "host id: offer tcp (or nccl) on both")
         self._by_id[w.worker_id] = w
+        if reg.tier_id and reg.num_tier_blocks:
+            self._shared_tiers[reg.tier_id][1].add(w.worker_id)
         cached = w.kv.seed(reg.cached_blocks)  # what it kept through a scheduler's restart
         log.info("worker %s joined: role=%s blocks=%d (%d of them cached), tier blocks=%d",
                  w.worker_id, w.role, reg.num_blocks, cached, reg.num_tier_blocks)
         return w
 
     def leave(self, worker_id: str) -> WorkerState | None:
-        return self._by_id.pop(worker_id, None)
+        w = self._by_id.pop(worker_id, None)
+        for tier_id, (_, holders) in list(self._shared_tiers.items()):
+            holders.discard(worker_id)
+            if not holders:  # its memory goes with the last worker that mapped it
+                del self._shared_tiers[tier_id]
+        return w
+
+    def _tier(self, reg: Registration) -> TierPool | None:
+        """The worker's second tier: none, its own, or the one it shares with its host's
+        workers (one index for all of them)."""
+        if not reg.num_tier_blocks:
+            return None
+        if not reg.tier_id:
+            return TierPool(reg.num_tier_blocks)
+        shared = self._shared_tiers.get(reg.tier_id)
+        if shared is None or not shared[1]:  # new, or left by a worker that failed to join
+            shared = self._shared_tiers[reg.tier_id] = (TierPool(reg.num_tier_blocks), set())
+        return shared[0]
 
     def _check(self, reg: Registration) -> None:
         if reg.role not in ("prefill", "decode"):
@@ -120,6 +142,12 @@ class Workers(Mapping[str, WorkerState]):
         if not 0 <= reg.num_tier_blocks <= MAX_BLOCKS:
             raise RegistrationError(f"a worker's KV tier has 0 to {MAX_BLOCKS} blocks, not "
                                     f"{reg.num_tier_blocks}")
+        shared = self._shared_tiers.get(reg.tier_id) if reg.tier_id else None
+        if shared is not None and shared[1] and shared[0].num_slots != reg.num_tier_blocks:
+            raise RegistrationError(f"KV tier {reg.tier_id} has {shared[0].num_slots} blocks, "
+                                    f"not {reg.num_tier_blocks}")
+        if len(reg.tier_id) > MAX_ID_CHARS or not reg.tier_id.isprintable():
+            raise RegistrationError(f"a tier id is at most {MAX_ID_CHARS} printable characters")
         lay = reg.layout
         if min(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size) < 1 \
                 or lay.block_size > MAX_BLOCK_SIZE or lay.dtype not in DTYPE_BYTES:

@@ -15,6 +15,17 @@ def hashes(tokens):
     return out
 
 
+_steps = iter(range(1, 1 << 30))
+
+
+def _ran(kv: KVCacheManager):
+    """The tier copies of the worker's next plan, whose step then answers."""
+    event = ("step", next(_steps))
+    copies = kv.take_tier_copies(event)
+    kv.done(event)
+    return copies
+
+
 def admit(kv: KVCacheManager, rid: str, tokens: list[int]) -> tuple[int, int]:
     """As Prefill admits a prompt: (blocks hit in the cache, blocks loaded from the tier)."""
     h = hashes(tokens)
@@ -25,51 +36,97 @@ def admit(kv: KVCacheManager, rid: str, tokens: list[int]) -> tuple[int, int]:
     return len(prefix), len(in_tier)
 
 
+def _stored(tier: TierPool, hashes, worker="w", event=("step", 0)) -> list[int | None]:
+    """Stores as one step of `worker` that has answered."""
+    slots = [tier.store(h, worker) for h in hashes]
+    tier.seal(event, worker, [s for s in slots if s is not None], [])
+    tier.done(event)
+    return slots
+
+
 def test_tier_slots_in_order_then_least_recently_used():
     tier = TierPool(3)
     a, b, c, d = (bytes([i]) * 16 for i in range(4))
-    assert [tier.store(x) for x in (a, b, c)] == [0, 1, 2]
-    assert tier.store(a) is None  # held already: now the most recent
+    assert _stored(tier, [a, b, c]) == [0, 1, 2]
+    assert _stored(tier, [a]) == [None]  # held already: now the most recent
     assert tier.lru_order() == [b, c, a]
-    assert tier.store(d) == 1 and b not in tier  # b was least recent
-    assert tier.find([c, a, d]) == [2, 0, 1] and tier.find([b, a]) == []
-    assert tier.load([c]) == [2]  # pinned until unpinned, and the most recent
+    assert _stored(tier, [d]) == [1] and b not in tier  # b was least recent
+    assert tier.find([c, a, d], "w") == [2, 0, 1] and tier.find([b, a], "w") == []
+    assert tier.load([c], "w") == [2]  # pinned until its step answers, and the most recent
+    tier.seal(("step", 1), "w", [], [2])
     assert tier.lru_order() == [a, d, c]
-    assert tier.store(b) == 0  # a's slot: c's is pinned though c is not least recent
-    assert tier.load([d, c]) == [1, 2] and tier.lru_order() == [b, d, c]
-    assert tier.store(a) == 0 and tier.lru_order() == [d, c, a]  # b's: the one not pinned
-    tier.unpin_all()
-    assert tier.num_evicted == 3
+    assert _stored(tier, [b], event=("step", 2)) == [0]  # a's: c's slot is pinned
+    assert tier.load([d, c], "w") == [1, 2] and tier.lru_order() == [b, d, c]
+    tier.seal(("step", 3), "w", [], [1, 2])
+    assert _stored(tier, [a], event=("step", 4)) == [0]  # b's: the one not pinned
+    assert tier.lru_order() == [d, c, a]
+    tier.done(("step", 1))
+    assert _stored(tier, [b], event=("step", 5)) == [0]  # c is still pinned by step 3
+    tier.done(("step", 3))
+    assert tier.num_evicted == 4
 
 
-def test_every_slot_pinned_stores_nothing():
+def test_every_slot_pinned_or_pending_stores_nothing():
     tier = TierPool(2)
     a, b, c = (bytes([i]) * 16 for i in range(3))
-    tier.store(a), tier.store(b)
-    tier.load([a, b])
-    assert tier.store(c) is None and c not in tier
-    tier.unpin_all()
-    assert tier.store(c) == 0  # a's slot, the least recent
+    _stored(tier, [a, b])
+    tier.load([a], "w")
+    tier.seal(("step", 1), "w", [], [0])
+    assert tier.store(c, "w") == 1  # b's, pending until step 2 answers
+    tier.seal(("step", 2), "w", [1], [])
+    assert tier.store(bytes([9]) * 16, "w") is None  # a pinned, c pending
+    tier.done(("step", 1))
+    tier.done(("step", 2))
+    assert tier.store(bytes([9]) * 16, "w") == 0  # a's slot, the least recent
+
+
+def test_a_shared_tier_shows_a_store_to_others_only_once_written():
+    """Workers of a host share one tier: worker x's store is pending until the step that
+    writes it answers; x itself may load it at once (its plans run in order), y may not."""
+    tier = TierPool(4)
+    h = bytes([7]) * 16
+    slot = tier.store(h, "x")
+    assert slot == 0 and tier.find([h], "x") == [0] and tier.find([h], "y") == []
+    assert tier.store(h, "y") is None  # held already: y need not store it too
+    tier.seal(("step", 1), "x", [slot], [])
+    assert tier.find([h], "y") == []
+    tier.done(("step", 1))
+    assert tier.load([h], "y") == [0]
+
+
+def test_a_worker_gone_mid_store_leaves_nothing_readable_and_its_pins_go():
+    tier = TierPool(2)
+    a, b = bytes([1]) * 16, bytes([2]) * 16
+    _stored(tier, [a], worker="y")
+    assert tier.store(b, "x") == 1
+    tier.seal(("step", 1), "x", [1], [])
+    assert tier.load([a], "x") == [0]
+    tier.seal(("step", 2), "x", [], [0])
+    tier.worker_gone("x")  # it died before either step answered
+    assert b not in tier and tier.find([a], "y") == [0]
+    assert tier.store(b, "y") == 1  # its slot is free again, and a is not pinned:
+    tier.seal(("step", 3), "y", [1], [])
+    assert tier.store(bytes([3]) * 16, "y") == 0  # a, least recent, can go
 
 
 def test_evicted_blocks_are_stored_and_a_hit_comes_back_into_fresh_blocks():
-    kv = KVCacheManager(num_blocks=4, block_size=BS, num_tier_slots=8)
+    kv = KVCacheManager(num_blocks=4, block_size=BS, tier=TierPool(8), owner="w")
     first = list(range(13))                  # blocks 0 1 2 3; 0 1 2 full and cached
     assert admit(kv, "a", first) == (0, 0)
     assert kv.get_block_ids("a") == [0, 1, 2, 3]
     kv.free("a")                             # free queue 3 2 1 0 (the tail first)
-    assert kv.take_tier_copies() == ([], [])
+    assert _ran(kv) == ([], [])
     other = [100 + t for t in range(9)]      # three blocks: reuses 3, 2, 1
     assert admit(kv, "b", other) == (0, 0)
     assert kv.get_block_ids("b") == [3, 2, 1]
     # 3 held no full block; 2 and 1 held first's blocks 2 and 1 (evicted in that order)
-    stores, loads = kv.take_tier_copies()
+    stores, loads = _ran(kv)
     assert stores == [(2, 0), (1, 1)] and loads == []
     kv.free("b")                             # free queue 0 1 2 3; b's 3 and 2 cached
     # first again: block 0 still caches its first block; its blocks 1 and 2 are in the tier
     assert admit(kv, "c", first) == (1, 2)
     assert kv.get_block_ids("c") == [0, 1, 2, 3]
-    stores, loads = kv.take_tier_copies()
+    stores, loads = _ran(kv)
     # b's full blocks (2, then 3) were evicted for c's: stored first, then first's come back
     assert stores == [(2, 2), (3, 3)]
     assert loads == [(1, 1), (0, 2)]
@@ -78,22 +135,22 @@ def test_evicted_blocks_are_stored_and_a_hit_comes_back_into_fresh_blocks():
     kv.free("c")
     assert admit(kv, "d", first[:12] + [7]) == (3, 0)
     assert kv.get_block_ids("d") == [0, 1, 2, 3]
-    assert kv.take_tier_copies() == ([], [])
+    assert _ran(kv) == ([], [])
 
 
 def test_a_slot_loaded_by_the_plan_is_not_reused_by_its_stores():
-    kv = KVCacheManager(num_blocks=3, block_size=BS, num_tier_slots=2)
+    kv = KVCacheManager(num_blocks=3, block_size=BS, tier=TierPool(2), owner="w")
     x = list(range(9))
     y = [50 + t for t in range(9)]
     admit(kv, "x", x)                         # blocks 0 1 2, 0 1 cached
     kv.free("x")                              # free: 2 1 0
     admit(kv, "y", y)                         # 2 1 0 again: x's 1, 0 go to slots 0, 1
-    assert kv.take_tier_copies() == ([(1, 0), (0, 1)], [])
+    assert _ran(kv) == ([(1, 0), (0, 1)], [])
     kv.free("y")                              # free: 0 1 2, y's 1 and 2 cached
     # x: both its blocks in the tier (slots 1, 0). The blocks it gets evict y's; their stores
     # must not take slots 1 or 0 while this plan loads from them: the tier stores nothing
     assert admit(kv, "x2", x) == (0, 2)
-    stores, loads = kv.take_tier_copies()
+    stores, loads = _ran(kv)
     assert loads == [(1, 0), (0, 1)] and stores == []
     assert hashes(y)[0] not in kv.tier and kv.tier.lru_order() == hashes(x)[:2]
 
@@ -104,7 +161,7 @@ def test_the_tier_never_hands_out_a_slot_twice_and_loads_read_what_was_stored(op
     """Random admissions and frees over a few prompt families: each slot holds one hash, every
     load reads a slot whose last store (or an earlier plan's) was that very hash, and blocks are
     conserved."""
-    kv = KVCacheManager(num_blocks=6, block_size=BS, num_tier_slots=4)
+    kv = KVCacheManager(num_blocks=6, block_size=BS, tier=TierPool(4), owner="w")
     slot_holds: dict[int, bytes] = {}   # what the worker's tier would hold, slot by slot
     block_holds: dict[int, bytes] = {}  # hash of the tokens each cached block holds
     live: list[str] = []
@@ -121,7 +178,7 @@ def test_the_tier_never_hands_out_a_slot_twice_and_loads_read_what_was_stored(op
         if kv.allocate_slots(f"r{i}", length, prefix, in_tier) is None:
             continue
         live.append(f"r{i}")
-        stores, loads = kv.take_tier_copies()
+        stores, loads = _ran(kv)
         for b, s in stores:  # run as the worker would: stores first
             slot_holds[s] = block_holds[b]
         for s, b in loads:
@@ -132,7 +189,35 @@ def test_the_tier_never_hands_out_a_slot_twice_and_loads_read_what_was_stored(op
         kv.cache_blocks(f"r{i}", h, length)
         held = kv.tier.lru_order()
         assert len(set(held)) == len(held) <= 4
-        assert all(slot_holds[kv.tier.find([x])[0]] == x for x in held)
+        assert all(slot_holds[kv.tier.find([x], "w")[0]] == x for x in held)
     for rid in live:
         kv.free(rid)
     assert kv.num_free_blocks == 6
+
+
+def test_workers_of_a_host_map_one_shared_tier_and_the_last_one_removes_it(tmp_path):
+    import os
+
+    import torch
+
+    from common.kv_cache import SharedTier, sweep_stale_segments
+    from common.kv_layout import KVLayout
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+    x = SharedTier(layout, 6, "host-a|model", shm_dir=tmp_path)
+    y = SharedTier(layout, 10, "host-a|model", shm_dir=tmp_path)  # maps x's, at x's size
+    other = SharedTier(layout, 3, "host-a|another model", shm_dir=tmp_path)
+    assert x.tier_id == y.tier_id != other.tier_id and y.num_blocks == 6
+    x.tensor[:, :, 4] = 2.5
+    assert torch.equal(y.tensor[:, :, 4], torch.full_like(y.tensor[:, :, 4], 2.5))
+    x.close()  # y still holds it
+    assert y.path.exists() and sweep_stale_segments(tmp_path) == []
+    y.close()
+    assert not y.path.exists()
+    # a segment whose workers all died (its lock went with them) is swept; the next worker
+    # makes a new one, under a new id: the scheduler's index of the old one means nothing there
+    os.close(other._fd)
+    other._fd = None
+    assert sweep_stale_segments(tmp_path) == [other.tier_id]
+    z = SharedTier(layout, 3, "host-a|another model", shm_dir=tmp_path)
+    assert z.tier_id != other.tier_id and z.path.exists()
+    z.close()

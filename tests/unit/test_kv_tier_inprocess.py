@@ -64,3 +64,89 @@ def _hashes(prompt):
     out: list[bytes] = []
     extend_block_hashes(out, prompt, 4, "")
     return out
+
+
+def _computed(c, wid):
+    return c.workers[wid].counters.prompt_tokens_computed
+
+
+@pytest.fixture
+def host_pair(cluster):  # noqa: F811
+    """Two decode workers of one host sharing one tier (colocated), one sequence each."""
+    c = cluster([("decode", 12), ("decode", 12)], max_num_seqs=1,
+                worker_kw={"kv_offloading_blocks": 32, "kv_offloading_backend": "host"})
+    a, b = c.workers
+    assert c.workers[a].tier.path == c.workers[b].tier.path
+    assert c.sched.workers[a].kv.tier is c.sched.workers[b].kv.tier
+    return c, a, b
+
+
+def test_a_prefix_one_worker_computed_another_loads_from_the_host_tier(host_pair, hf):  # noqa: F811
+    c, a, b = host_pair
+    prompt = _prompt(23, 30)
+    c.submit("first", prompt, max_tokens=6)
+    c.run()
+    c.submit("other", _prompt(45, 31), max_tokens=2)  # evicts first's blocks on a: stored
+    c.run()
+    assert (_computed(c, a), _computed(c, b)) == (23 + 45, 0)
+    assert c.workers[a].counters.tier_blocks_stored >= 5
+    c.submit("busy", _prompt(5, 32), max_tokens=30)  # keeps a full: b takes the next one
+    c.step()
+    c.submit("again", prompt, max_tokens=6)
+    c.run()
+    assert c.tokens("again") == c.tokens("first") == _greedy(hf, prompt, 6)
+    assert c.outputs["again"][-1].num_cached_tokens == 20
+    assert _computed(c, b) == 3 and c.workers[b].counters.tier_blocks_loaded == 5
+    c.assert_all_free()
+
+
+def test_a_worker_gone_mid_store_leaves_no_block_another_can_read(host_pair, hf):  # noqa: F811
+    """a's plan that stores first's blocks never runs (a dies): the tier forgets those slots,
+    so b recomputes the prompt rather than read blocks a may have half written; the segment
+    lives on with b."""
+    c, a, b = host_pair
+    prompt = _prompt(23, 30)
+    c.submit("first", prompt, max_tokens=6)
+    c.run()
+    c.submit("other", _prompt(45, 31), max_tokens=2)
+    plan = c.sched.schedule(a)
+    assert len(plan.tier_stores) >= 5  # sent, never run
+    tier = c.sched.workers[b].kv.tier
+    assert tier.find(_hashes(prompt)[:5], b) == []  # pending: not b's to read yet
+    c.sched.remove_worker(a)
+    lost = c.workers.pop(a)
+    lost.tier.close()
+    lost.cache.close()
+    assert len(tier) == 0 and tier.find(_hashes(prompt)[:5], b) == []
+    assert c.workers[b].tier.path.exists()
+    c.submit("again", prompt, max_tokens=6)
+    c.run()  # other (re-queued) and again, on b
+    assert c.tokens("again") == _greedy(hf, prompt, 6)
+    assert _computed(c, b) == 45 + 23 and c.workers[b].counters.tier_blocks_loaded == 0
+    c.assert_all_free()
+    for s in lost.senders.values():
+        s.close()
+    for listener in lost.listeners.values():
+        c._await(listener.close())
+
+
+def test_a_decode_worker_loads_from_the_host_tier_what_would_cross(cluster, hf):  # noqa: F811
+    """Prefill and decode worker of one host share a tier: when both caches evicted a prompt,
+    the prefill worker loads its prefix from the tier and so does the decode worker, so only
+    the last, partial block crosses between them."""
+    c = cluster([("prefill", 12), ("decode", 12)], prefill_bypass_threshold=0,
+                worker_kw={"kv_offloading_blocks": 32, "kv_offloading_backend": "host"})
+    p, d = (_by_role(c, r).worker_id for r in ("prefill", "decode"))
+    prompt = _prompt(23, 30)
+    c.submit("first", prompt, max_tokens=6)
+    c.run()
+    c.submit("other", _prompt(45, 31), max_tokens=2)  # evicts first's blocks on both
+    c.run()
+    sent = c.workers[p].counters.kv_blocks_sent
+    c.submit("again", prompt, max_tokens=6)
+    c.run()
+    assert c.tokens("again") == c.tokens("first") == _greedy(hf, prompt, 6)
+    assert c.workers[p].counters.kv_blocks_sent - sent == 1
+    assert c.workers[p].counters.tier_blocks_loaded == 5
+    assert c.workers[d].counters.tier_blocks_loaded == 5
+    c.assert_all_free()

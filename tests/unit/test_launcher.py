@@ -73,7 +73,7 @@ def test_the_dtype_reaches_every_worker_auto_by_default():
 
 def test_the_kv_tier_reaches_every_worker_and_parses_there():
     from common.worker.config import add_arguments, config_from_args
-    cmds = _commands("--kv-offloading-size", "2.5")
+    cmds = _commands("--kv-offloading-size", "2.5", "--kv-offloading-backend", "host")
     workers = {n: c for n, c in cmds.items() if "worker" in n}
     assert {n: c[c.index("--kv-offloading-size") + 1] for n, c in workers.items()} == \
         {"prefill-worker1": "2.5", "decode-worker2": "2.5"}
@@ -83,3 +83,4 @@ def test_the_kv_tier_reaches_every_worker_and_parses_there():
     role = len(launcher._pdserve())
     cfg = config_from_args("decode", p.parse_args(workers["decode-worker2"][role + 1:]))
     assert cfg.kv_offloading_size_gib == 2.5 and cfg.kv_offloading_blocks == 0
+    assert cfg.kv_offloading_backend == "host"
