@@ -7,6 +7,7 @@ came in NewRequest.trace_context:
     worker.prefill       one per step that computes prompt tokens of the request
     kv.send              prefill worker: the push of the request's blocks to its decode worker
     kv.receive           decode worker: from "expect blocks" until the blocks are in place
+    kv.tier_load         its prompt's blocks copied back from the second KV tier
     worker.decode        decode worker: first to last decode step, with the tokens it produced
     worker.decode_step   one per decode step, only with --detailed-traces
 """
@@ -52,12 +53,22 @@ class WorkerTelemetry:
         self.kv_failures = Counter(PREFIX + "kv_transfer_failures",
                                    "KV transfers that failed (recomputed elsewhere).",
                                    ["transport"], registry=r)
+        self.tier_seconds = Histogram(PREFIX + "kv_tier_copy_seconds",
+                                      "Time a step spent copying KV blocks to (store) or from "
+                                      "(load) the second tier before its forward.",
+                                      ["direction"], buckets=TRANSFER_BUCKETS, registry=r)
+        self.tier_bytes = Counter(PREFIX + "kv_tier_copy_bytes",
+                                  "Bytes of KV copied to (store) or from (load) the second tier.",
+                                  ["direction"], registry=r)
         r.register(_CountersCollector(worker, worker_id, role))
         self._traced: dict[str, _Traced] = {}
         self._expected: dict[str, tuple[float, int, str]] = {}  # transfer -> since, blocks, tr
         self._step: list[tuple[_Traced, str, int, bool, int]] = []
         self._step_start = 0.0
+        self._tier_loading: list[tuple[_Traced, str, int]] = []  # traced requests' loads
+        self._tier_load: tuple[float, float] | None = None  # when the step's loads ran
         worker.on_send = self.on_send
+        worker.on_tier_copy = self.on_tier_copy
 
     def reset(self) -> None:
         self._traced.clear()
@@ -81,6 +92,12 @@ class WorkerTelemetry:
                 attrs["pdserve.error"] = error
             tracing.record_span("kv.send", start, end, t.context, attrs)
 
+    def on_tier_copy(self, direction: str, blocks: int, start: float, end: float) -> None:
+        self.tier_seconds.labels(direction).observe(end - start)
+        self.tier_bytes.labels(direction).inc(blocks * self.block_bytes)
+        if direction == "load":
+            self._tier_load = (start, end)
+
     # ---- steps (event loop; only with tracing on) --------------------------------------------
 
     def before_step(self, plan: StepPlan) -> None:
@@ -98,6 +115,11 @@ class WorkerTelemetry:
             new_by_id[new.request_id] = new
             if new.kv_transfer_id:
                 self._received(new, t, now)
+        loaded = {b for _, b in plan.tier_loads}
+        self._tier_loading = [(self._traced[rid], rid, n) for rid, n in (
+            (new.request_id, len(loaded.intersection(new.block_ids))) for new in new_by_id.values())
+            if n]
+        self._tier_load = None
         self._step = []
         for s in plan.scheduled:
             traced = self._traced.get(s.request_id)
@@ -124,6 +146,12 @@ class WorkerTelemetry:
 
     def after_step(self, plan: StepPlan, result: StepResult) -> None:
         end = time.time()
+        if self._tier_load is not None:
+            for t, rid, blocks in self._tier_loading:
+                tracing.record_span("kv.tier_load", *self._tier_load, t.context, {
+                    "pdserve.request_id": rid, "pdserve.blocks": blocks,
+                    "pdserve.bytes": blocks * self.block_bytes})
+        self._tier_loading = []
         sampled = collections.Counter(s.request_id for s in result.sampled)  # several: drafts
         for t, rid, n, is_decode, computed in self._step:
             attrs = {"pdserve.request_id": rid, "pdserve.step_id": plan.step_id,

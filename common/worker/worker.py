@@ -51,6 +51,9 @@ class _Counts:
 class Worker:
     # called after each KV send with (send, start, end as time.time(), error or ""): metrics, spans
     on_send: Callable[[KVSend, float, float, str], None] | None = None
+    # called after a step's copies to ("store") or from ("load") the second tier with (direction,
+    # blocks, start, end as time.time()): metrics, spans
+    on_tier_copy: Callable[[str, int, float, float], None] | None = None
 
     def __init__(self, runner: ModelRunner, cache: PagedKVCache, senders: dict[str, KVSender],
                  receiver: KVReceiver, listeners: dict[str, KVListener],
@@ -193,14 +196,24 @@ class Worker:
         if self.tier is None:
             raise ValueError(f"step {plan.step_id} copies KV to a second tier this worker lacks")
         if plan.tier_stores:
+            start = time.time()
             blocks, slots = zip(*plan.tier_stores)
             copy_blocks(self.tier.tensor, slots, self.cache.tensor, blocks)
             self._counts.tier_stored += len(blocks)
+            self._tier_copied("store", len(blocks), start)
         if plan.tier_loads:
+            start = time.time()
             slots, blocks = zip(*plan.tier_loads)
             self._overwritten(blocks)
             copy_blocks(self.cache.tensor, blocks, self.tier.tensor, slots)
             self._counts.tier_loaded += len(blocks)
+            self._tier_copied("load", len(blocks), start)
+
+    def _tier_copied(self, direction: str, blocks: int, start: float) -> None:
+        if self.cache.tensor.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.tensor.device)  # the copy's time, not its launch
+        if self.on_tier_copy is not None:
+            self.on_tier_copy(direction, blocks, start, time.time())
 
     def _count_speculation(self, stats) -> None:
         c = self._counts

@@ -84,6 +84,11 @@ class KVCacheManager:
         return len(self.tier.find(block_hashes[num_cached:(num_tokens - 1) // self.block_size],
                                   self.owner))
 
+    def num_hit_blocks(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Blocks of the sequence it would not compute: cached, then in the tier after that."""
+        cached = len(self.find_prefix(block_hashes, num_tokens))
+        return cached + self.find_tier(block_hashes, num_tokens, cached)
+
     def can_fit(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
         held = self._blocks.get(request_id)
         if held is None:

@@ -27,7 +27,8 @@ class LeastLoaded(Placement):
 
 
 class PrefixAware(Placement):
-    """Longest cached prefix first (fewer blocks travel), then least loaded."""
+    """Longest prefix held first, in the cache or the second tier after it (fewer blocks
+    travel), then least loaded."""
 
     def choose_decode(self, req, candidates, num_tokens, block_hashes):
         best, best_key = None, None
@@ -35,7 +36,8 @@ class PrefixAware(Placement):
             prefix = w.kv.find_prefix(block_hashes, num_tokens - 1)
             if not w.kv.can_fit(req.request_id, num_tokens, prefix):
                 continue
-            key = (-len(prefix), len(w.kv.request_ids()), -w.kv.num_free_blocks)
+            held = len(prefix) + w.kv.find_tier(block_hashes, num_tokens - 1, len(prefix))
+            key = (-held, len(w.kv.request_ids()), -w.kv.num_free_blocks)
             if best_key is None or key < best_key:
                 best, best_key = w, key
         return best

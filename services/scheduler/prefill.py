@@ -194,9 +194,7 @@ class Prefill:
     def _todo(self, w: WorkerState, req: Request, hashes: list[bytes]) -> int:
         """Tokens of req that w would compute: those past its cached prefix and what its tier
         holds after that."""
-        n = req.num_tokens
-        cached = len(w.kv.find_prefix(hashes, n))
-        return n - (cached + w.kv.find_tier(hashes, n, cached)) * w.kv.block_size
+        return req.num_tokens - w.kv.num_hit_blocks(hashes, req.num_tokens) * w.kv.block_size
 
     @property
     def long_prefill_token_threshold(self) -> int:
@@ -268,12 +266,14 @@ class Prefill:
 
     def _better_prefill(self, w: WorkerState, req: Request, hashes: list[bytes],
                         hit: int) -> bool:
-        """Whether another prefill worker caches a longer prefix of req and can start it."""
+        """Whether another prefill worker holds a longer prefix of req (cached, or in its tier
+        after that) and can start it."""
         for other in self.workers.of_role("prefill"):
             if other is w or other.num_seqs >= self.config.max_num_seqs:
                 continue
             prefix = other.kv.find_prefix(hashes, req.num_tokens)
-            if len(prefix) > hit and other.kv.can_fit(req.request_id, req.num_tokens, prefix):
+            if other.kv.num_hit_blocks(hashes, req.num_tokens) > hit and \
+                    other.kv.can_fit(req.request_id, req.num_tokens, prefix):
                 return True
         return False
 

@@ -166,7 +166,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 spec_decode_num_draft_tokens=c.spec_draft_tokens,
                 spec_decode_num_accepted_tokens=c.spec_accepted_tokens,
                 spec_decode_num_accepted_tokens_per_pos=c.spec_accepted_per_pos,
-                kv_frames_rejected=c.kv_frames_rejected)
+                kv_frames_rejected=c.kv_frames_rejected,
+                num_tier_blocks=w.kv.tier.num_slots if w.kv.tier else 0, tier_id=w.tier_id,
+                num_tier_used_blocks=len(w.kv.tier) if w.kv.tier else 0,
+                tier_hit_tokens=w.kv.num_tier_hit_tokens,
+                tier_blocks_stored=c.tier_blocks_stored, tier_blocks_loaded=c.tier_blocks_loaded)
         return resp
 
     # ---- worker side ---------------------------------------------------------------------------

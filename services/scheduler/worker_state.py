@@ -46,6 +46,7 @@ class WorkerState:
     transports: tuple[str, ...]     # preferred first
     kv: KVCacheManager
     host_id: str = ""
+    tier_id: str = ""  # a second KV tier it shares with its host's workers; "": none or its own
     cpu_cores: tuple[int, ...] = ()  # a CPU worker's cores; peers of its host may share them
     num_speculative_tokens: int = 0  # drafts it verifies per decode step: lookahead slots
     endpoints: dict[str, str] = field(default_factory=dict)  # transport -> address

@@ -86,7 +86,7 @@ class Workers(Mapping[str, WorkerState]):
         self._check(reg)
         w = WorkerState(worker_id=reg.worker_id, role=reg.role, fingerprint=reg.model_fingerprint,
                         layout=reg.layout, max_model_len=reg.max_model_len,
-                        transports=reg.transports, host_id=reg.host_id,
+                        transports=reg.transports, host_id=reg.host_id, tier_id=reg.tier_id,
                         cpu_cores=reg.cpu_cores,
                         num_speculative_tokens=reg.num_speculative_tokens,
                         endpoints=dict(reg.kv_endpoints),

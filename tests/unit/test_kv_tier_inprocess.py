@@ -2,6 +2,7 @@
 from the tier instead of being recomputed, and the tokens stay HuggingFace's greedy ones."""
 import pytest
 
+from common.worker.telemetry import WorkerTelemetry
 from services.scheduler.block_hash import extend_block_hashes
 from tests.unit.test_scheduler_inprocess import _greedy, _prompt, cluster, hf  # noqa: F401
 
@@ -20,6 +21,7 @@ def test_an_evicted_prefix_comes_back_from_the_tier(cluster, hf, roles):  # noqa
     first = roles[0][0]
     w = _by_role(c, first)
     worker = c.workers[w.worker_id]
+    metrics = WorkerTelemetry(worker, w.worker_id, first).registry
     prompt = _prompt(23, 30)                      # blocks of 4: 5 full + 3 tokens
     c.submit("first", prompt, max_tokens=6)
     c.run()
@@ -38,6 +40,15 @@ def test_an_evicted_prefix_comes_back_from_the_tier(cluster, hf, roles):  # noqa
     assert worker.counters.prompt_tokens_computed - computed == 3  # only the partial block
     assert worker.counters.tier_blocks_loaded == 5
     assert w.kv.num_tier_hit_tokens == 20
+    # the worker's metrics: one step loaded, its bytes, and the stores before
+    load = {"direction": "load"}
+    assert metrics.get_sample_value("pdserve:kv_tier_copy_seconds_count", load) == 1
+    assert metrics.get_sample_value("pdserve:kv_tier_copy_bytes_total", load) == \
+        5 * worker.cache.layout.block_bytes
+    assert metrics.get_sample_value("pdserve:kv_tier_copy_bytes_total", {"direction": "store"}) \
+        == worker.counters.tier_blocks_stored * worker.cache.layout.block_bytes
+    assert metrics.get_sample_value("pdserve:worker_kv_tier_blocks_loaded_total",
+                                    {"worker_id": w.worker_id, "role": first}) == 5
     c.assert_all_free()
 
 
