@@ -121,6 +121,9 @@ class StepPlan:
     # then (slot, block) prefix hits in the tier come back into the cache
     tier_stores: list[tuple[int, int]] = field(default_factory=list)
     tier_loads: list[tuple[int, int]] = field(default_factory=list)
+    # (block, slot) free cached blocks next in line for eviction: copied to the tier in the
+    # background while the step computes, done before its result goes out
+    tier_stores_ahead: list[tuple[int, int]] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (self.scheduled or self.finished_request_ids or self.recvs

@@ -74,7 +74,9 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
                              tier_stores=[worker_pb2.TierCopy(block=b, slot=t)
                                           for b, t in plan.tier_stores],
                              tier_loads=[worker_pb2.TierCopy(block=b, slot=t)
-                                         for t, b in plan.tier_loads])
+                                         for t, b in plan.tier_loads],
+                             tier_stores_ahead=[worker_pb2.TierCopy(block=b, slot=t)
+                                                for b, t in plan.tier_stores_ahead])
     for n in plan.new_requests:
         pb.new_requests.add(
             request_id=n.request_id, all_token_ids=n.all_token_ids,
@@ -125,7 +127,8 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> StepPlan:
         num_threads=pb.num_threads, num_steps=max(1, pb.num_steps),
         cached_blocks=[(c.block_id, c.hash) for c in pb.cached_blocks],
         tier_stores=[(c.block, c.slot) for c in pb.tier_stores],
-        tier_loads=[(c.slot, c.block) for c in pb.tier_loads])
+        tier_loads=[(c.slot, c.block) for c in pb.tier_loads],
+        tier_stores_ahead=[(c.block, c.slot) for c in pb.tier_stores_ahead])
 
 
 def counters_to_pb(c: WorkerCounters) -> worker_pb2.WorkerCounters:

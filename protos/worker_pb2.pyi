@@ -166,7 +166,7 @@ class KVRecv(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled", "sends", "recvs", "finished_request_ids", "copies", "num_threads", "cached_blocks", "num_steps", "tier_stores", "tier_loads")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled", "sends", "recvs", "finished_request_ids", "copies", "num_threads", "cached_blocks", "num_steps", "tier_stores", "tier_loads", "tier_stores_ahead")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class StepPlan(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     TIER_STORES_FIELD_NUMBER: _ClassVar[int]
     TIER_LOADS_FIELD_NUMBER: _ClassVar[int]
+    TIER_STORES_AHEAD_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -193,7 +194,8 @@ class StepPlan(_message.Message):
     num_steps: int
     tier_stores: _containers.RepeatedCompositeFieldContainer[TierCopy]
     tier_loads: _containers.RepeatedCompositeFieldContainer[TierCopy]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., recvs: _Optional[_Iterable[_Union[KVRecv, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_threads: _Optional[int] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., num_steps: _Optional[int] = ..., tier_stores: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ..., tier_loads: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ...) -> None: ...
+    tier_stores_ahead: _containers.RepeatedCompositeFieldContainer[TierCopy]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., recvs: _Optional[_Iterable[_Union[KVRecv, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_threads: _Optional[int] = ..., cached_blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., num_steps: _Optional[int] = ..., tier_stores: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ..., tier_loads: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ..., tier_stores_ahead: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ...) -> None: ...
 
 class TierCopy(_message.Message):
     __slots__ = ("block", "slot")

@@ -5,9 +5,11 @@ No I/O here besides the KV transport calls the plan orders; the gRPC loop lives 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +73,8 @@ class Worker:
         self.block_hashes: dict[int, bytes] = {}
         self._counts = _Counts()
         self._decoding: list[str] = []  # requests the running plan's next decode step runs
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-tier")  # stores ahead
+        self._ahead: Future[int] | None = None  # the running step's
 
     def reset(self) -> None:
         """Forgets every request: the scheduler that planned them is gone (the cache's content,
@@ -133,9 +137,24 @@ class Worker:
         return out
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        errors: list[RequestError] = []
         if plan.tier_stores or plan.tier_loads:  # before anything writes a block
             self._tier_copies(plan)
+        if plan.tier_stores_ahead:
+            self._ahead = self._copier.submit(self._store_ahead, plan.tier_stores_ahead)
+        try:
+            return self._run(plan)
+        finally:
+            self._join_ahead()
+
+    def _join_ahead(self) -> None:
+        """The stores ahead are done when the step answers: the scheduler may reuse the
+        blocks after that."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            self._counts.tier_stored += ahead.result()
+
+    def _run(self, plan: StepPlan) -> StepResult:
+        errors: list[RequestError] = []
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
             self.receiver.cancel_request(rid)
@@ -188,6 +207,7 @@ class Worker:
                      for b in new.block_ids}
         self.block_hashes.update((b, h) for b, h in plan.cached_blocks if b not in unwritten)
         self._decoding = self._go_on(sampled, errors) if plan.num_steps > 1 else []
+        self._join_ahead()
         return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters,
                           tuple(prompt_logprobs), more=bool(self._decoding))
 
@@ -209,9 +229,23 @@ class Worker:
             self._counts.tier_loaded += len(blocks)
             self._tier_copied("load", len(blocks), start)
 
+    def _store_ahead(self, copies: list[tuple[int, int]]) -> int:
+        """Free cached blocks next in line for eviction into the tier, on a thread of its own
+        (a stream of its own beside a GPU) while the step computes: nothing writes them before
+        the step has answered."""
+        assert self.tier is not None, "stores ahead for a worker without a tier"
+        start = time.time()
+        blocks, slots = zip(*copies)
+        device = self.cache.tensor.device
+        with on_device(device), (torch.cuda.stream(torch.cuda.Stream(device))
+                                 if device.type == "cuda" else contextlib.nullcontext()):
+            copy_blocks(self.tier.tensor, slots, self.cache.tensor, blocks)
+            self._tier_copied("store_ahead", len(blocks), start)
+        return len(blocks)
+
     def _tier_copied(self, direction: str, blocks: int, start: float) -> None:
-        if self.cache.tensor.device.type == "cuda":
-            torch.cuda.synchronize(self.cache.tensor.device)  # the copy's time, not its launch
+        if self.cache.tensor.device.type == "cuda":  # the copy's time, not its launch
+            torch.cuda.current_stream(self.cache.tensor.device).synchronize()
         if self.on_tier_copy is not None:
             self.on_tier_copy(direction, blocks, start, time.time())
 

@@ -6,6 +6,7 @@ again. The free queue is in eviction order: the front is reused (and its hash fo
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -29,6 +30,10 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """In eviction order (tests and invariant checks)."""
         return list(self._free)
+
+    def next_evicted(self, n: int) -> list[int]:
+        """The free blocks the next allocations of n blocks would take, in that order."""
+        return list(itertools.islice(self._free, n))
 
     def allocate(self, n: int) -> list[int]:
         """n blocks from the front of the free queue, each with a reference count of 1; a block

@@ -138,16 +138,31 @@ class KVCacheManager:
             self._tier_stores.append((block_id, slot))
             self.num_tier_stores += 1
 
-    def take_tier_copies(self, event: Hashable) -> tuple[list[tuple[int, int]],
-                                                         list[tuple[int, int]]]:
-        """(block, slot) stores and then (slot, block) loads since the last call: for the
-        worker's next plan, which runs them in that order before anything else, as the step
-        `event` (its done() ends them in the tier)."""
+    def take_tier_copies(self, event: Hashable, ahead: int = 0) -> tuple[
+            list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """For the worker's next plan, the step `event` (its done() ends them in the tier):
+        (block, slot) stores and then (slot, block) loads since the last call, which it runs in
+        that order before anything else; and (block, slot) stores ahead: the cached blocks among
+        the next `ahead` the pool would evict that the tier lacks, which it copies in the
+        background while the step computes. None of those blocks is written before the step
+        has answered (the worker's later plans run after it), and once they are evicted their
+        hashes are in the tier already: no store on a later step's path."""
         stores, loads = self._tier_stores, self._tier_loads
         self._tier_stores, self._tier_loads = [], []
-        if self.tier is not None:
-            self.tier.seal(event, self.owner, [s for _, s in stores], [s for s, _ in loads])
-        return stores, loads
+        early: list[tuple[int, int]] = []
+        if self.tier is None:
+            return stores, loads, early
+        for b in self.pool.next_evicted(ahead):
+            h = self.pool.block_hash[b]
+            if h is not None and h not in self.tier:
+                slot = self.tier.store(h, self.owner)
+                if slot is None:
+                    break  # every slot pending or pinned
+                early.append((b, slot))
+        self.num_tier_stores += len(early)
+        self.tier.seal(event, self.owner, [s for _, s in stores + early],
+                       [s for s, _ in loads])
+        return stores, loads, early
 
     def close(self) -> None:
         """The worker is gone: what it was to store in the tier, or was storing, is dropped

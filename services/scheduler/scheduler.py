@@ -241,10 +241,14 @@ class Scheduler:
 
     def _tier_copies(self, w: WorkerState, plan: StepPlan) -> None:
         """The tier stores and loads planning w's steps (and transfers into w) made so far:
-        they go with this plan, which runs them before anything else."""
-        stores, loads = w.kv.take_tier_copies(step_event(plan.step_id))
+        they go with this plan, which runs them before anything else; and the stores ahead of
+        the blocks a step's allocations would evict next, which it runs beside its forward."""
+        stores, loads, early = w.kv.take_tier_copies(
+            step_event(plan.step_id), ahead=-(-self.config.max_num_batched_tokens //
+                                              w.kv.block_size))
         plan.tier_stores.extend(stores)
         plan.tier_loads.extend(loads)
+        plan.tier_stores_ahead.extend(early)
 
     def _threads(self, w: WorkerState) -> int:
         """Threads for w's step, from the cores it shares with busy peers (cores.py)."""

@@ -21,9 +21,9 @@ _steps = iter(range(1, 1 << 30))
 def _ran(kv: KVCacheManager):
     """The tier copies of the worker's next plan, whose step then answers."""
     event = ("step", next(_steps))
-    copies = kv.take_tier_copies(event)
+    stores, loads, _ = kv.take_tier_copies(event)
     kv.done(event)
-    return copies
+    return stores, loads
 
 
 def admit(kv: KVCacheManager, rid: str, tokens: list[int]) -> tuple[int, int]:
@@ -136,6 +136,25 @@ def test_evicted_blocks_are_stored_and_a_hit_comes_back_into_fresh_blocks():
     assert admit(kv, "d", first[:12] + [7]) == (3, 0)
     assert kv.get_block_ids("d") == [0, 1, 2, 3]
     assert _ran(kv) == ([], [])
+
+
+def test_blocks_next_in_line_for_eviction_are_stored_ahead_and_need_no_store_later():
+    kv = KVCacheManager(num_blocks=6, block_size=BS, tier=TierPool(8), owner="w")
+    a = list(range(9))
+    admit(kv, "a", a)                      # blocks 0 1 2; 0 and 1 cached
+    kv.free("a")                           # free queue 3 4 5 2 1 0
+    stores, loads, early = kv.take_tier_copies(("step", 1), ahead=5)
+    # the next five to go: 3 4 5 2 1, of which only 1 holds a cached block; 0 is further back
+    assert (stores, loads, early) == ([], [], [(1, 0)])
+    assert kv.tier.find(hashes(a)[:2], "other worker") == []  # pending until step 1 answers
+    kv.done(("step", 1))
+    assert kv.tier.find(hashes(a)[1:2], "other worker") == [0]
+    assert kv.take_tier_copies(("step", 2), ahead=5) == ([], [], [])  # held already
+    admit(kv, "b", [50 + t for t in range(17)])  # five blocks: 3 4 5 2 1 go
+    assert _ran(kv) == ([], [])                  # 1's block is in the tier: nothing to store
+    kv.free("b")
+    assert admit(kv, "a2", a) == (1, 1)          # 0 still cached, 1 back from the tier
+    assert kv.take_tier_copies(("step", 3))[1] == [(0, kv.get_block_ids("a2")[1])]
 
 
 def test_a_slot_loaded_by_the_plan_is_not_reused_by_its_stores():

@@ -33,7 +33,8 @@ def test_a_full_plan_round_trips():
         recvs=[KVRecv("u", "e", (3, 4), "shm")],
         finished_request_ids=["x", "y"],
         copies=[BlockCopy(src=8, dst=12, request_id="a/1", leader_id="a")],
-        num_threads=3, tier_stores=[(5, 0), (6, 9)], tier_loads=[(9, 7)])
+        num_threads=3, tier_stores=[(5, 0), (6, 9)], tier_loads=[(9, 7)],
+        tier_stores_ahead=[(2, 4)])
     back = plan_from_pb(worker_pb2.StepPlan.FromString(plan_to_pb(plan).SerializeToString()))
     assert back == plan
     assert plan_from_pb(plan_to_pb(StepPlan(0))) == StepPlan(0)
