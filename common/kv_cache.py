@@ -56,12 +56,12 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path.unlink(missing_ok=True)  # under the lock: nobody maps it in between
+            removed.append(path.name)
         except BlockingIOError:
             continue  # its owner is alive
         finally:
             os.close(fd)  # also drops the lock if we took it
-        path.unlink(missing_ok=True)
-        removed.append(path.name)
     return removed
 
 
@@ -127,11 +127,13 @@ class LocalTier:
 
 class SharedTier:
     """A second KV tier in one /dev/shm segment that every worker of a host serving the same
-    model with the same KV layout maps (--kv-offloading-backend host): blocks one worker stores
-    another can load. The first worker creates it at its --kv-offloading-size, later ones map
-    it at the size it has. Every worker holds a shared lock on it while it lives, so it outlives
-    any one of them and is swept (sweep_stale_segments) once none is left; its name, random per
-    creation, is the tier's id for the scheduler, which keeps its index."""
+    model with the same KV layout for the same scheduler maps (--kv-offloading-backend host):
+    blocks one worker stores another can load (the scheduler keeps the one index; another
+    deployment on the host gets a segment of its own). The first worker creates it at its
+    --kv-offloading-size, later ones map it at the size it has. Every worker holds a shared
+    lock on it while it lives, so it outlives any one of them and is swept
+    (sweep_stale_segments) once none is left; its name, random per creation, is the tier's id
+    for the scheduler."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, key: str,
                  shm_dir: Path = SHM_DIR):
@@ -163,9 +165,10 @@ class SharedTier:
             return
         os.close(self._fd)
         self._fd = None
-        fd = os.open(self.path, os.O_RDWR) if self.path.exists() else None
-        if fd is None:
-            return
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return  # swept already
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self.path.unlink(missing_ok=True)

@@ -151,7 +151,9 @@ def second_tier(cfg: WorkerConfig, layout: KVLayout, host_id: str, fingerprint: 
         if device.type != "cpu":
             raise ValueError("--kv-offloading-backend host shares a tier in /dev/shm between "
                              "CPU workers; beside a GPU use native")
-        tier: LocalTier | SharedTier = SharedTier(layout, blocks, f"{host_id}|{fingerprint}")
+        # one per host, model and scheduler: the scheduler's index is the only one it has
+        tier: LocalTier | SharedTier = SharedTier(layout, blocks,
+                                                  f"{host_id}|{cfg.scheduler}|{fingerprint}")
     else:
         tier = LocalTier(layout, blocks, pin=device.type == "cuda")
     log.info("second KV tier (%s): %d blocks, %.2f GiB of host memory%s",

@@ -73,7 +73,9 @@ class Worker:
         self.block_hashes: dict[int, bytes] = {}
         self._counts = _Counts()
         self._decoding: list[str] = []  # requests the running plan's next decode step runs
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-tier")  # stores ahead
+        # stores ahead, one thread (no second OpenMP team beside the step's on a CPU)
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-tier",
+                                          initializer=torch.set_num_threads, initargs=(1,))
         self._ahead: Future[int] | None = None  # the running step's
 
     def reset(self) -> None:

@@ -138,6 +138,11 @@ class KVCacheManager:
             self._tier_stores.append((block_id, slot))
             self.num_tier_stores += 1
 
+    @property
+    def has_tier_copies(self) -> bool:
+        """Stores or loads wait for the worker's next plan (a plan that makes them)."""
+        return bool(self._tier_stores or self._tier_loads)
+
     def take_tier_copies(self, event: Hashable, ahead: int = 0) -> tuple[
             list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
         """For the worker's next plan, the step `event` (its done() ends them in the tier):

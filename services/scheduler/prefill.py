@@ -155,7 +155,6 @@ class Prefill:
         if todo > min(budget, self._chunk_cap()) and not self._may_start_partial(w, req):
             return 0
         dst = dst_prefix = None
-        dst_tier: list[bytes] = []
         if w.role == "prefill":
             decoders = [d for d in self.workers.of_role("decode")
                         if d.num_seqs < self.config.max_num_seqs and transport_between(w, d)]
@@ -163,9 +162,6 @@ class Prefill:
             if dst is None:
                 return None
             dst_prefix = dst.kv.find_prefix(hashes, n)
-            # what its tier holds past that it loads itself: those blocks do not travel
-            cached = len(dst_prefix)
-            dst_tier = hashes[cached:cached + dst.kv.find_tier(hashes, n, cached)]
         if w.kv.allocate_slots(req.request_id, n, prefix, in_tier) is None:
             return None
         self.waiting.remove(req)
@@ -180,7 +176,7 @@ class Prefill:
         w.prefilling.append(req)
         if dst is not None:
             self.transfers.open(req, w, dst, dst_prefix or [],
-                                f"{req.request_id}/{self._next_id()}", dst_tier)
+                                f"{req.request_id}/{self._next_id()}")
         w.introduce(plan, req)
         return self._schedule_chunk(w, plan, req, budget)
 

@@ -169,7 +169,7 @@ class Scheduler:
         if w is None or not w.is_idle:
             return False
         return bool(w.to_drop or w.recvs or w.prefilling or w.decoding or w.arrivals or w.copies
-                    or (len(self.waiting) and self.prefill.admits(w))
+                    or w.kv.has_tier_copies or (len(self.waiting) and self.prefill.admits(w))
                     or self.transfers.sendable(w))
 
     def schedule(self, worker_id: str) -> StepPlan | None:
@@ -194,6 +194,7 @@ class Scheduler:
         w.copies.clear()
         w.to_drop.clear()
         w.recvs.clear()
+        self._tier_copies(w, plan, ahead=False)  # a plan may carry nothing else
         if plan.is_empty():
             return None
         plan.cached_blocks.extend(w.kv.take_announcements())
@@ -239,13 +240,14 @@ class Scheduler:
             self._tier_copies(w, plan)
         return plan
 
-    def _tier_copies(self, w: WorkerState, plan: StepPlan) -> None:
+    def _tier_copies(self, w: WorkerState, plan: StepPlan, ahead: bool = True) -> None:
         """The tier stores and loads planning w's steps (and transfers into w) made so far:
-        they go with this plan, which runs them before anything else; and the stores ahead of
-        the blocks a step's allocations would evict next, which it runs beside its forward."""
+        they go with this plan, which runs them before anything else; and, `ahead`, the
+        stores ahead of the blocks a step's allocations would evict next, which it runs beside
+        its forward."""
         stores, loads, early = w.kv.take_tier_copies(
-            step_event(plan.step_id), ahead=-(-self.config.max_num_batched_tokens //
-                                              w.kv.block_size))
+            step_event(plan.step_id),
+            ahead=-(-self.config.max_num_batched_tokens // w.kv.block_size) if ahead else 0)
         plan.tier_stores.extend(stores)
         plan.tier_loads.extend(loads)
         plan.tier_stores_ahead.extend(early)

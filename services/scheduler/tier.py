@@ -92,9 +92,12 @@ class TierPool:
 
     def seal(self, event: Hashable, worker: str, stored: Sequence[int],
              loaded: Sequence[int]) -> None:
-        """The step `event` of `worker` runs these stores and loads: done(event) ends them."""
+        """The step `event` of `worker` runs these stores and loads (too): done(event) ends
+        them."""
         if stored or loaded:
-            self._events[event] = (worker, list(stored), list(loaded))
+            _, s, l_ = self._events.setdefault(event, (worker, [], []))
+            s.extend(stored)
+            l_.extend(loaded)
 
     def done(self, event: Hashable) -> None:
         """The step has answered: its stores are written, its loads read."""

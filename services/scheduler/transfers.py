@@ -12,7 +12,7 @@ the transfer simply goes; after, its blocks wait for the sender's report (`trans
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from common.plans import KVRecv, KVSend, StepPlan, TransferDone
 from services.scheduler.request import Request
@@ -32,14 +32,18 @@ class Transfers:
         return self.by_id.get(transfer_id) if transfer_id else None
 
     def open(self, req: Request, src: WorkerState, dst: WorkerState, dst_prefix: list[int],
-             transfer_id: str, dst_tier: Sequence[bytes] = ()) -> None:
+             transfer_id: str) -> None:
         """req's KV will go from src to dst: its blocks on dst are reserved here (the cached
-        prefix `dst_prefix` stays put, the blocks after it that dst's second tier holds,
-        `dst_tier`'s hashes, dst loads itself), and dst expects the rest in its next plan."""
-        assert dst.kv.allocate_slots(req.request_id, req.num_tokens, dst_prefix,
-                                     dst_tier) is not None
+        prefix `dst_prefix` stays put, and the blocks after it that dst's second tier holds
+        dst loads itself: looked up here, after src's allocation, which may have evicted
+        entries of a tier the two share), and dst expects the rest in its next plan."""
+        hashes = req.hashes(dst.kv.block_size)
+        cached = len(dst_prefix)
+        dst_tier = hashes[cached:cached + dst.kv.find_tier(hashes, req.num_tokens, cached)]
+        reserved = dst.kv.allocate_slots(req.request_id, req.num_tokens, dst_prefix, dst_tier)
+        assert reserved is not None, "placement checked that the blocks fit"
         req.transfer_id = transfer_id
-        skip = len(dst_prefix) + len(dst_tier)
+        skip = cached + len(dst_tier)
         transport = transport_between(src, dst)
         dst.recvs.append(KVRecv(transfer_id, req.request_id,
                                 tuple(dst.kv.get_block_ids(req.request_id)[skip:]), transport))

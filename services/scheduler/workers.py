@@ -143,9 +143,14 @@ class Workers(Mapping[str, WorkerState]):
             raise RegistrationError(f"a worker's KV tier has 0 to {MAX_BLOCKS} blocks, not "
                                     f"{reg.num_tier_blocks}")
         shared = self._shared_tiers.get(reg.tier_id) if reg.tier_id else None
-        if shared is not None and shared[1] and shared[0].num_slots != reg.num_tier_blocks:
-            raise RegistrationError(f"KV tier {reg.tier_id} has {shared[0].num_slots} blocks, "
-                                    f"not {reg.num_tier_blocks}")
+        if shared is not None and shared[1]:
+            if shared[0].num_slots != reg.num_tier_blocks:
+                raise RegistrationError(f"KV tier {reg.tier_id} has {shared[0].num_slots} "
+                                        f"blocks, not {reg.num_tier_blocks}")
+            hosts = {self._by_id[h].host_id for h in shared[1]}
+            if hosts != {reg.host_id}:
+                raise RegistrationError(f"KV tier {reg.tier_id} is shared on host "
+                                        f"{', '.join(sorted(hosts))}, not {reg.host_id}")
         if len(reg.tier_id) > MAX_ID_CHARS or not reg.tier_id.isprintable():
             raise RegistrationError(f"a tier id is at most {MAX_ID_CHARS} printable characters")
         lay = reg.layout

@@ -240,3 +240,26 @@ def test_workers_of_a_host_map_one_shared_tier_and_the_last_one_removes_it(tmp_p
     z = SharedTier(layout, 3, "host-a|another model", shm_dir=tmp_path)
     assert z.tier_id != other.tier_id and z.path.exists()
     z.close()
+
+
+def test_a_host_tier_is_shared_within_one_deployment_only(tiny_llama):
+    """Two deployments on one host (two schedulers) never share a tier: each scheduler keeps
+    the index of its own, and a shared segment would let one overwrite the other's blocks."""
+    import torch
+
+    from common.kv_layout import KVLayout
+    from common.worker.config import WorkerConfig
+    from common.worker.service import second_tier
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+
+    def tier(scheduler):
+        cfg = WorkerConfig(role="decode", model=str(tiny_llama), scheduler=scheduler,
+                           kv_offloading_blocks=4, kv_offloading_backend="host")
+        return second_tier(cfg, layout, "host-a", "model", torch.device("cpu"))
+    tiers = [tier("127.0.0.1:7001"), tier("127.0.0.1:7001"), tier("127.0.0.1:7002")]
+    try:
+        assert tiers[0].tier_id == tiers[1].tier_id != tiers[2].tier_id
+    finally:
+        for t in tiers:
+            t.close()
+    assert not any(t.path.exists() for t in tiers)

@@ -161,3 +161,29 @@ def test_a_decode_worker_loads_from_the_host_tier_what_would_cross(cluster, hf):
     assert c.workers[p].counters.tier_blocks_loaded == 5
     assert c.workers[d].counters.tier_blocks_loaded == 5
     c.assert_all_free()
+
+
+def test_loads_planned_for_a_worker_that_then_has_nothing_else_still_run(cluster):  # noqa: F811
+    """A transfer into the decode worker plans loads from its tier there; its request is
+    aborted before the decode worker's next plan. That plan still goes out, with the loads
+    alone, and the slots they pinned are free again once it has answered."""
+    c = cluster([("prefill", 64), ("decode", 12)], prefill_bypass_threshold=0,
+                worker_kw={"kv_offloading_blocks": 32})
+    p, d = (_by_role(c, r).worker_id for r in ("prefill", "decode"))
+    prompt = _prompt(23, 30)
+    c.submit("first", prompt, max_tokens=6)
+    c.run()
+    c.submit("other", _prompt(45, 31), max_tokens=2)  # evicts first's blocks on d
+    c.run()
+    c.submit("again", prompt, max_tokens=6)
+    plan = c.sched.schedule(p)
+    dkv = c.sched.workers[d].kv
+    assert dkv.has_tier_copies  # the blocks d lacks of it come from d's tier, not p
+    assert plan.sends == [] and dkv.tier._pins
+    c.sched.abort("again")
+    for out in c.sched.update(p, c.workers[p].execute(plan)):
+        c.outputs[out.request_id].append(out)
+    assert c.sched.has_work(d)
+    c.run()
+    assert not dkv.has_tier_copies and not dkv.tier._pins and not dkv.tier._events
+    c.assert_all_free()
