@@ -11,8 +11,10 @@ Workers run their plans concurrently, each its own in order, so a slot changes h
 nobody can be touching it:
 
 - a stored slot is *pending* until the step whose plan writes it has answered (`done(event)`):
-  only its writer finds it meanwhile (its later plans run after the store); if the writer dies
-  first, the slot is dropped (`worker_gone`), so nobody ever reads a half-written block;
+  only its writer finds it meanwhile (its later plans run after the store); if the writer is
+  dropped first, the slot is forgotten (`worker_gone`), so nobody ever reads a half-written
+  block, and handed out again only after QUARANTINE_S (a worker dropped while still running,
+  a frozen one, may yet finish the step that writes it);
 - a slot a plan loads from is *pinned* until that step has answered: no store reuses it.
 
 A worker's stores and loads are tied to the step that runs them when its plan is made
@@ -20,14 +22,19 @@ A worker's stores and loads are tied to the step that runs them when its plan is
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Hashable, Sequence
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Hashable, Sequence
+
+QUARANTINE_S = 600.0  # far past any step a dropped worker may still be running
 
 
 class TierPool:
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, clock: Callable[[], float] = time.monotonic):
         assert num_slots > 0, "a tier needs at least one slot"
         self.num_slots = num_slots
+        self.clock = clock
+        self._quarantine: deque[tuple[float, int]] = deque()  # (since, slot) of dropped stores
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._hash_of: dict[int, bytes] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
@@ -56,6 +63,8 @@ class TierPool:
         if block_hash in self._slot_of:
             self._slot_of.move_to_end(block_hash)
             return None
+        while self._quarantine and self._quarantine[0][0] + QUARANTINE_S <= self.clock():
+            self._free.append(self._quarantine.popleft()[1])
         if self._free:
             slot = self._free.pop()
         else:
@@ -110,12 +119,12 @@ class TierPool:
         self._unpin(loaded)
 
     def abandon(self, stored: Sequence[int], loaded: Sequence[int]) -> None:
-        """Stores and loads that will never run (their worker is gone): the stored slots are
-        dropped, the loaded ones unpinned."""
+        """Stores and loads of a worker that was dropped: the stored slots are forgotten and
+        quarantined, the loaded ones unpinned."""
         for s in stored:
             if self._writer.pop(s, None) is not None:
                 del self._slot_of[self._hash_of.pop(s)]
-                self._free.append(s)
+                self._quarantine.append((self.clock(), s))
         self._unpin(loaded)
 
     def worker_gone(self, worker: str) -> None:

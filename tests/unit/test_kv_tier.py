@@ -4,7 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from services.scheduler.block_hash import extend_block_hashes
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.tier import TierPool
+from services.scheduler.tier import QUARANTINE_S, TierPool
 
 BS = 4
 
@@ -95,18 +95,22 @@ def test_a_shared_tier_shows_a_store_to_others_only_once_written():
 
 
 def test_a_worker_gone_mid_store_leaves_nothing_readable_and_its_pins_go():
-    tier = TierPool(2)
-    a, b = bytes([1]) * 16, bytes([2]) * 16
+    now = [0.0]
+    tier = TierPool(2, clock=lambda: now[0])
+    a, b, c = bytes([1]) * 16, bytes([2]) * 16, bytes([3]) * 16
     _stored(tier, [a], worker="y")
     assert tier.store(b, "x") == 1
     tier.seal(("step", 1), "x", [1], [])
     assert tier.load([a], "x") == [0]
     tier.seal(("step", 2), "x", [], [0])
-    tier.worker_gone("x")  # it died before either step answered
+    tier.worker_gone("x")  # dropped before either step answered
     assert b not in tier and tier.find([a], "y") == [0]
-    assert tier.store(b, "y") == 1  # its slot is free again, and a is not pinned:
-    tier.seal(("step", 3), "y", [1], [])
-    assert tier.store(bytes([3]) * 16, "y") == 0  # a, least recent, can go
+    # x's slot waits out the quarantine (x may still be writing it); a is not pinned any more
+    assert tier.store(b, "y") == 0 and a not in tier
+    tier.seal(("step", 3), "y", [0], [])
+    assert tier.store(c, "y") is None  # slot 0 pending, slot 1 in quarantine
+    now[0] = QUARANTINE_S
+    assert tier.store(c, "y") == 1
 
 
 def test_evicted_blocks_are_stored_and_a_hit_comes_back_into_fresh_blocks():
