@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import socket
 
@@ -491,11 +492,23 @@ async def test_a_body_that_does_not_arrive_in_time_gets_408(model_dir: str,
             async with http_client(gw.url) as http:
                 other = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert other.status_code == 200
-            answer = await asyncio.to_thread(slow.recv, 65536)
+            answer = await asyncio.to_thread(_whole_response, slow)
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408"), answer
         assert b"--request-body-timeout" in body
         assert len(scheduler.requests) == 1  # the other request's only
+
+
+def _whole_response(sock: socket.socket) -> bytes:
+    """An HTTP response read up to its Content-Length (head and body may come apart)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+            re.search(rb"content-length: *(\d+)", data, re.I).group(1)):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 async def test_one_key_may_hold_only_its_share(model_dir: str, tokenizer: Tokenizer) -> None:
