@@ -14,6 +14,7 @@ from common.models.config import ModelConfig
 from common.models.gguf import GGUFCheckpoint, find_gguf
 from common.models.ops import ModelOps
 from common.models.packed_linear import pack_linears, packs
+from common.models.parallel import TensorParallel, VocabParallelEmbedding
 from kernels import reference
 
 
@@ -32,12 +33,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 tp: TensorParallel | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.num_heads, self.num_kv_heads = local_heads(cfg, tp)
+        self.tp = tp
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul; the checkpoint's q_proj/k_proj/v_proj load into its rows
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.qkv_bias)
@@ -59,26 +62,31 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.backend.ops.rope(q, k, rope)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.o_proj(out.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModelOps):
+    def __init__(self, cfg: ModelConfig, ops: ModelOps, tp: TensorParallel | None = None):
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        inter = cfg.intermediate_size // (tp.size if tp else 1)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.ops.silu_mul(gate, up))
+        out = self.down_proj(self.ops.silu_mul(gate, up))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 tp: TensorParallel | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, backend)
-        self.mlp = MLP(cfg, backend.ops)
+        self.self_attn = Attention(cfg, backend, tp)
+        self.mlp = MLP(cfg, backend.ops, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
 
@@ -98,14 +106,22 @@ class LlamaForCausalLM(nn.Module):
     rope_cos: torch.Tensor  # [max_position_embeddings, head_dim], a non-persistent buffer
     rope_sin: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 tp: TensorParallel | None = None):
+        """With `tp`, this rank's part of a tensor-parallel group (parallel.py)."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.tp = tp
+        if tp is not None:
+            tp.check(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size) \
+            if tp is None else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
         self.ops = backend.ops
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // (tp.size if tp else 1),
+                                 bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_tables(cfg)
@@ -128,7 +144,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.tp is None else self.tp.all_gather_last(logits)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads of this rank's cache (all of them without tensor parallelism)."""
+        return local_heads(self.config, self.tp)[1]
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """tensors: (HF checkpoint name, tensor) pairs; source names them in errors."""
@@ -138,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
             key, rows = self._fused_rows(name.removeprefix("model."))
             if key not in own:
                 continue
+            tensor = self._tp_part(name, tensor)
             param = own[key] if rows is None else own[key][rows[0]:rows[1]]
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
@@ -153,10 +176,36 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint {source} lacks weights: {sorted(missing)[:8]}")
 
 
+    def _tp_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (column-parallel, vocab-parallel) or columns (row-parallel) of a
+        checkpoint tensor; all of it without tensor parallelism, and for norms."""
+        tp = self.tp
+        if tp is None:
+            return tensor
+        c, hd = self.config, self.config.head_dim
+        q0, q1 = tp.share(c.num_heads)
+        k0, k1 = tp.kv_heads(c.num_heads, c.num_kv_heads)
+        i = tp.share(c.intermediate_size)
+        rows = {"q_proj": (q0 * hd, q1 * hd), "k_proj": (k0 * hd, k1 * hd),
+                "v_proj": (k0 * hd, k1 * hd), "gate_proj": i, "up_proj": i,
+                "embed_tokens": tp.share(c.vocab_size), "lm_head": tp.share(c.vocab_size)}
+        cols = {"o_proj": (q0 * hd, q1 * hd), "down_proj": i}
+        part = name.split(".")[-2]
+        if part in rows:
+            a, b = rows[part]
+            return tensor[a:b]
+        if part in cols:
+            a, b = cols[part]
+            return tensor[:, a:b]
+        return tensor
+
     def _layout(self) -> dict[str, list[tuple[str, int]]]:
-        """Fused parameter -> its checkpoint shards and their sizes along dim 0, in order."""
+        """Fused parameter -> its checkpoint shards and their sizes along dim 0, in order (this
+        rank's sizes under tensor parallelism)."""
         c = self.config
-        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        heads, kv_heads = local_heads(c, self.tp)
+        q, kv = heads * c.head_dim, kv_heads * c.head_dim
+        inter = c.intermediate_size // (self.tp.size if self.tp else 1)
         return {"self_attn.qkv_proj": [("self_attn.q_proj", q), ("self_attn.k_proj", kv),
                                        ("self_attn.v_proj", kv)],
                 "mlp.gate_up_proj": [("mlp.gate_proj", inter), ("mlp.up_proj", inter)]}
@@ -179,6 +228,14 @@ class LlamaForCausalLM(nn.Module):
         return [key]
 
 
+def local_heads(cfg: ModelConfig, tp: TensorParallel | None) -> tuple[int, int]:
+    """(query heads, KV heads) of one rank."""
+    if tp is None:
+        return cfg.num_heads, cfg.num_kv_heads
+    k0, k1 = tp.kv_heads(cfg.num_heads, cfg.num_kv_heads)
+    return cfg.num_heads // tp.size, k1 - k0
+
+
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, [max_position_embeddings, head_dim] each."""
     inv_freq = reference.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -190,7 +247,7 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 def load_model(model_dir: str | Path, backend: AttentionBackend,
                dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", prepack: bool = True,
-               progress: bool = True) -> LlamaForCausalLM:
+               progress: bool = True, tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """From a HF checkpoint directory (*.safetensors), a .gguf file or a directory holding one
     (dequantized to float32, then cast to `dtype`). On a CPU, `prepack` packs the linear
     weights once for oneDNN (packed_linear.py) where that serves the dtype. `progress`: a
@@ -210,7 +267,7 @@ def load_model(model_dir: str | Path, backend: AttentionBackend,
         tensors = tqdm(tensors, total=num_tensors, desc=f"Loading {kind} weights",
                        unit="tensor", disable=None, dynamic_ncols=True)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, backend, tp)
     model = model.to_empty(device="cpu")
     # rope buffers are not in the checkpoint: recompute them off the meta device
     model.rope_cos, model.rope_sin = rope_tables(cfg)

@@ -1,0 +1,85 @@
+"""Tensor parallelism of the model: T rank processes over gloo (the CPU's collectives) compute
+the logits one process computes, prefill and greedy decode through each rank's own paged KV
+cache, for llama, qwen2 (QKV bias, tied embeddings) and qwen3 (QK norm); T = 2 splits the KV
+heads, T = 4 replicates them (the tiny models have 2)."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.kv_cache import PagedKVCache
+from common.kv_layout import KVLayout
+from common.models.attention import create_attention_backend
+from common.models.llama import load_model
+from common.models.parallel import TensorParallel
+from common.ports import free_port
+from tests.unit.test_model_vs_hf import BLOCK, NUM_BLOCKS, TOL, _run
+
+STEPS = 8
+BLOCKS = [9, 3, 41, 7, 22, 15]
+
+
+def _greedy_logits(model, prompt: list[int]) -> torch.Tensor:
+    """[1 + STEPS, vocab]: the prompt's last logits, then each greedy decode step's."""
+    c = model.config
+    cache = PagedKVCache(KVLayout(c.num_layers, model.num_kv_heads, c.head_dim, BLOCK,
+                                  "float32"), NUM_BLOCKS)
+    out = [_run(model, cache, prefills=[(prompt, 0, BLOCKS)])[-1]]
+    seq = list(prompt)
+    for _ in range(STEPS):
+        seq.append(int(out[-1].argmax()))
+        out.append(_run(model, cache, decodes=[(seq[-1], len(seq) - 1, BLOCKS)])[0])
+    return torch.stack(out)
+
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def _rank(rank: int, size: int, port: int, models: list[tuple[str, str, list[int]]],
+          out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    try:
+        for arch, model_dir, prompt in models:
+            model = load_model(model_dir, create_attention_backend("cpu"), progress=False,
+                               tp=TensorParallel(rank, size))
+            c, mlp = model.config, model.layers[0].mlp
+            assert model.lm_head.out_features == c.vocab_size // size  # its share only
+            assert mlp.down_proj.in_features == c.intermediate_size // size
+            assert model.num_kv_heads == max(1, c.num_kv_heads // size)
+            torch.save(_greedy_logits(model, prompt), Path(out) / f"{arch}-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_tensor_parallel_group_computes_one_process_logits(tiny_models, size, tmp_path):
+    models, want = [], {}
+    for i, arch in enumerate(ARCHS):
+        one = load_model(tiny_models[arch], create_attention_backend("cpu"), progress=False)
+        g = torch.Generator().manual_seed(3 + i)
+        prompt = torch.randint(0, one.config.vocab_size, (37,), generator=g).tolist()
+        want[arch] = _greedy_logits(one, prompt)
+        models.append((arch, str(tiny_models[arch]), prompt))
+    mp.start_processes(_rank, args=(size, free_port(), models, str(tmp_path)), nprocs=size,
+                       start_method="spawn")
+    for arch in ARCHS:
+        for rank in range(size):  # every rank has the whole logits (all-gathered)
+            got = torch.load(tmp_path / f"{arch}-rank{rank}.pt")
+            torch.testing.assert_close(got, want[arch], **TOL)
+            assert got.argmax(-1).tolist() == want[arch].argmax(-1).tolist(), (arch, rank)
+
+
+def test_a_group_that_cannot_split_the_model_is_refused(tiny_models):
+    from common.models.config import ModelConfig
+    cfg = ModelConfig.from_pretrained(tiny_models["llama"])
+    with pytest.raises(ValueError, match="must divide"):
+        TensorParallel(0, 3).check(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size,
+                                   cfg.vocab_size)
+    with pytest.raises(ValueError, match="KV heads"):
+        TensorParallel(0, 8).check(16, 3, 64, 64)
+    with pytest.raises(ValueError, match="rank"):
+        TensorParallel(2, 2)
