@@ -14,7 +14,7 @@ from common.models.config import ModelConfig
 from common.models.gguf import GGUFCheckpoint, find_gguf
 from common.models.ops import ModelOps
 from common.models.packed_linear import pack_linears, packs
-from common.models.parallel import TensorParallel, VocabParallelEmbedding
+from common.models.parallel import PipelineParallel, TensorParallel, VocabParallelEmbedding
 from kernels import reference
 
 
@@ -107,23 +107,30 @@ class LlamaForCausalLM(nn.Module):
     rope_sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 tp: TensorParallel | None = None):
-        """With `tp`, this rank's part of a tensor-parallel group (parallel.py)."""
+                 tp: TensorParallel | None = None, pp: PipelineParallel | None = None):
+        """With `tp`, this rank's part of a tensor-parallel group; with `pp`, its stage of a
+        pipeline: its layers only, the embedding on the first stage, the final norm and LM
+        head on the last (parallel.py)."""
         super().__init__()
         self.config = cfg
-        self.tp = tp
+        self.tp, self.pp = tp, pp
         if tp is not None:
             tp.check(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
-        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size) \
-            if tp is None else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
+        self.first_layer, last_layer = pp.layers(cfg.num_layers) if pp else (0, cfg.num_layers)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding | None = None
+        if pp is None or pp.is_first:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None \
+                else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp)
+                                    for _ in range(last_layer - self.first_layer))
         self.ops = backend.ops
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // (tp.size if tp else 1),
-                                 bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.norm: RMSNorm | None = None
+        self.lm_head: nn.Linear | None = None
+        if pp is None or pp.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // (tp.size if tp else 1),
+                                     bias=False)
+        self.tie_weights()
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -135,15 +142,32 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden].
         on_layer(i) runs once layer i's KV for this step is in the cache."""
         rope = self.ops.rope_step(positions, self.rope_cos, self.rope_sin)
-        h, residual = self.embed_tokens(input_ids), None
+        if self.embed_tokens is not None:
+            h, residual = self.embed_tokens(input_ids), None
+        else:  # a later pipeline stage: the stage before's hidden states and residual stream
+            assert self.pp is not None
+            h, residual = self.pp.recv(len(input_ids), self.config.hidden_size,
+                                       self.rope_cos.dtype, input_ids.device)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             h, residual = layer(h, residual, rope, kv_cache, meta)
             if on_layer is not None:
                 on_layer(i)
+        if self.norm is None:  # not the last stage: on to the next one
+            assert self.pp is not None and residual is not None
+            self.pp.send(h, residual)
+            return h
         return self.norm(h, residual)[0]
+
+    def tie_weights(self) -> None:
+        """The LM head reads the embedding's weights (tied checkpoints), where a stage has
+        both; a last stage without the embedding loads them into its LM head."""
+        if self.config.tie_word_embeddings and self.lm_head is not None and \
+                self.embed_tokens is not None:
+            self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "logits come from the last pipeline stage"
         logits = self.lm_head(hidden).float()
         return logits if self.tp is None else self.tp.all_gather_last(logits)
 
@@ -157,17 +181,20 @@ class LlamaForCausalLM(nn.Module):
         own = dict(self.named_parameters())
         loaded = set()
         for name, tensor in tensors:
-            key, rows = self._fused_rows(name.removeprefix("model."))
+            local = self._stage_name(name.removeprefix("model."))
+            if local is None:
+                continue  # another pipeline stage's
+            key, rows = self._fused_rows(local)
             if key not in own:
                 continue
-            tensor = self._tp_part(name, tensor)
+            tensor = self._tp_part(local, tensor)
             param = own[key] if rows is None else own[key][rows[0]:rows[1]]
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
                                  f"model shape {tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(tensor.to(param.dtype))
-            loaded.add(name.removeprefix("model.") if rows is not None else key)
+            loaded.add(local if rows is not None else key)
         expected = {shard for key in own for shard in self._shards(key)}
         missing = expected - loaded
         if self.config.tie_word_embeddings:
@@ -175,6 +202,22 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint {source} lacks weights: {sorted(missing)[:8]}")
 
+
+    def _stage_name(self, key: str) -> str | None:
+        """A checkpoint name as this pipeline stage's parameter, or None for another stage's:
+        layers renumbered from the stage's first, the embedding into a last stage's LM head
+        where they are tied."""
+        if key.startswith("layers."):
+            _, index, rest = key.split(".", 2)
+            i = int(index) - self.first_layer
+            return f"layers.{i}.{rest}" if 0 <= i < len(self.layers) else None
+        if key.startswith("embed_tokens.") and self.embed_tokens is None:
+            tied = self.config.tie_word_embeddings and self.lm_head is not None
+            return key.replace("embed_tokens", "lm_head") if tied else None
+        if (key.startswith("lm_head.") and self.lm_head is None) or \
+                (key.startswith("norm.") and self.norm is None):
+            return None
+        return key
 
     def _tp_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows (column-parallel, vocab-parallel) or columns (row-parallel) of a
@@ -247,7 +290,8 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 def load_model(model_dir: str | Path, backend: AttentionBackend,
                dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", prepack: bool = True,
-               progress: bool = True, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+               progress: bool = True, tp: TensorParallel | None = None,
+               pp: PipelineParallel | None = None) -> LlamaForCausalLM:
     """From a HF checkpoint directory (*.safetensors), a .gguf file or a directory holding one
     (dequantized to float32, then cast to `dtype`). On a CPU, `prepack` packs the linear
     weights once for oneDNN (packed_linear.py) where that serves the dtype. `progress`: a
@@ -267,12 +311,11 @@ def load_model(model_dir: str | Path, backend: AttentionBackend,
         tensors = tqdm(tensors, total=num_tensors, desc=f"Loading {kind} weights",
                        unit="tensor", disable=None, dynamic_ncols=True)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, tp)
+        model = LlamaForCausalLM(cfg, backend, tp, pp)
     model = model.to_empty(device="cpu")
     # rope buffers are not in the checkpoint: recompute them off the meta device
     model.rope_cos, model.rope_sin = rope_tables(cfg)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_weights()
     model.load_weights(tensors, str(model_dir))
     model = model.to(device=device, dtype=dtype).train(False)  # inference mode for every module
     if prepack and packs(dtype, device):

@@ -80,3 +80,45 @@ class VocabParallelEmbedding(torch.nn.Module):
         out = torch.nn.functional.embedding(torch.where(mine, ids - self.start, 0), self.weight)
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return self.tp.all_reduce(out)
+
+
+@dataclass(frozen=True)
+class PipelineParallel:
+    """Stage `stage` of `size`: a contiguous run of the layers, the embedding on the first
+    stage, the final norm and LM head on the last. Between stages the hidden states and the
+    residual stream go point to point to the next stage's rank(s) (`prev`, `next`: global
+    ranks of this rank's peers; with tensor parallelism each TP rank talks to its namesake)."""
+    stage: int
+    size: int
+    prev: int = -1
+    next: int = -1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stage < self.size:
+            raise ValueError(f"stage {self.stage} is not in a pipeline of {self.size}")
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def layers(self, num_layers: int) -> tuple[int, int]:
+        """[start, end) of this stage's layers: an even split, the first stages one more."""
+        if num_layers < self.size:
+            raise ValueError(f"--pipeline-parallel-size {self.size} exceeds the model's "
+                             f"{num_layers} layers")
+        k, extra = divmod(num_layers, self.size)
+        start = self.stage * k + min(self.stage, extra)
+        return start, start + k + (self.stage < extra)
+
+    def send(self, h: torch.Tensor, residual: torch.Tensor) -> None:
+        dist.send(torch.stack([h, residual]).contiguous(), self.next)
+
+    def recv(self, num_tokens: int, hidden: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.empty(2, num_tokens, hidden, dtype=dtype, device=device)
+        dist.recv(both, self.prev)
+        return both[0], both[1]

@@ -83,3 +83,76 @@ def test_a_group_that_cannot_split_the_model_is_refused(tiny_models):
         TensorParallel(0, 8).check(16, 3, 64, 64)
     with pytest.raises(ValueError, match="rank"):
         TensorParallel(2, 2)
+
+
+def _stage(rank: int, world: int, tp_size: int, port: int,
+           models: list[tuple[str, str, list[int], list[int]]], out: str) -> None:
+    """Rank `rank` of a pipeline of world / tp_size stages, each a tensor-parallel group of
+    tp_size: ranks stage * tp_size + t. Every stage runs the same steps (the reference's greedy
+    tokens as input); the last stage's ranks save the logits."""
+    from common.models.parallel import PipelineParallel
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        stages = world // tp_size
+        groups = [dist.new_group([s * tp_size + t for t in range(tp_size)])
+                  for s in range(stages)]  # every rank makes every group
+        stage, t = divmod(rank, tp_size)
+        tp = TensorParallel(t, tp_size, groups[stage]) if tp_size > 1 else None
+        pp = PipelineParallel(stage, stages, prev=rank - tp_size, next=rank + tp_size)
+        for arch, model_dir, prompt, tokens in models:
+            model = load_model(model_dir, create_attention_backend("cpu"), progress=False,
+                               tp=tp, pp=pp)
+            c = model.config
+            first, last = pp.layers(c.num_layers)
+            assert len(model.layers) == last - first
+            assert (model.embed_tokens is None) != pp.is_first
+            assert (model.lm_head is None) != pp.is_last
+            cache = PagedKVCache(KVLayout(len(model.layers), model.num_kv_heads, c.head_dim,
+                                          BLOCK, "float32"), NUM_BLOCKS)
+            steps = [_stage_forward(model, cache, prefills=[(prompt, 0, BLOCKS)])]
+            seq = list(prompt)
+            for tok in tokens:
+                seq.append(tok)
+                steps.append(_stage_forward(model, cache,
+                                            decodes=[(tok, len(seq) - 1, BLOCKS)]))
+            if pp.is_last:
+                logits = torch.stack([model.compute_logits(h)[-1] for h in steps])
+                torch.save(logits, Path(out) / f"{arch}-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _stage_forward(model, cache, prefills=(), decodes=()):
+    """_run's forward without the logits (a stage before the last has none)."""
+    from common.models.attention import AttentionMetadata
+    ids, pos = [], []
+    for tok, n, _ in decodes:
+        ids.append(tok)
+        pos.append(n)
+    for toks, n, _ in prefills:
+        ids += toks
+        pos += range(n, n + len(toks))
+    meta = AttentionMetadata.build([(n, b) for _, n, b in decodes],
+                                   [(n, len(t), b) for t, n, b in prefills], BLOCK)
+    return model(torch.tensor(ids), torch.tensor(pos), cache.layers, meta)
+
+
+@pytest.mark.parametrize("stages,tp_size", [(2, 1), (2, 2)], ids=["P2", "T2xP2"])
+def test_a_pipeline_computes_one_process_logits(tiny_models, stages, tp_size, tmp_path):
+    models, want = [], {}
+    for i, arch in enumerate(ARCHS):
+        one = load_model(tiny_models[arch], create_attention_backend("cpu"), progress=False)
+        g = torch.Generator().manual_seed(7 + i)
+        prompt = torch.randint(0, one.config.vocab_size, (37,), generator=g).tolist()
+        want[arch] = _greedy_logits(one, prompt)
+        tokens = want[arch].argmax(-1).tolist()[:STEPS]
+        models.append((arch, str(tiny_models[arch]), prompt, tokens))
+    world = stages * tp_size
+    mp.start_processes(_stage, args=(world, tp_size, free_port(), models, str(tmp_path)),
+                       nprocs=world, start_method="spawn")
+    for arch in ARCHS:
+        for rank in range(world - tp_size, world):  # the last stage's ranks
+            got = torch.load(tmp_path / f"{arch}-rank{rank}.pt")
+            torch.testing.assert_close(got, want[arch], **TOL)
