@@ -410,6 +410,20 @@ async def test_no_chat_template_is_400(
 # -- overload: stalled readers, one key's share -------------------------------------------------
 
 
+def _stalled_reader(url: str, body: dict) -> socket.socket:
+    """A client that posts a completion and reads nothing of its answer, with a receive
+    buffer as small as the kernel allows."""
+    host, port = url.removeprefix("http://").split(":")
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect((host, int(port)))
+    payload = json.dumps(body).encode()
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                    b"application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(payload), payload))
+    return stalled
+
+
 async def test_a_stalled_reader_is_cut_off_and_others_stream_on(model_dir: str,
                                                                 tokenizer: Tokenizer) -> None:
     """A client that sends a streaming request and then reads nothing: once the socket buffers
@@ -420,14 +434,7 @@ async def test_a_stalled_reader_is_cut_off_and_others_stream_on(model_dir: str,
            "ignore_eos": True}
     async with fake_gateway(model_dir, tokenizer, scheduler, max_model_len=4096,
                             stream_write_timeout_s=1.0) as gw:
-        host, port = gw.url.removeprefix("http://").split(":")
-        stalled = socket.socket()
-        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        stalled.connect((host, int(port)))
-        payload = json.dumps(big).encode()
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                        b"application/json\r\ncontent-length: %d\r\n\r\n%s"
-                        % (len(payload), payload))
+        stalled = _stalled_reader(gw.url, big)
         try:
             await wait_for(lambda: gw.scheduler.requests, 15)
             sent = gw.scheduler.requests[0].request_id
@@ -452,14 +459,7 @@ async def test_a_stalled_reader_of_a_whole_response_is_cut_off(model_dir: str,
     big = {"prompt": "x", "max_tokens": 4000, "n": 8, "logprobs": 20, "ignore_eos": True}
     async with fake_gateway(model_dir, tokenizer, scheduler, max_model_len=4096,
                             stream_write_timeout_s=1.0) as gw:
-        host, port = gw.url.removeprefix("http://").split(":")
-        stalled = socket.socket()
-        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        stalled.connect((host, int(port)))
-        payload = json.dumps(big).encode()
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                        b"application/json\r\ncontent-length: %d\r\n\r\n%s"
-                        % (len(payload), payload))
+        stalled = _stalled_reader(gw.url, big)
         try:
             await wait_for(lambda: gw.scheduler.finished, 15)
             async with http_client(gw.url) as http:

@@ -6,9 +6,21 @@ from common.worker.telemetry import WorkerTelemetry
 from services.scheduler.block_hash import extend_block_hashes
 from tests.unit.test_scheduler_inprocess import _greedy, _prompt, cluster, hf  # noqa: F401
 
+PROMPT = _prompt(23, 30)  # blocks of 4: 5 full + 3 tokens
+
 
 def _by_role(c, role):
     return next(w for w in c.sched.workers.values() if w.role == role)
+
+
+def _first_then_evicted(c) -> list[int]:
+    """Serves PROMPT ("first"), then a prompt as long as a 12-block cache ("other"), which
+    evicts every block of first's wherever it ran; returns PROMPT."""
+    c.submit("first", PROMPT, max_tokens=6)
+    c.run()
+    c.submit("other", _prompt(45, 31), max_tokens=2)
+    c.run()
+    return PROMPT
 
 
 @pytest.mark.parametrize("roles", [
@@ -57,11 +69,7 @@ def test_without_a_tier_the_evicted_prefix_is_recomputed(cluster, hf):  # noqa: 
     c = cluster([("decode", 12)])
     w = _by_role(c, "decode")
     worker = c.workers[w.worker_id]
-    prompt = _prompt(23, 30)
-    c.submit("first", prompt, max_tokens=6)
-    c.run()
-    c.submit("other", _prompt(45, 31), max_tokens=2)
-    c.run()
+    prompt = _first_then_evicted(c)
     computed = worker.counters.prompt_tokens_computed
     c.submit("again", prompt, max_tokens=6)
     c.run()
@@ -94,11 +102,7 @@ def host_pair(cluster):  # noqa: F811
 
 def test_a_prefix_one_worker_computed_another_loads_from_the_host_tier(host_pair, hf):  # noqa: F811
     c, a, b = host_pair
-    prompt = _prompt(23, 30)
-    c.submit("first", prompt, max_tokens=6)
-    c.run()
-    c.submit("other", _prompt(45, 31), max_tokens=2)  # evicts first's blocks on a: stored
-    c.run()
+    prompt = _first_then_evicted(c)  # evicted first's blocks on a: stored
     assert (_computed(c, a), _computed(c, b)) == (23 + 45, 0)
     assert c.workers[a].counters.tier_blocks_stored >= 5
     c.submit("busy", _prompt(5, 32), max_tokens=30)  # keeps a full: b takes the next one
@@ -148,11 +152,7 @@ def test_a_decode_worker_loads_from_the_host_tier_what_would_cross(cluster, hf):
     c = cluster([("prefill", 12), ("decode", 12)], prefill_bypass_threshold=0,
                 worker_kw={"kv_offloading_blocks": 32, "kv_offloading_backend": "host"})
     p, d = (_by_role(c, r).worker_id for r in ("prefill", "decode"))
-    prompt = _prompt(23, 30)
-    c.submit("first", prompt, max_tokens=6)
-    c.run()
-    c.submit("other", _prompt(45, 31), max_tokens=2)  # evicts first's blocks on both
-    c.run()
+    prompt = _first_then_evicted(c)  # evicted first's blocks on both
     sent = c.workers[p].counters.kv_blocks_sent
     c.submit("again", prompt, max_tokens=6)
     c.run()
@@ -170,11 +170,7 @@ def test_loads_planned_for_a_worker_that_then_has_nothing_else_still_run(cluster
     c = cluster([("prefill", 64), ("decode", 12)], prefill_bypass_threshold=0,
                 worker_kw={"kv_offloading_blocks": 32})
     p, d = (_by_role(c, r).worker_id for r in ("prefill", "decode"))
-    prompt = _prompt(23, 30)
-    c.submit("first", prompt, max_tokens=6)
-    c.run()
-    c.submit("other", _prompt(45, 31), max_tokens=2)  # evicts first's blocks on d
-    c.run()
+    prompt = _first_then_evicted(c)  # evicted first's blocks on d
     c.submit("again", prompt, max_tokens=6)
     plan = c.sched.schedule(p)
     dkv = c.sched.workers[d].kv

@@ -36,8 +36,9 @@ def _hf_logits(hf, ids):
         return hf(torch.tensor([ids])).logits[0]  # [len, vocab]
 
 
-def _run(model, cache, prefills=(), decodes=()):
-    """prefills: (token_ids, num_cached, block_ids); decodes: (token_id, num_cached, block_ids)."""
+def _forward(model, cache, prefills=(), decodes=()):
+    """The hidden states of one step. prefills: (token_ids, num_cached, block_ids); decodes:
+    (token_id, num_cached, block_ids)."""
     ids, pos = [], []
     for tok, n, _ in decodes:
         ids.append(tok)
@@ -47,8 +48,12 @@ def _run(model, cache, prefills=(), decodes=()):
         pos += range(n, n + len(toks))
     meta = AttentionMetadata.build([(n, b) for _, n, b in decodes],
                                    [(n, len(t), b) for t, n, b in prefills], BLOCK)
-    hidden = model(torch.tensor(ids), torch.tensor(pos), cache.layers, meta)
-    return model.compute_logits(hidden)
+    return model(torch.tensor(ids), torch.tensor(pos), cache.layers, meta)
+
+
+def _run(model, cache, prefills=(), decodes=()):
+    """The logits of one step (_forward's arguments)."""
+    return model.compute_logits(_forward(model, cache, prefills, decodes))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

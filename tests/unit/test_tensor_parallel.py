@@ -15,7 +15,7 @@ from common.models.attention import create_attention_backend
 from common.models.llama import load_model
 from common.models.parallel import TensorParallel
 from common.ports import free_port
-from tests.unit.test_model_vs_hf import BLOCK, NUM_BLOCKS, TOL, _run
+from tests.unit.test_model_vs_hf import BLOCK, NUM_BLOCKS, TOL, _forward, _run
 
 STEPS = 8
 BLOCKS = [9, 3, 41, 7, 22, 15]
@@ -35,6 +35,17 @@ def _greedy_logits(model, prompt: list[int]) -> torch.Tensor:
 
 
 ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def _references(tiny_models, seed: int) -> tuple[dict, dict]:
+    """Per arch: one process's greedy logits for a prompt of its own, and that prompt."""
+    want, prompts = {}, {}
+    for i, arch in enumerate(ARCHS):
+        one = load_model(tiny_models[arch], create_attention_backend("cpu"), progress=False)
+        g = torch.Generator().manual_seed(seed + i)
+        prompts[arch] = torch.randint(0, one.config.vocab_size, (37,), generator=g).tolist()
+        want[arch] = _greedy_logits(one, prompts[arch])
+    return want, prompts
 
 
 def _rank(rank: int, size: int, port: int, models: list[tuple[str, str, list[int]]],
@@ -57,13 +68,8 @@ def _rank(rank: int, size: int, port: int, models: list[tuple[str, str, list[int
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_a_tensor_parallel_group_computes_one_process_logits(tiny_models, size, tmp_path):
-    models, want = [], {}
-    for i, arch in enumerate(ARCHS):
-        one = load_model(tiny_models[arch], create_attention_backend("cpu"), progress=False)
-        g = torch.Generator().manual_seed(3 + i)
-        prompt = torch.randint(0, one.config.vocab_size, (37,), generator=g).tolist()
-        want[arch] = _greedy_logits(one, prompt)
-        models.append((arch, str(tiny_models[arch]), prompt))
+    want, prompts = _references(tiny_models, seed=3)
+    models = [(arch, str(tiny_models[arch]), prompts[arch]) for arch in ARCHS]
     mp.start_processes(_rank, args=(size, free_port(), models, str(tmp_path)), nprocs=size,
                        start_method="spawn")
     for arch in ARCHS:
@@ -111,11 +117,11 @@ def _stage(rank: int, world: int, tp_size: int, port: int,
             assert (model.lm_head is None) != pp.is_last
             cache = PagedKVCache(KVLayout(len(model.layers), model.num_kv_heads, c.head_dim,
                                           BLOCK, "float32"), NUM_BLOCKS)
-            steps = [_stage_forward(model, cache, prefills=[(prompt, 0, BLOCKS)])]
+            steps = [_forward(model, cache, prefills=[(prompt, 0, BLOCKS)])]
             seq = list(prompt)
             for tok in tokens:
                 seq.append(tok)
-                steps.append(_stage_forward(model, cache,
+                steps.append(_forward(model, cache,
                                             decodes=[(tok, len(seq) - 1, BLOCKS)]))
             if pp.is_last:
                 logits = torch.stack([model.compute_logits(h)[-1] for h in steps])
@@ -124,31 +130,11 @@ def _stage(rank: int, world: int, tp_size: int, port: int,
         dist.destroy_process_group()
 
 
-def _stage_forward(model, cache, prefills=(), decodes=()):
-    """_run's forward without the logits (a stage before the last has none)."""
-    from common.models.attention import AttentionMetadata
-    ids, pos = [], []
-    for tok, n, _ in decodes:
-        ids.append(tok)
-        pos.append(n)
-    for toks, n, _ in prefills:
-        ids += toks
-        pos += range(n, n + len(toks))
-    meta = AttentionMetadata.build([(n, b) for _, n, b in decodes],
-                                   [(n, len(t), b) for t, n, b in prefills], BLOCK)
-    return model(torch.tensor(ids), torch.tensor(pos), cache.layers, meta)
-
-
 @pytest.mark.parametrize("stages,tp_size", [(2, 1), (2, 2)], ids=["P2", "T2xP2"])
 def test_a_pipeline_computes_one_process_logits(tiny_models, stages, tp_size, tmp_path):
-    models, want = [], {}
-    for i, arch in enumerate(ARCHS):
-        one = load_model(tiny_models[arch], create_attention_backend("cpu"), progress=False)
-        g = torch.Generator().manual_seed(7 + i)
-        prompt = torch.randint(0, one.config.vocab_size, (37,), generator=g).tolist()
-        want[arch] = _greedy_logits(one, prompt)
-        tokens = want[arch].argmax(-1).tolist()[:STEPS]
-        models.append((arch, str(tiny_models[arch]), prompt, tokens))
+    want, prompts = _references(tiny_models, seed=7)
+    models = [(arch, str(tiny_models[arch]), prompts[arch], want[arch].argmax(-1).tolist()[:STEPS])
+              for arch in ARCHS]
     world = stages * tp_size
     mp.start_processes(_stage, args=(world, tp_size, free_port(), models, str(tmp_path)),
                        nprocs=world, start_method="spawn")
