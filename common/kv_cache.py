@@ -48,21 +48,23 @@ def create_segment(path: Path, nbytes: int) -> int:
 def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     """Removes the KV segments of workers that died without cleaning up (a crash, SIGKILL);
     works across containers sharing /dev/shm, where process ids mean nothing."""
-    removed = []
-    for path in shm_dir.glob(f"{SEGMENT_PREFIX}*"):
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            path.unlink(missing_ok=True)  # under the lock: nobody maps it in between
-            removed.append(path.name)
-        except BlockingIOError:
-            continue  # its owner is alive
-        finally:
-            os.close(fd)  # also drops the lock if we took it
-    return removed
+    return [path.name for path in shm_dir.glob(f"{SEGMENT_PREFIX}*") if _remove_if_unheld(path)]
+
+
+def _remove_if_unheld(path: Path) -> bool:
+    """Removes a segment nobody holds a lock on (its owners are gone); whether it did."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False  # gone already
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path.unlink(missing_ok=True)  # under the lock: nobody maps it in between
+        return True
+    except BlockingIOError:
+        return False  # an owner is alive
+    finally:
+        os.close(fd)  # also drops the lock if we took it
 
 
 def map_shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype,
@@ -165,17 +167,7 @@ class SharedTier:
             return
         os.close(self._fd)
         self._fd = None
-        try:
-            fd = os.open(self.path, os.O_RDWR)
-        except FileNotFoundError:
-            return  # swept already
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.path.unlink(missing_ok=True)
-        except BlockingIOError:
-            pass  # others still map it
-        finally:
-            os.close(fd)
+        _remove_if_unheld(self.path)
 
 
 def _lock_shared(path: Path) -> int | None:

@@ -71,7 +71,7 @@ class MLP(nn.Module):
         super().__init__()
         self.ops = ops
         self.tp = tp
-        inter = cfg.intermediate_size // (tp.size if tp else 1)
+        inter = per_rank(cfg.intermediate_size, tp)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
@@ -128,8 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if pp is None or pp.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // (tp.size if tp else 1),
-                                     bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, per_rank(cfg.vocab_size, tp), bias=False)
         self.tie_weights()
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -248,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         heads, kv_heads = local_heads(c, self.tp)
         q, kv = heads * c.head_dim, kv_heads * c.head_dim
-        inter = c.intermediate_size // (self.tp.size if self.tp else 1)
+        inter = per_rank(c.intermediate_size, self.tp)
         return {"self_attn.qkv_proj": [("self_attn.q_proj", q), ("self_attn.k_proj", kv),
                                        ("self_attn.v_proj", kv)],
                 "mlp.gate_up_proj": [("mlp.gate_proj", inter), ("mlp.up_proj", inter)]}
@@ -277,6 +276,11 @@ def local_heads(cfg: ModelConfig, tp: TensorParallel | None) -> tuple[int, int]:
         return cfg.num_heads, cfg.num_kv_heads
     k0, k1 = tp.kv_heads(cfg.num_heads, cfg.num_kv_heads)
     return cfg.num_heads // tp.size, k1 - k0
+
+
+def per_rank(n: int, tp: TensorParallel | None) -> int:
+    """One rank's even share of n rows (all of them without tensor parallelism)."""
+    return n // tp.size if tp else n
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

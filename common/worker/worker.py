@@ -5,7 +5,6 @@ No I/O here besides the KV transport calls the plan orders; the gRPC loop lives 
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -77,6 +76,7 @@ class Worker:
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-tier",
                                           initializer=torch.set_num_threads, initargs=(1,))
         self._ahead: Future[int] | None = None  # the running step's
+        self._copy_stream: torch.cuda.Stream | None = None  # its stream, beside a GPU
 
     def reset(self) -> None:
         """Forgets every request: the scheduler that planned them is gone (the cache's content,
@@ -218,11 +218,7 @@ class Worker:
         if self.tier is None:
             raise ValueError(f"step {plan.step_id} copies KV to a second tier this worker lacks")
         if plan.tier_stores:
-            start = time.time()
-            blocks, slots = zip(*plan.tier_stores)
-            copy_blocks(self.tier.tensor, slots, self.cache.tensor, blocks)
-            self._counts.tier_stored += len(blocks)
-            self._tier_copied("store", len(blocks), start)
+            self._counts.tier_stored += self._store(plan.tier_stores, "store")
         if plan.tier_loads:
             start = time.time()
             slots, blocks = zip(*plan.tier_loads)
@@ -235,14 +231,21 @@ class Worker:
         """Free cached blocks next in line for eviction into the tier, on a thread of its own
         (a stream of its own beside a GPU) while the step computes: nothing writes them before
         the step has answered."""
-        assert self.tier is not None, "stores ahead for a worker without a tier"
+        device = self.cache.tensor.device
+        if device.type != "cuda":
+            return self._store(copies, "store_ahead")
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        with on_device(device), torch.cuda.stream(self._copy_stream):
+            return self._store(copies, "store_ahead")
+
+    def _store(self, copies: list[tuple[int, int]], direction: str) -> int:
+        """(block, slot) copies into the tier; how many."""
+        assert self.tier is not None, "stores for a worker without a tier"
         start = time.time()
         blocks, slots = zip(*copies)
-        device = self.cache.tensor.device
-        with on_device(device), (torch.cuda.stream(torch.cuda.Stream(device))
-                                 if device.type == "cuda" else contextlib.nullcontext()):
-            copy_blocks(self.tier.tensor, slots, self.cache.tensor, blocks)
-            self._tier_copied("store_ahead", len(blocks), start)
+        copy_blocks(self.tier.tensor, slots, self.cache.tensor, blocks)
+        self._tier_copied(direction, len(blocks), start)
         return len(blocks)
 
     def _tier_copied(self, direction: str, blocks: int, start: float) -> None:

@@ -76,18 +76,19 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def find_tier(self, block_hashes: list[bytes], num_tokens: int, num_cached: int) -> int:
-        """How many blocks the tier holds of the sequence past its first num_cached (those the
-        cache holds), the last token's block never counting (as find_prefix)."""
+    def find_tier(self, block_hashes: list[bytes], num_tokens: int,
+                  num_cached: int) -> list[bytes]:
+        """The hashes of the blocks the tier holds of the sequence past its first num_cached
+        (those the cache holds), the last token's block never counting (as find_prefix)."""
         if self.tier is None:
-            return 0
-        return len(self.tier.find(block_hashes[num_cached:(num_tokens - 1) // self.block_size],
-                                  self.owner))
+            return []
+        run = block_hashes[num_cached:(num_tokens - 1) // self.block_size]
+        return run[:len(self.tier.find(run, self.owner))]
 
     def num_hit_blocks(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Blocks of the sequence it would not compute: cached, then in the tier after that."""
         cached = len(self.find_prefix(block_hashes, num_tokens))
-        return cached + self.find_tier(block_hashes, num_tokens, cached)
+        return cached + len(self.find_tier(block_hashes, num_tokens, cached))
 
     def can_fit(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
         held = self._blocks.get(request_id)

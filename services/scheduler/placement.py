@@ -36,7 +36,7 @@ class PrefixAware(Placement):
             prefix = w.kv.find_prefix(block_hashes, num_tokens - 1)
             if not w.kv.can_fit(req.request_id, num_tokens, prefix):
                 continue
-            held = len(prefix) + w.kv.find_tier(block_hashes, num_tokens - 1, len(prefix))
+            held = len(prefix) + len(w.kv.find_tier(block_hashes, num_tokens - 1, len(prefix)))
             # as much held: in the cache beats in the tier (no load to run)
             key = (-held, -len(prefix), len(w.kv.request_ids()), -w.kv.num_free_blocks)
             if best_key is None or key < best_key:

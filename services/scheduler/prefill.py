@@ -141,7 +141,7 @@ class Prefill:
         n = req.num_tokens
         hashes = req.hashes(w.kv.block_size)
         prefix = w.kv.find_prefix(hashes, n)
-        in_tier = hashes[len(prefix):len(prefix) + w.kv.find_tier(hashes, n, len(prefix))]
+        in_tier = w.kv.find_tier(hashes, n, len(prefix))
         hit = len(prefix) + len(in_tier)  # blocks not to compute: cached, or loaded from the tier
         todo = n - hit * w.kv.block_size
         if w.role == "decode" and self.workers.has_prefill and not req.prefill_locally and \

@@ -53,9 +53,6 @@ class TierPool:
         """Hashes held (pending ones too), least recently used first (tests, invariants)."""
         return list(self._slot_of)
 
-    def is_pending(self, slot: int) -> bool:
-        return slot in self._writer
-
     def store(self, block_hash: bytes, worker: str) -> int | None:
         """The slot `worker` is to copy a block of this hash into, pending until the step doing
         it answers; or None: the tier holds the hash already (it becomes the most recent), or

@@ -39,7 +39,7 @@ class Transfers:
         entries of a tier the two share), and dst expects the rest in its next plan."""
         hashes = req.hashes(dst.kv.block_size)
         cached = len(dst_prefix)
-        dst_tier = hashes[cached:cached + dst.kv.find_tier(hashes, req.num_tokens, cached)]
+        dst_tier = dst.kv.find_tier(hashes, req.num_tokens, cached)
         reserved = dst.kv.allocate_slots(req.request_id, req.num_tokens, dst_prefix, dst_tier)
         assert reserved is not None, "placement checked that the blocks fit"
         req.transfer_id = transfer_id

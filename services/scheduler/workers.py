@@ -111,7 +111,9 @@ class Workers(Mapping[str, WorkerState]):
 
     def leave(self, worker_id: str) -> WorkerState | None:
         w = self._by_id.pop(worker_id, None)
-        for tier_id, (_, holders) in list(self._shared_tiers.items()):
+        tier_id = w.tier_id if w is not None else ""
+        if tier_id in self._shared_tiers:
+            holders = self._shared_tiers[tier_id][1]
             holders.discard(worker_id)
             if not holders:  # its memory goes with the last worker that mapped it
                 del self._shared_tiers[tier_id]

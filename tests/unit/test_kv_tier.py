@@ -30,7 +30,7 @@ def admit(kv: KVCacheManager, rid: str, tokens: list[int]) -> tuple[int, int]:
     """As Prefill admits a prompt: (blocks hit in the cache, blocks loaded from the tier)."""
     h = hashes(tokens)
     prefix = kv.find_prefix(h, len(tokens))
-    in_tier = h[len(prefix):len(prefix) + kv.find_tier(h, len(tokens), len(prefix))]
+    in_tier = kv.find_tier(h, len(tokens), len(prefix))
     assert kv.allocate_slots(rid, len(tokens), prefix, in_tier) is not None
     kv.cache_blocks(rid, h, len(tokens))
     return len(prefix), len(in_tier)
@@ -197,7 +197,7 @@ def test_the_tier_never_hands_out_a_slot_twice_and_loads_read_what_was_stored(op
             continue
         h = hashes(tokens)
         prefix = kv.find_prefix(h, length)
-        in_tier = h[len(prefix):len(prefix) + kv.find_tier(h, length, len(prefix))]
+        in_tier = kv.find_tier(h, length, len(prefix))
         if kv.allocate_slots(f"r{i}", length, prefix, in_tier) is None:
             continue
         live.append(f"r{i}")
