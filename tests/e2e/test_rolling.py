@@ -65,6 +65,8 @@ def test_a_decode_worker_drains_before_it_leaves(rolling):
         os.kill(pid_of(rolling, "decode-worker"), signal.SIGTERM)
         got = {i: f.result() for i, f in running.items()}
     assert got == want
+    # the worker counted while it drains: wait for its restart, then for it to be back
+    wait_for(lambda: "`decode-worker` exited" in rolling.log.read_text()[len(before):])
     wait_for(lambda: workers_up(rolling, 3))
     log = rolling.log.read_text()[len(before):]
     assert "drained: it leaves" in log
