@@ -43,6 +43,9 @@ SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
     "fixed-held-chunk": ("pdserve, 32-token chunks beside the batch",  # no step-time target
                          ["--scheduler-args=--decode-step-target-ms=0"]),
     "colocated": ("pdserve colocated 0P+2D", ["--mode", "colocated", "--decode-workers", "2"]),
+    "torch-attention": ("pdserve, gather + SDPA attention",  # before the paged CPU kernels
+                        ["--prefill-worker-args=--attention-backend torch",
+                         "--decode-worker-args=--attention-backend torch"]),
     "offload": ("pdserve, 1 GiB KV tier per worker", ["--kv-offloading-size", "1"]),
     "offload-host": ("pdserve, 1 GiB KV tier per host", ["--kv-offloading-size", "1",
                                                         "--kv-offloading-backend", "host"]),

@@ -206,13 +206,16 @@ def test_padded_vocab_never_sampled():
     assert all(t < VOCAB for t in Sampler(VOCAB)(logits, rows).token_ids)
 
 
-@pytest.mark.parametrize("seeded", [False, True])
+@pytest.mark.parametrize("seeded", ["no", "yes", "half"])
 def test_distribution_matches_softmax(seeded):
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
     probs = logits.softmax(dim=-1)
     n = 4000
-    if seeded:  # a per-row generator per position: samples should still follow softmax
+    if seeded == "yes":  # a per-row generator per position: samples should still follow softmax
         rows = [make_row(temperature=1.0, seed=11, position=p) for p in range(n)]
+    elif seeded == "half":  # the unseeded rows' noise drawn apart from the seeded rows'
+        rows = [make_row(temperature=1.0, seed=11, position=p) if p % 2 else
+                make_row(temperature=1.0) for p in range(n)]
     else:
         rows = [make_row(temperature=1.0)] * n
     tokens = Sampler(6, seed=7)(logits.expand(n, -1), rows).token_ids
