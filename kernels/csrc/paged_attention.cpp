@@ -9,8 +9,9 @@
 //          positions), split between threads by cost (positions), so one long sequence among
 //          short ones keeps every thread busy; a sequence with several partitions is merged
 //          after (flash-decoding). A position's keys for every kv head are one contiguous row:
-//          rows are read whole, once each, prefetched ahead (the blocks jump): scores for the
-//          whole partition, softmax, then the weighted sum of the value rows.
+//          rows are read whole, once each, where they lie (bfloat16 widened to float in
+//          registers), prefetched a fixed number of bytes ahead (the blocks jump): scores for
+//          the whole partition, softmax, then the weighted sum of the value rows.
 // prefill: a chunk of queries per sequence over its cached prefix and itself (the chunk's keys
 //          are already written to the cache), causal. Work items are (sequence, kv head, tile
 //          of query tokens); the tile's G heads are packed into one [tokens * G, head_dim]
@@ -75,9 +76,9 @@ using at::BFloat16;
 constexpr int64_t kVec = fVec::size();
 constexpr int64_t kPartition = 512;      // decode positions per work item
 #ifndef PDSERVE_AHEAD
-#define PDSERVE_AHEAD 4
+#define PDSERVE_AHEAD 4096
 #endif
-constexpr int64_t kAhead = PDSERVE_AHEAD;           // decode: rows prefetched ahead of use
+constexpr int64_t kAheadBytes = PDSERVE_AHEAD;  // decode: bytes of rows prefetched ahead of use
 constexpr int64_t kQueryRows = 128;      // prefill: query rows (tokens x group heads) per tile
 constexpr int64_t kKeyTile = 256;        // prefill: keys per packed tile (rounded to blocks)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -129,24 +130,23 @@ inline void axpy(float* acc, float w, const float* x, int64_t n) {
 
 // out[g * stride] = q[g] . k for the G query heads of one kv head: each vector of k is loaded
 // once for up to four heads at a time. Whole vectors only (D % kVec == 0).
-template <int kG>
-inline void group_dots_n(const float* q, const float* k, int64_t D, float* out, int64_t stride) {
+// k: float, or bfloat16 widened in registers (no copy of the row).
+template <int kG, typename T>
+inline void group_dots_n(const float* q, const T* k, int64_t D, float* out, int64_t stride) {
   fVec acc[kG];
   for (int g = 0; g < kG; ++g) acc[g] = fVec(0.f);
   for (int64_t d = 0; d < D; d += kVec) {
-    const fVec kv = fVec::loadu(k + d);
+    const fVec kv = load(k + d);
     for (int g = 0; g < kG; ++g) acc[g] = at::vec::fmadd(fVec::loadu(q + g * D + d), kv, acc[g]);
   }
   for (int g = 0; g < kG; ++g)
     out[g * stride] = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, acc[g]);
 }
 
-inline void group_dots(const float* q, const float* k, int64_t G, int64_t D, float* out,
+// Whole vectors only (D % kVec == 0); rows of other head dims go through as_float and dot.
+template <typename T>
+inline void group_dots(const float* q, const T* k, int64_t G, int64_t D, float* out,
                        int64_t stride) {
-  if (D % kVec != 0) {
-    for (int64_t g = 0; g < G; ++g) out[g * stride] = dot(q + g * D, k, D);
-    return;
-  }
   int64_t g = 0;
   for (; g + 4 <= G; g += 4) group_dots_n<4>(q + g * D, k, D, out + g * stride, stride);
   switch (G - g) {
@@ -157,15 +157,13 @@ inline void group_dots(const float* q, const float* k, int64_t G, int64_t D, flo
   }
 }
 
-// acc[g] += w[g * stride] * x for the G query heads of one kv head: x is loaded once per vector.
-inline void group_axpy(float* acc, const float* w, int64_t stride, const float* x, int64_t G,
+// acc[g] += w[g * stride] * x for the G query heads of one kv head: x is loaded once per vector
+// (float, or bfloat16 widened in registers). Whole vectors only, as group_dots.
+template <typename T>
+inline void group_axpy(float* acc, const float* w, int64_t stride, const T* x, int64_t G,
                        int64_t D) {
-  if (D % kVec != 0) {
-    for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, w[g * stride], x, D);
-    return;
-  }
   for (int64_t d = 0; d < D; d += kVec) {
-    const fVec xv = fVec::loadu(x + d);
+    const fVec xv = load(x + d);
     for (int64_t g = 0; g < G; ++g)
       at::vec::fmadd(fVec(w[g * stride]), xv, fVec::loadu(acc + g * D + d)).store(acc + g * D + d);
   }
@@ -315,6 +313,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 
   const int64_t P = decode_partition(lens, batch);
   const int64_t row_bytes = c.row_stride * sizeof(T);
+  // as many bytes ahead whatever the dtype: a bfloat16 row is half a float one
+  const int64_t ahead = std::max<int64_t>(1, kAheadBytes / row_bytes);
   std::vector<int64_t> first_partial(batch + 1);
   const auto items = decode_items(lens, batch, block_tables.size(1) * c.block_size, P,
                                   first_partial);
@@ -344,12 +344,20 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         const T* k = cache + (block * c.block_size + slot0) * c.row_stride;
         for (; p < stop; ++p, k += c.row_stride) rows[p - it.begin] = k;
       }
-      // scores[h, j] for every query head h: key rows once each
+      // scores[h, j] for every query head h: key rows once each, read in place where the head
+      // dim is whole vectors, else through a float copy of the row
+      const bool whole = D % kVec == 0;
       for (int64_t j = 0; j < n; ++j) {
-        if (j + kAhead < n) prefetch(rows[j + kAhead], row_bytes);
+        if (j + ahead < n) prefetch(rows[j + ahead], row_bytes);
+        if (whole) {
+          for (int64_t kh = 0; kh < c.num_kv_heads; ++kh)
+            group_dots(qf.data() + kh * G * D, rows[j] + kh * D, G, D,
+                       scores.data() + kh * G * P + j, P);
+          continue;
+        }
         const float* kf = as_float(rows[j], row.data(), c.row_stride);
-        for (int64_t kh = 0; kh < c.num_kv_heads; ++kh)
-          group_dots(qf.data() + kh * G * D, kf + kh * D, G, D, scores.data() + kh * G * P + j, P);
+        for (int64_t h = 0; h < H; ++h)
+          scores[h * P + j] = dot(qf.data() + h * D, kf + (h / G) * D, D);
       }
       for (int64_t h = 0; h < H; ++h) {
         float* s = scores.data() + h * P;
@@ -359,10 +367,16 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       // acc[h] = sum over p of weight[h, p] * value[p, h / G]: value rows once each
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        if (j + kAhead < n) prefetch(rows[j + kAhead] + c.value_offset, row_bytes);
+        if (j + ahead < n) prefetch(rows[j + ahead] + c.value_offset, row_bytes);
+        if (whole) {
+          for (int64_t kh = 0; kh < c.num_kv_heads; ++kh)
+            group_axpy(acc.data() + kh * G * D, scores.data() + kh * G * P + j, P,
+                       rows[j] + c.value_offset + kh * D, G, D);
+          continue;
+        }
         const float* vf = as_float(rows[j] + c.value_offset, row.data(), c.row_stride);
-        for (int64_t kh = 0; kh < c.num_kv_heads; ++kh)
-          group_axpy(acc.data() + kh * G * D, scores.data() + kh * G * P + j, P, vf + kh * D, G, D);
+        for (int64_t h = 0; h < H; ++h)
+          axpy(acc.data() + h * D, scores[h * P + j], vf + (h / G) * D, D);
       }
       for (int64_t h = 0; h < H; ++h) {
         float* a = acc.data() + h * D;
