@@ -3,8 +3,8 @@ OpenAI request per prompt (completions for token prompts, chat completions for c
 against any compatible server (pdserve or a baseline such as vLLM, with the same code),
 per-request timings, and their summary.
 
-Every request streams with greedy sampling and ignore_eos, so each server produces exactly
-max_tokens tokens. TTFT is the time to the first non-empty token chunk, TPOT the mean gap
+Every request streams with ignore_eos (greedy unless the caller sets a temperature), so each
+server produces exactly max_tokens tokens. TTFT is the time to the first non-empty token chunk, TPOT the mean gap
 between a request's later tokens, ITL every single gap; goodput counts the requests per second
 that met both the TTFT and the TPOT objective.
 """

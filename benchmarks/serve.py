@@ -138,6 +138,8 @@ def main() -> int:
     p.add_argument("--rates", type=float, nargs="+", help="a sweep instead of --rate")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy)")
     p.add_argument("--baseline", action="append", default=[], metavar="[NAME=]URL",
                    help="a running OpenAI-compatible server, compared first (repeatable)")
     p.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=["default"],
@@ -173,7 +175,8 @@ def main() -> int:
         try:
             for rate in rates:
                 recs, wall = asyncio.run(run_load(url, prompts, rate, args.max_tokens, args.seed,
-                                                  f"{name} @ {rate:g} req/s"))
+                                                  f"{name} @ {rate:g} req/s",
+                                                  {"temperature": args.temperature}))
                 records.setdefault(name, {})[rate] = recs
                 summaries.setdefault(name, {})[rate] = summarize(
                     recs, wall, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
@@ -184,6 +187,7 @@ def main() -> int:
     (out / "requests.json").write_text(json.dumps(
         {n: {str(r): records_json(v) for r, v in by.items()} for n, by in records.items()}))
     meta = {"workload": args.workload, "requests": len(prompts), "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
     (out / "summary.json").write_text(json.dumps(
         {**meta, "targets": {n: {str(r): s for r, s in by.items()}
