@@ -403,7 +403,7 @@ def test_short_prompts_bypass_a_busy_prefill_pool(cluster, hf):
 
 def test_colocated_mode_refuses_prefill_workers(cluster, tiny_llama):
     c = cluster([("decode", 16)], mode="colocated")
-    w, reg = build_worker(WorkerConfig(role="prefill", model=str(tiny_llama),
+    w, reg = build_worker(WorkerConfig(role="prefill", model=str(tiny_llama), dtype="float32",
                                        worker_id=f"test-p-{id(c)}", num_kv_blocks=4, block_size=4))
     w.cache.close()
     with pytest.raises(RegistrationError, match="colocated"):
