@@ -1,4 +1,5 @@
-"""Paged attention on the CPU (kernels/csrc/paged_attention.cpp): builder and launchers.
+"""The CPU kernels (kernels/csrc): builder and launchers. Paged attention
+(paged_attention.cpp) and the sampler's exponential race (sampling.cpp) are one extension.
 
 The extension is compiled once per instruction set; a worker runs the one torch itself
 dispatches to on this CPU (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2 or DEFAULT),
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "sampling.cpp"]  # and isa.h, which both include
 
 # PDSERVE_ISA selects the kernels' target and at::vec's vector width; the library's load-time
 # code is baseline, so every build loads anywhere (an image can carry all three)
@@ -42,7 +44,8 @@ def cache_dir() -> Path:
 
 def load(isa: str | None = None, verbose: bool = False):
     """The ops of the build for `isa` (default: this CPU's), compiling it on first use.
-    Returns the `torch.ops` namespace holding paged_decode_attention and paged_prefill_attention."""
+    Returns the `torch.ops` namespace holding paged_decode_attention, paged_prefill_attention
+    and exponential_race."""
     isa = isa or cpu_isa()
     if isa not in ISA_FLAGS:
         raise ValueError(f"unknown instruction set {isa!r}; known: {', '.join(ISA_FLAGS)}")
@@ -52,7 +55,8 @@ def load(isa: str | None = None, verbose: bool = False):
             name = f"pdserve_attention_{isa.lower()}"
             build = cache_dir() / f"torch{torch.__version__}" / name
             build.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
+            cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
+                               build_directory=str(build),
                                extra_cflags=["-O3", "-fopenmp", f"-DPDSERVE_OPS={name}",
                                              *ISA_FLAGS[isa]],
                                # at::parallel_for is inline OpenMP: the same libgomp as torch's
@@ -110,4 +114,14 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     reduced = q.dtype == torch.bfloat16 and has_amx()
     (ops or load()).paged_prefill_attention(q, kv_cache, block_tables, query_start_loc,
                                             num_cached, scale, reduced, out)
+    return out
+
+
+def exponential_race(probs: torch.Tensor, keys: torch.Tensor, logits: bool = False,
+                     ops=None) -> torch.Tensor:
+    """[rows] one token per row of probs [rows, vocab] (float32, rows need not sum to 1; with
+    `logits`, log-weights, exponentiated in passing): the exponential race, its noise a function
+    of the row's key (int64 [rows]) and the token alone (reference.exponential_race)."""
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    (ops or load()).exponential_race(probs, keys, logits, out)
     return out

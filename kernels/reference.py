@@ -127,3 +127,30 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=cols <= rows, scale=scale,
                                              enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)  # [chunk, heads, head_dim]
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding 32-bit values (products wrap; the mask keeps 32 bits)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def exponential_race(probs: torch.Tensor, keys: list[int], logits: bool = False) -> torch.Tensor:
+    """[B] one draw per row of probs [B, V] (rows need not sum to 1; with `logits`, log-weights):
+    argmax over i of probs[b, i] / E[b, i], E = -log U, U the top 24 bits of a hash of
+    (keys[b], i) centred in their interval; keys are 64-bit. The sampler's race on the CPU
+    (csrc/sampling.cpp)."""
+    if logits:
+        probs = (probs.double() - probs.double().amax(dim=-1, keepdim=True)).exp()
+    i = torch.arange(probs.shape[1], dtype=torch.int64, device=probs.device)
+    low = torch.tensor([k & _MASK32 for k in keys], device=probs.device).unsqueeze(1)
+    high = torch.tensor([(k >> 32) & _MASK32 for k in keys], device=probs.device).unsqueeze(1)
+    bits = _mix32((_mix32(i ^ low) + high) & _MASK32)
+    u = ((bits >> 8).double() + 0.5) / 2 ** 24
+    return (probs.double() / -torch.log(u)).argmax(dim=-1)

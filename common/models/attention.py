@@ -182,7 +182,7 @@ class CpuAttentionBackend(AttentionBackend):
     def __init__(self):
         from kernels import cpu_attention
         self._kernels = cpu_attention
-        self._ops = cpu_attention.load()
+        self.library = cpu_attention.load()  # the CPU kernels' ops (the sampler's race too)
         self.ops = TorchOps()
 
     def forward(self, q, k, v, kv_cache, meta, scale):
@@ -193,11 +193,11 @@ class CpuAttentionBackend(AttentionBackend):
         if n:
             self._kernels.paged_decode_attention(q[:n], kv_cache, meta.decode_block_tables,
                                                  meta.decode_seq_lens, scale, out=out[:n],
-                                                 ops=self._ops)
+                                                 ops=self.library)
         if meta.prefills:
             self._kernels.paged_prefill_attention(q[n:], kv_cache, meta.prefill_block_tables,
                                                   meta.query_start_loc, meta.prefill_num_cached,
-                                                  scale, out=out[n:], ops=self._ops)
+                                                  scale, out=out[n:], ops=self.library)
         return out
 
 

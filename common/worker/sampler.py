@@ -8,10 +8,12 @@ Pipeline, all vectorized over the batch:
                         --> greedy rows: argmax
                         --> random rows: / temperature --> top_k, top_p, min_p (one sort)
                               --> softmax --> argmax(probs / Exp(1) noise)
+                                  (the CPU kernel exponentiates in passing, no softmax written)
 
-The Exp(1) noise (-log U) of a row with a seed comes from its own generator, seeded by (seed,
-position), so a request resumed on another worker at the same position samples the same token
-whatever else shares the batch. Rows without a seed share the sampler's generator.
+The Exp(1) noise (-log U) of a row with a seed is a function of (seed, position) alone (its
+own generator, or on the CPU a hash in the fused race kernel of csrc/sampling.cpp), so a request
+resumed on another worker at the same position samples the same token whatever else shares the
+batch. Rows without a seed take theirs from the sampler's generator.
 """
 
 from dataclasses import dataclass
@@ -89,7 +91,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
-    """Repetition, frequency and presence penalties as vLLM applies them; returns a new tensor.
+    """Repetition, frequency and presence penalties as vLLM applies them; returns a new tensor,
+    or logits itself when no row has a penalty.
 
     repetition (tokens in prompt OR output): logit > 0 -> logit / r, else logit * r
     frequency: logit -= f * count(token in output); presence: logit -= p * (token in output)
@@ -100,7 +103,6 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.
     out_rows = [i for i, r in enumerate(rows)
                 if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0]
     rep_rows_with_output = [i for i in rep_rows if rows[i].output_token_ids]
-    logits = logits.clone(memory_format=torch.contiguous_format)
     if not rep_rows and not out_rows:
         return logits
 
@@ -170,12 +172,25 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, order, logits_sort)
 
 
+def _processed(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
+    """logit_bias, penalties and min_tokens applied: a new tensor where any applies, logits
+    itself (never modified) where none does."""
+    out = apply_penalties(apply_logit_bias(logits, rows), rows)
+    if out is logits and any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
+        out = logits.clone()  # min_tokens masks in place
+    return apply_min_tokens(out, rows)
+
+
 class Sampler:
     """Samples one token per row from a step's logits; see the module docstring for the pipeline."""
 
-    def __init__(self, vocab_size: int, seed: int = 0):
+    def __init__(self, vocab_size: int, seed: int = 0, cpu_kernels=None):
+        """cpu_kernels: the CPU kernels' op library (kernels/cpu_attention.load()); with it rows
+        on the CPU race in one fused kernel, whose noise is a hash of each row's key (8-10x
+        faster than torch's generators there); without it, torch's generators draw the noise."""
         self.vocab_size = vocab_size
         self.seed = seed
+        self._cpu_kernels = cpu_kernels
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> SamplerOutput:
@@ -190,7 +205,7 @@ class Sampler:
             f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}"
         logits = logits[:, :self.vocab_size].float().contiguous()  # [B, V]
 
-        processed = apply_min_tokens(apply_penalties(apply_logit_bias(logits, rows), rows), rows)
+        processed = _processed(logits, rows)
         greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
         if all(greedy):
             token_ids = processed.argmax(dim=-1)
@@ -201,16 +216,17 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRequest],
                 greedy: list[bool]) -> torch.Tensor:
-        random_tokens = self.race(self._random_probs(logits, rows, greedy), rows)  # [B]
+        random_tokens = self.race(self._random_logits(logits, rows, greedy), rows,
+                                  logits=True)  # [B]
         if not any(greedy):
             return random_tokens
         greedy_t = torch.tensor(greedy, device=logits.device)  # [B]
         return torch.where(greedy_t, logits.argmax(dim=-1), random_tokens)
 
-    def _random_probs(self, logits: torch.Tensor, rows: list[SamplingRequest],
-                      greedy: list[bool]) -> torch.Tensor:
-        """[B, V]: processed logits / temperature, cut by top_k, top_p and min_p, softmaxed
-        (greedy rows at temperature 1)."""
+    def _random_logits(self, logits: torch.Tensor, rows: list[SamplingRequest],
+                       greedy: list[bool]) -> torch.Tensor:
+        """[B, V]: processed logits / temperature, cut to -inf by top_k, top_p and min_p
+        (greedy rows at temperature 1); logits itself where nothing applies."""
         device = logits.device
         vocab = logits.shape[1]
         temperatures = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
@@ -228,28 +244,34 @@ class Sampler:
                 torch.tensor(top_k, dtype=torch.long, device=device) if use_k else None,
                 torch.tensor(top_p, dtype=logits.dtype, device=device) if use_p else None,
                 torch.tensor(min_p, dtype=logits.dtype, device=device) if use_min_p else None)
-        return logits.softmax(dim=-1)  # [B, V]
+        return logits
 
     def distribution(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
         """[B, vocab_size]: the distribution each row samples from (what __call__ draws from),
         one-hot at the argmax for greedy rows."""
         logits = logits[:, :self.vocab_size].float().contiguous()
-        processed = apply_min_tokens(apply_penalties(apply_logit_bias(logits, rows), rows), rows)
+        processed = _processed(logits, rows)
         greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
-        probs = self._random_probs(processed, rows, greedy) if not all(greedy) else \
-            torch.zeros_like(processed)
+        probs = self._random_logits(processed, rows, greedy).softmax(dim=-1) \
+            if not all(greedy) else torch.zeros_like(processed)
         hot = torch.tensor(greedy, device=logits.device)
         one_hot = torch.zeros_like(processed).scatter_(1, processed.argmax(-1, keepdim=True), 1.0)
         return torch.where(hot.unsqueeze(1), one_hot, probs)
 
-    def race(self, probs: torch.Tensor, rows: list[SamplingRequest], salt: int = 0) -> torch.Tensor:
-        """[B] one token per row drawn from probs [B, V] (rows need not sum to 1): the
+    def race(self, probs: torch.Tensor, rows: list[SamplingRequest], salt: int = 0,
+             logits: bool = False) -> torch.Tensor:
+        """[B] one token per row drawn from probs [B, V] (rows need not sum to 1; with `logits`,
+        log-weights, softmaxed first or, in the CPU kernel, exponentiated in passing): the
         exponential race argmax(p / E), E ~ Exp(1) iid, drawn as -log(U) with U ~ U[0, 1)
         (on a CPU uniform_ and a vectorised log cost a quarter of exponential_). A seeded row's
         noise comes from (seed ^ salt, position) alone (its noise_seed where it has no seed);
         distinct salts give independent draws at one position; the other rows share the
         sampler's generator."""
         seeds = [r.params.seed if r.params.seed is not None else r.noise_seed for r in rows]
+        if self._cpu_kernels is not None and probs.device.type == "cpu":
+            return self._cpu_race(probs, rows, seeds, salt, logits)
+        if logits:
+            probs = probs.softmax(dim=-1)
         noise = torch.empty_like(probs)
         shared = [i for i, seed in enumerate(seeds) if seed is None]
         if len(shared) == len(rows):
@@ -266,6 +288,20 @@ class Sampler:
         # p / E NaN (0 / 0) or inf, so it is kept positive
         noise.log_().neg_().clamp_min_(torch.finfo(noise.dtype).tiny)
         return torch.div(probs, noise, out=noise).argmax(dim=-1)
+
+    def _cpu_race(self, probs: torch.Tensor, rows: list[SamplingRequest],
+                  seeds: list[int | None], salt: int, logits: bool) -> torch.Tensor:
+        """The race in the CPU kernel: a seeded row's key from (seed ^ salt, position) alone, the
+        other rows' from the sampler's generator."""
+        from kernels import cpu_attention
+        fresh = iter(torch.randint(0, 1 << 62, (seeds.count(None),),
+                                   generator=self._generator(probs.device)).tolist())
+        keys = [next(fresh) if seed is None else row_seed(seed ^ salt, r.position)
+                for r, seed in zip(rows, seeds)]
+        signed = torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys],
+                              dtype=torch.long)  # the kernel reads the 64 bits back unsigned
+        return cpu_attention.exponential_race(probs.float().contiguous(), signed, logits,
+                                              ops=self._cpu_kernels)
 
     def new_seed(self) -> int:
         """A seed from the sampler's own generator: an unseeded request's noise seed."""

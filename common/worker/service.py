@@ -119,7 +119,7 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     grammars = Grammars(cfg.model, mc.vocab_size)
     grammars.warm()
     speculative = cfg.speculative()
-    sampler = Sampler(mc.vocab_size, cfg.seed)
+    sampler = Sampler(mc.vocab_size, cfg.seed, cpu_kernels=getattr(backend, "library", None))
     draft = None
     if speculative is not None and speculative.method == "draft_model":
         draft = build_draft(speculative, model, backend, dtype, device, cfg, num_blocks,

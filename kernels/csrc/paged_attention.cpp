@@ -23,9 +23,6 @@
 // (a target pragma, and at::vec's CPU_CAPABILITY namespace): the library's load-time code stays
 // baseline, so any build loads on any x86 CPU and only calling a kernel needs its instructions.
 // The op namespace comes from PDSERVE_OPS, so that two builds can be loaded side by side.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -35,39 +32,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifndef PDSERVE_OPS
-#define PDSERVE_OPS pdserve_cpu
-#endif
-#ifndef PDSERVE_ISA
-#define PDSERVE_ISA 0
-#endif
-
-#if PDSERVE_ISA == 2
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2")
-#define __AVX512F__ 1
-#define __AVX512BW__ 1
-#define __AVX512VL__ 1
-#define __AVX512DQ__ 1
-#elif PDSERVE_ISA == 1
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,bmi,bmi2")
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
-// the pragma enables the instructions, not the macros the headers test for them
-#if PDSERVE_ISA != 0 && !defined(__AVX2__)
-#define __AVX2__ 1
-#define __AVX__ 1
-#define __FMA__ 1
-#define __F16C__ 1
-#endif
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
+#include "isa.h"
 
 namespace {
 
@@ -593,9 +558,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
 
 }  // namespace
 
-#if PDSERVE_ISA != 0
-#pragma GCC pop_options
-#endif
+PDSERVE_ISA_END
 
 // ---- the ops: checks and dispatch, compiled for any CPU ----
 

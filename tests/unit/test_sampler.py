@@ -23,6 +23,16 @@ def make_row(prompt=(1, 2, 3), output=(), eos=(0,), position=None, **params) -> 
     )
 
 
+@pytest.fixture(params=["torch", "cpu-kernel"])
+def new_sampler(request):
+    """Sampler(vocab, seed) drawing its noise with torch's generators, or in the CPU kernel."""
+    if request.param == "torch":
+        return Sampler
+    from kernels import cpu_attention
+    library = cpu_attention.load()
+    return lambda vocab, seed=0: Sampler(vocab, seed, cpu_kernels=library)
+
+
 def random_logits(num_rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
     return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
@@ -58,10 +68,10 @@ def test_tiny_top_p_is_greedy():
     assert Sampler(VOCAB)(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
 
 
-def test_mixed_greedy_and_random_rows():
+def test_mixed_greedy_and_random_rows(new_sampler):
     logits = random_logits(4)
     rows = [make_row(), make_row(temperature=1.0), make_row(), make_row(temperature=1.0, top_k=1)]
-    out = Sampler(VOCAB)(logits, rows).token_ids
+    out = new_sampler(VOCAB)(logits, rows).token_ids
     argmax = logits.argmax(dim=-1).tolist()
     assert [out[0], out[2], out[3]] == [argmax[0], argmax[2], argmax[3]]
 
@@ -85,41 +95,42 @@ def test_top_k_support():
     assert seen == set(logits[0].topk(4).indices.tolist())
 
 
-def test_seeded_row_independent_of_batch():
+def test_seeded_row_independent_of_batch(new_sampler):
     target = make_row(temperature=1.0, seed=42, position=17)
     logits = random_logits(6)
     others = [make_row(temperature=1.0), make_row(temperature=0.8, seed=7), make_row(),
               make_row(temperature=1.5, top_k=3)]
-    alone = Sampler(VOCAB, seed=0)(logits[:1], [target]).token_ids[0]
+    alone = new_sampler(VOCAB, seed=0)(logits[:1], [target]).token_ids[0]
     # the target row in other positions of a different batch, with a differently seeded sampler
     for slot in range(5):
         rows = others[:slot] + [target] + others[slot:]
         batch_logits = torch.cat([logits[1:1 + slot], logits[:1], logits[1 + slot:5]])
-        out = Sampler(VOCAB, seed=slot + 100)(batch_logits, rows).token_ids
+        out = new_sampler(VOCAB, seed=slot + 100)(batch_logits, rows).token_ids
         assert out[slot] == alone
 
 
-def test_seeded_request_resamples_identically():
+def test_seeded_request_resamples_identically(new_sampler):
     logits = random_logits(1, vocab=1000, seed=5) / 10  # flat: many likely tokens
     rows = [make_row(temperature=1.0, seed=2**64 - 1, position=p) for p in range(20)]
-    first = [Sampler(1000)(logits, [r]).token_ids[0] for r in rows]
-    again = [Sampler(1000, seed=9)(logits, [r]).token_ids[0] for r in rows]
+    first = [new_sampler(1000)(logits, [r]).token_ids[0] for r in rows]
+    again = [new_sampler(1000, seed=9)(logits, [r]).token_ids[0] for r in rows]
     assert first == again
 
 
-def test_seeded_positions_differ():
+def test_seeded_positions_differ(new_sampler):
     logits = torch.zeros(1, 1000)  # uniform over 1000 tokens
-    tokens = [Sampler(1000)(logits, [make_row(temperature=1.0, seed=3, position=p)]).token_ids[0]
+    sampler = new_sampler(1000)
+    tokens = [sampler(logits, [make_row(temperature=1.0, seed=3, position=p)]).token_ids[0]
               for p in range(50)]
     assert len(set(tokens)) >= 45  # 50 uniform draws from 1000: expect ~49 distinct
     assert len({row_seed(3, p) for p in range(1000)}) == 1000
     assert row_seed(3, 5) != row_seed(4, 5)
 
 
-def test_unseeded_sampler_is_reproducible_from_its_seed():
+def test_unseeded_sampler_is_reproducible_from_its_seed(new_sampler):
     logits = random_logits(64) / 3
     rows = [make_row(temperature=1.0)] * 64
-    assert Sampler(VOCAB, seed=5)(logits, rows).token_ids == Sampler(VOCAB, seed=5)(logits, rows).token_ids
+    assert new_sampler(VOCAB, seed=5)(logits, rows).token_ids == new_sampler(VOCAB, seed=5)(logits, rows).token_ids
 
 
 def _reference_penalties(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
@@ -207,7 +218,7 @@ def test_padded_vocab_never_sampled():
 
 
 @pytest.mark.parametrize("seeded", ["no", "yes", "half"])
-def test_distribution_matches_softmax(seeded):
+def test_distribution_matches_softmax(seeded, new_sampler):
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
     probs = logits.softmax(dim=-1)
     n = 4000
@@ -218,18 +229,18 @@ def test_distribution_matches_softmax(seeded):
                 make_row(temperature=1.0) for p in range(n)]
     else:
         rows = [make_row(temperature=1.0)] * n
-    tokens = Sampler(6, seed=7)(logits.expand(n, -1), rows).token_ids
+    tokens = new_sampler(6, seed=7)(logits.expand(n, -1), rows).token_ids
     counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
     expected = probs.double() * n
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 20.5  # chi-square, 5 degrees of freedom: p ~ 0.001
 
 
-def test_temperature_sharpens():
+def test_temperature_sharpens(new_sampler):
     logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
     n = 2000
     rows = [make_row(temperature=0.25)] * n
-    tokens = torch.tensor(Sampler(4, seed=1)(logits.expand(n, -1), rows).token_ids)
+    tokens = torch.tensor(new_sampler(4, seed=1)(logits.expand(n, -1), rows).token_ids)
     expected = (logits / 0.25).softmax(dim=-1)[0].item()
     assert math.isclose((tokens == 0).double().mean().item(), expected, abs_tol=0.04)
 

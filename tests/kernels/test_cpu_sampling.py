@@ -1,0 +1,90 @@
+"""The sampler's exponential race on the CPU (kernels/csrc/sampling.cpp) against
+kernels.reference.exponential_race, on the build this CPU takes and the portable one, 1 and 2
+threads; and the draws it makes follow the distribution."""
+import pytest
+import torch
+
+from kernels import cpu_attention, reference
+
+ISAS = sorted({cpu_attention.cpu_isa(), "DEFAULT"})
+
+
+@pytest.fixture(params=ISAS)
+def ops(request):
+    return cpu_attention.load(request.param)
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thr")
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _keys(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    high = torch.randint(0, 1 << 32, (n,), generator=gen).tolist()
+    low = torch.randint(0, 1 << 32, (n,), generator=gen).tolist()
+    return [h << 32 | lo for h, lo in zip(high, low)]  # full 64-bit keys, half past 2^63
+
+
+def _signed(keys: list[int]) -> torch.Tensor:
+    return torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys], dtype=torch.long)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 1000, 1003, 32000])
+def test_equals_reference(ops, threads, vocab):
+    """Vocabularies shorter than a vector, not a whole number of vectors or chunks, and a real
+    one; unnormalised rows, some with zeros."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 3 if vocab == 32000 else 40
+    probs = torch.rand((rows, vocab), generator=gen) ** 4
+    probs[::3, ::2] = 0.0
+    logits = probs.log()  # zeros to -inf
+    keys = _keys(rows, vocab)
+    out = cpu_attention.exponential_race(probs, _signed(keys), ops=ops)
+    assert out.tolist() == reference.exponential_race(probs, keys).tolist()
+    # the same weights as logits (shifted: only differences count), exponentiated in the kernel
+    out = cpu_attention.exponential_race(logits + 3.0, _signed(keys), True, ops=ops)
+    assert out.tolist() == reference.exponential_race(logits + 3.0, keys, True).tolist()
+
+
+def test_a_row_draws_the_same_whatever_shares_its_batch(ops):
+    gen = torch.Generator().manual_seed(1)
+    probs = torch.rand((16, 500), generator=gen)
+    keys = _keys(16, 1)
+    together = cpu_attention.exponential_race(probs, _signed(keys), ops=ops).tolist()
+    alone = [cpu_attention.exponential_race(probs[i:i + 1], _signed(keys[i:i + 1]), ops=ops)[0]
+             for i in range(16)]
+    assert together == [int(t) for t in alone]
+
+
+def test_zero_probabilities_are_never_drawn(ops):
+    probs = torch.zeros((500, 64))
+    probs[:, 7] = 1e-30  # tiny next to nothing: still the only token with mass
+    probs[:, 40] = 2e-30
+    out = cpu_attention.exponential_race(probs, _signed(_keys(500, 2)), ops=ops)
+    assert set(out.tolist()) == {7, 40}
+
+
+@pytest.mark.parametrize("logits", [False, True])
+def test_draws_follow_the_distribution(ops, logits):
+    p = torch.tensor([0.05, 0.3, 0.0, 0.15, 0.4, 0.1])
+    n = 20000
+    rows = (p.log() if logits else p).expand(n, -1).contiguous()
+    out = cpu_attention.exponential_race(rows, _signed(_keys(n, 3)), logits, ops=ops)
+    counts = torch.bincount(out, minlength=6).double()
+    assert counts[2] == 0
+    keep = p > 0
+    expected = p[keep].double() * n
+    chi2 = (((counts[keep] - expected) ** 2) / expected).sum().item()
+    assert chi2 < 18.5  # chi-square, 4 degrees of freedom: p ~ 0.001
+
+
+def test_bad_input_is_refused(ops):
+    probs = torch.rand((2, 10))
+    with pytest.raises(RuntimeError, match="keys"):
+        cpu_attention.exponential_race(probs, torch.zeros(3, dtype=torch.long), ops=ops)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_attention.exponential_race(probs.double(), torch.zeros(2, dtype=torch.long), ops=ops)
