@@ -117,11 +117,13 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     return out
 
 
-def exponential_race(probs: torch.Tensor, keys: torch.Tensor, logits: bool = False,
+def exponential_race(probs: torch.Tensor, keys: list[int], logits: bool = False,
                      ops=None) -> torch.Tensor:
     """[rows] one token per row of probs [rows, vocab] (float32, rows need not sum to 1; with
     `logits`, log-weights, exponentiated in passing): the exponential race, its noise a function
-    of the row's key (int64 [rows]) and the token alone (reference.exponential_race)."""
+    of the row's 64-bit key (unsigned) and the token alone (reference.exponential_race)."""
+    signed = torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys],
+                          dtype=torch.long)  # the kernel reads the 64 bits back unsigned
     out = torch.empty(probs.shape[0], dtype=torch.long)
-    (ops or load()).exponential_race(probs, keys, logits, out)
+    (ops or load()).exponential_race(probs.float().contiguous(), signed, logits, out)
     return out

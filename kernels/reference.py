@@ -132,18 +132,25 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
 _MASK32 = 0xFFFFFFFF
 
 
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for int64 tensors of 32-bit values, in halves of c so that no product
+    passes 2^49."""
+    low, high = c & 0xFFFF, c >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK32
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding 32-bit values (products wrap; the mask keeps 32 bits)."""
+    """lowbias32 on int64 tensors holding 32-bit values."""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
+    x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
+    x = _mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
 
 
 def exponential_race(probs: torch.Tensor, keys: list[int], logits: bool = False) -> torch.Tensor:
     """[B] one draw per row of probs [B, V] (rows need not sum to 1; with `logits`, log-weights):
-    argmax over i of probs[b, i] / E[b, i], E = -log U, U the top 24 bits of a hash of
+    argmax over i of probs[b, i] / E[b, i], E = -log U, U the top 23 bits of a hash of
     (keys[b], i) centred in their interval; keys are 64-bit. The sampler's race on the CPU
     (csrc/sampling.cpp)."""
     if logits:
@@ -152,5 +159,5 @@ def exponential_race(probs: torch.Tensor, keys: list[int], logits: bool = False)
     low = torch.tensor([k & _MASK32 for k in keys], device=probs.device).unsqueeze(1)
     high = torch.tensor([(k >> 32) & _MASK32 for k in keys], device=probs.device).unsqueeze(1)
     bits = _mix32((_mix32(i ^ low) + high) & _MASK32)
-    u = ((bits >> 8).double() + 0.5) / 2 ** 24
+    u = ((bits >> 9).double() + 0.5) / 2 ** 23
     return (probs.double() / -torch.log(u)).argmax(dim=-1)

@@ -230,6 +230,23 @@ _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "cpu": CpuAttentionBackend, "torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
 
 
+def cpu_kernels(backend: AttentionBackend, device: torch.device | str = "cpu"):
+    """The CPU kernels' op library for a worker on the CPU (the sampler races in it whatever
+    the attention backend): the cpu backend's own, else built or loaded here; None on a GPU or
+    where they cannot be built (then torch's generators draw the sampler's noise)."""
+    if torch.device(device).type != "cpu":
+        return None
+    if isinstance(backend, CpuAttentionBackend):
+        return backend.library
+    from kernels import cpu_attention
+    try:
+        return cpu_attention.load()
+    except (OSError, RuntimeError, ImportError) as e:
+        log.warning("the cpu kernels could not be built (%s): the sampler draws through torch",
+                    e)
+        return None
+
+
 def create_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
     """auto: triton when the model's tensors live on CUDA, else cpu; torch where the cpu kernels
     cannot be built (no C++ compiler), with a warning that says why."""

@@ -100,8 +100,8 @@ class DraftModel:
         batch = [make_row(r, out[r.request_id][0] if r.request_id in out else [])
                  for r, _ in requests]
         q = self.sampler.distribution(logits, batch)
-        # coupled: the target's own noise at each position; else a draw of the draft's own
-        tokens = self.sampler.race(q, batch, 0 if self.coupled else DRAFT_SALT).tolist()
+        # coupled: the target's own race at each position; else a draw of the draft's own
+        tokens = self.sampler.draw(logits, batch, 0 if self.coupled else DRAFT_SALT).tolist()
         for (r, _), token, q_row in zip(requests, tokens, q):
             drafts, qs = out.setdefault(r.request_id, ([], []))
             drafts.append(token)

@@ -148,28 +148,71 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch
     return logits
 
 
+# top_p looks for each row's nucleus among its most likely tokens first (one topk, no sort), and
+# a top_k up to MAX_CANDIDATES is cut from the same topk; a row past either (a flat distribution,
+# a larger top_k) is sorted whole
+TOP_P_CANDIDATES = 256
+MAX_CANDIDATES = 1024
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                             top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask to -inf what top_k, then top_p, then min_p remove; one sort for all three.
+    """Mask to -inf what top_k, then top_p, then min_p remove; returns a new tensor.
 
     top_k: [B] long in [1, V]; top_p: [B] float in (0, 1]; min_p: [B] float in [0, 1]; None skips.
-    At least the most likely token always survives.
+    At least the most likely token always survives. Each cut is a threshold on the row's logits
+    (a token tied with the last one kept stays), so one masked fill applies all three. The
+    candidates for top_k and top_p come from one topk: a sort of 64 x 32000 floats costs a CPU
+    core ~150 ms, a topk of 256 ~6 ms.
     """
+    rows, vocab = logits.shape
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    cut = torch.full((rows,), float("-inf"), dtype=logits.dtype, device=logits.device)  # [B]
+    if top_k is not None or top_p is not None:
+        k = top_k if top_k is not None else torch.full((rows,), vocab, device=logits.device)
+        bounded = k[k < vocab]  # rows that have a top_k
+        want = min(vocab, max(TOP_P_CANDIDATES if top_p is not None else 1,
+                              min(int(bounded.max()), MAX_CANDIDATES) if len(bounded) else 1))
+        values, _ = logits.topk(want, dim=-1)  # [B, want], most likely first
+        kept = torch.arange(want, device=logits.device) < k.unsqueeze(1)  # [B, want]
+        wide = (k > want) & (k < vocab)  # a top_k past the candidates
+        uncut = k >= vocab  # rows neither cut keeps whole
+        if top_p is not None:
+            # each candidate's probability in its row's distribution after top_k: that row's
+            # candidates hold all of it where top_k fits among them, else the whole row counts
+            masked = values.masked_fill(~kept, float("-inf"))
+            norm = torch.where(k <= want, masked.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+            probs = (masked - norm.unsqueeze(1)).exp()  # [B, want]
+            mass = probs.cumsum(dim=-1)
+            cuts = top_p < 1  # [B]; at 1 nothing is cut (the mass above saturates at 1.0)
+            uncut &= ~cuts
+            kept &= ((mass - probs) < top_p.unsqueeze(1)) | ~cuts.unsqueeze(1)
+            kept[:, 0] = True
+            # the nucleus lies among the candidates unless they hold less than top_p
+            wide |= cuts & (k > want) & (mass[:, -1] < top_p)
+        cut = values.gather(1, (kept.sum(dim=-1) - 1).unsqueeze(1)).squeeze(1)  # a prefix
+        cut[uncut] = float("-inf")
+        if bool(wide.any()):
+            p = top_p[wide] if top_p is not None else torch.ones_like(cut[wide])
+            cut[wide] = _sorted_cut(logits[wide], k[wide], p)
+    if min_p is not None:  # p < min_p * p_max, in logits: l < l_max + log(min_p)
+        floor = logits.amax(dim=-1) + min_p.log()
+        cut = torch.maximum(cut, floor)
+    return logits.masked_fill(logits < cut.unsqueeze(1), neg_inf)
+
+
+def _sorted_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R] the smallest logit top_k then top_p keep, for rows whose nucleus is too wide for the
+    candidates: the whole row sorted, least likely first, its tail dropped while the mass up to
+    and including a token is at most 1 - top_p."""
     vocab = logits.shape[1]
-    logits_sort, order = logits.sort(dim=-1, descending=False)  # [B, V], most likely last
-    if top_k is not None:
-        kth = logits_sort.gather(1, (vocab - top_k).unsqueeze(1))  # [B, 1]
-        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
-    if top_p is not None:
-        cum = logits_sort.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
-        drop = cum <= 1 - top_p.unsqueeze(1)
-        drop[:, -1] = False
-        logits_sort.masked_fill_(drop, float("-inf"))
-    if min_p is not None:
-        probs_sort = logits_sort.softmax(dim=-1)  # [B, V]
-        drop = probs_sort < min_p.unsqueeze(1) * probs_sort[:, -1:]
-        logits_sort.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, logits_sort)
+    ordered, _ = logits.sort(dim=-1)  # [R, V], most likely last
+    kth = ordered.gather(1, (vocab - top_k).unsqueeze(1))
+    masked = ordered.masked_fill(ordered < kth, float("-inf"))
+    drop = masked.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p.unsqueeze(1)
+    drop[:, -1] = False
+    first_kept = drop.sum(dim=-1)  # drop is a prefix
+    return masked.gather(1, first_kept.unsqueeze(1)).squeeze(1)
 
 
 def _processed(logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
@@ -186,8 +229,10 @@ class Sampler:
 
     def __init__(self, vocab_size: int, seed: int = 0, cpu_kernels=None):
         """cpu_kernels: the CPU kernels' op library (kernels/cpu_attention.load()); with it rows
-        on the CPU race in one fused kernel, whose noise is a hash of each row's key (8-10x
-        faster than torch's generators there); without it, torch's generators draw the noise."""
+        on the CPU race in one fused kernel whose noise is a hash of each row's key
+        (benchmarks/sampler.py); without it (a GPU, a CPU that cannot build the kernels) torch's
+        generators draw other noise, so a seeded request moved between the two kinds of worker
+        samples other tokens."""
         self.vocab_size = vocab_size
         self.seed = seed
         self._cpu_kernels = cpu_kernels
@@ -204,24 +249,26 @@ class Sampler:
         assert logits.shape[1] >= self.vocab_size, \
             f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}"
         logits = logits[:, :self.vocab_size].float().contiguous()  # [B, V]
+        token_ids = self._draw(logits, rows, 0)
+        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, rows))
 
+    def draw(self, logits: torch.Tensor, rows: list[SamplingRequest],
+             salt: int = 0) -> torch.Tensor:
+        """[B] the tokens __call__ samples, without logprobs; another salt draws independent
+        ones. A coupled draft draws with salt 0: the target's very race (noise and weights)."""
+        return self._draw(logits[:, :self.vocab_size].float().contiguous(), rows, salt)
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRequest], salt: int) -> torch.Tensor:
         processed = _processed(logits, rows)
         greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
         if all(greedy):
-            token_ids = processed.argmax(dim=-1)
-        else:
-            token_ids = self._sample(processed, rows, greedy)
-        token_ids_list = token_ids.tolist()
-        return SamplerOutput(token_ids_list, self._logprobs(logits, token_ids, rows))
-
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRequest],
-                greedy: list[bool]) -> torch.Tensor:
-        random_tokens = self.race(self._random_logits(logits, rows, greedy), rows,
+            return processed.argmax(dim=-1)
+        random_tokens = self.race(self._random_logits(processed, rows, greedy), rows, salt,
                                   logits=True)  # [B]
         if not any(greedy):
             return random_tokens
         greedy_t = torch.tensor(greedy, device=logits.device)  # [B]
-        return torch.where(greedy_t, logits.argmax(dim=-1), random_tokens)
+        return torch.where(greedy_t, processed.argmax(dim=-1), random_tokens)
 
     def _random_logits(self, logits: torch.Tensor, rows: list[SamplingRequest],
                        greedy: list[bool]) -> torch.Tensor:
@@ -298,10 +345,7 @@ class Sampler:
                                    generator=self._generator(probs.device)).tolist())
         keys = [next(fresh) if seed is None else row_seed(seed ^ salt, r.position)
                 for r, seed in zip(rows, seeds)]
-        signed = torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys],
-                              dtype=torch.long)  # the kernel reads the 64 bits back unsigned
-        return cpu_attention.exponential_race(probs.float().contiguous(), signed, logits,
-                                              ops=self._cpu_kernels)
+        return cpu_attention.exponential_race(probs, keys, logits, ops=self._cpu_kernels)
 
     def new_seed(self) -> int:
         """A seed from the sampler's own generator: an unseeded request's noise seed."""

@@ -40,7 +40,7 @@ from common.kv_cache import (
 from common.kv_layout import KVLayout
 from common.kv_transfer.base import KVReceiver, TransferConfig
 from common.kv_transfer.registry import create_listener, create_sender
-from common.models.attention import create_attention_backend
+from common.models.attention import cpu_kernels, create_attention_backend
 from common.models.llama import load_model
 from common.plans import Registration
 from common.tls import grpc_channel_credentials, scheduler_channel_options, warn_if_exposed
@@ -119,7 +119,7 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     grammars = Grammars(cfg.model, mc.vocab_size)
     grammars.warm()
     speculative = cfg.speculative()
-    sampler = Sampler(mc.vocab_size, cfg.seed, cpu_kernels=getattr(backend, "library", None))
+    sampler = Sampler(mc.vocab_size, cfg.seed, cpu_kernels=cpu_kernels(backend, device))
     draft = None
     if speculative is not None and speculative.method == "draft_model":
         draft = build_draft(speculative, model, backend, dtype, device, cfg, num_blocks,

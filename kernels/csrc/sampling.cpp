@@ -3,14 +3,18 @@
 // weights are exp(x[i] - max x), made in passing: the softmax is never written out.
 //
 // The noise is a function of the row's 64-bit key and i alone (a counter-based generator: two
-// rounds of a 32-bit integer hash), so a row's draw does not depend on the rows beside it, the
-// thread count or the instruction set. E = -log(U), U uniform on (0, 1) with 24 bits, its log a
-// polynomial (relative error below 1e-7); a row is walked in chunks that stay in L1: the noise of
-// a chunk first (a plain loop the compiler vectorises), then p / E and a running argmax in
-// vectors. Ties go to the lowest index, as torch.argmax. Rows run in parallel.
+// rounds of a 32-bit integer hash), so a row's draw does not depend on the rows beside it or
+// the thread count; builds for other instruction sets round E and exp differently in the last
+// bits, which changes a draw only on a near-tie. E = -log(U), U uniform on (0, 1) on a grid of
+// 2^23 points (each exact in float), its log by range reduction to [sqrt(1/2), sqrt(2)) and a
+// series (error about 1e-10, so E stays accurate as U -> 1); a row is walked in chunks that
+// stay in L1: the noise of a chunk first (a plain loop the compiler vectorises), then p / E and
+// a running argmax in vectors. Ties go to the lowest index, as torch.argmax. Rows run in
+// parallel.
 //
 // kernels/reference.py: exponential_race computes the same draw with torch ops.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -38,15 +42,19 @@ inline uint32_t random_bits(uint64_t key, uint32_t i) {
   return mix32(mix32(i ^ static_cast<uint32_t>(key)) + static_cast<uint32_t>(key >> 32));
 }
 
-// -log(u) for u in (0, 1]: u = m * 2^e with m in [1, 2), log(m) = 2 atanh(s), s = (m-1)/(m+1)
-// in [0, 1/3), by its series to s^11
+// -log(u) for u in (0, 1): u = m * 2^e with m in [sqrt(1/2), sqrt(2)) (for u near 1, e = 0 and
+// m - 1 is exact), log(m) = 2 atanh(s), s = (m-1)/(m+1) in (-0.172, 0.172), by its series to
+// s^11
 inline float neg_log(float u) {
   uint32_t bits;
   std::memcpy(&bits, &u, 4);
-  const float e = static_cast<float>(static_cast<int32_t>(bits >> 23) - 127);
+  float e = static_cast<float>(static_cast<int32_t>(bits >> 23) - 127);
   bits = (bits & 0x007fffffU) | 0x3f800000U;
   float m;
   std::memcpy(&m, &bits, 4);
+  const bool high = m > 1.41421356f;
+  m = high ? m * 0.5f : m;
+  e = high ? e + 1.f : e;
   const float s = (m - 1.f) / (m + 1.f), s2 = s * s;
   const float log_m =
       s * (2.f + s2 * (2.f / 3 + s2 * (2.f / 5 + s2 * (2.f / 7 + s2 * (2.f / 9 + s2 * (2.f / 11))))));
@@ -57,9 +65,10 @@ inline float neg_log(float u) {
 inline void exponential_noise(uint64_t key, int64_t begin, int64_t n, float* out) {
   for (int64_t j = 0; j < n; ++j) {
     const uint32_t bits = random_bits(key, static_cast<uint32_t>(begin + j));
-    // the top 24 bits, centred in their interval: u in (0, 1), never 0 or 1
-    const float u = (static_cast<float>(static_cast<int32_t>(bits >> 8)) + 0.5f) *
-                    (1.f / 16777216.f);
+    // the top 23 bits, centred in their interval: k + 0.5 < 2^23 is exact in float, so u is in
+    // (0, 1), never 0 or 1
+    const float u = (static_cast<float>(static_cast<int32_t>(bits >> 9)) + 0.5f) *
+                    (1.f / 8388608.f);
     out[j] = neg_log(u);
   }
 }
@@ -79,6 +88,8 @@ float row_max(const float* x, int64_t n) {
 int64_t race_row(const float* p, int64_t vocab, uint64_t key, bool logits) {
   float noise[kChunk];
   const float shift = logits ? row_max(p, vocab) : 0.f;
+  if (logits && !std::isfinite(shift))  // a +inf logit is certain; a row all -inf gives 0
+    return std::find(p, p + vocab, shift) - p;
   const fVec shift_v(shift);
   float best_value = -1.f;
   int64_t best_index = 0;
@@ -131,7 +142,7 @@ void exponential_race(const at::Tensor& probs, const at::Tensor& keys, bool logi
   TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat && probs.dim() == 2 &&
                   probs.stride(1) == 1,
               "probs: a float32 [rows, vocab] CPU tensor with contiguous rows");
-  TORCH_CHECK(probs.size(1) < (int64_t{1} << 24), "a vocabulary of at most 2^24 tokens");
+  TORCH_CHECK(probs.size(1) <= (int64_t{1} << 31), "a vocabulary of at most 2^31 tokens");
   TORCH_CHECK(keys.scalar_type() == at::kLong && keys.dim() == 1 && keys.is_contiguous() &&
                   keys.size(0) == probs.size(0),
               "keys: int64 [rows]");

@@ -43,8 +43,9 @@ def test_workers_reattach_to_a_restarted_scheduler(tiny_llama, tmp_path):
     port = free_port()
     addr = f"127.0.0.1:{port}"
     sched_cmd = [PDSERVE, "scheduler", "--port", str(port)]
+    # float32 as the reference, whatever --dtype auto picks on this host
     worker = ["--model", str(tiny_llama), "--scheduler", addr, "--cpu-threads", "1",
-              "--num-kv-blocks", "64"]
+              "--num-kv-blocks", "64", "--dtype", "float32"]
     log = open(tmp_path / "log", "w")
     procs = [subprocess.Popen(sched_cmd, stdout=log, stderr=subprocess.STDOUT)]
     try:

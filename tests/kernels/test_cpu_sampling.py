@@ -29,10 +29,6 @@ def _keys(n: int, seed: int) -> list[int]:
     return [h << 32 | lo for h, lo in zip(high, low)]  # full 64-bit keys, half past 2^63
 
 
-def _signed(keys: list[int]) -> torch.Tensor:
-    return torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys], dtype=torch.long)
-
-
 @pytest.mark.parametrize("vocab", [1, 15, 1000, 1003, 32000])
 def test_equals_reference(ops, threads, vocab):
     """Vocabularies shorter than a vector, not a whole number of vectors or chunks, and a real
@@ -43,10 +39,10 @@ def test_equals_reference(ops, threads, vocab):
     probs[::3, ::2] = 0.0
     logits = probs.log()  # zeros to -inf
     keys = _keys(rows, vocab)
-    out = cpu_attention.exponential_race(probs, _signed(keys), ops=ops)
+    out = cpu_attention.exponential_race(probs, keys, ops=ops)
     assert out.tolist() == reference.exponential_race(probs, keys).tolist()
     # the same weights as logits (shifted: only differences count), exponentiated in the kernel
-    out = cpu_attention.exponential_race(logits + 3.0, _signed(keys), True, ops=ops)
+    out = cpu_attention.exponential_race(logits + 3.0, keys, True, ops=ops)
     assert out.tolist() == reference.exponential_race(logits + 3.0, keys, True).tolist()
 
 
@@ -54,8 +50,8 @@ def test_a_row_draws_the_same_whatever_shares_its_batch(ops):
     gen = torch.Generator().manual_seed(1)
     probs = torch.rand((16, 500), generator=gen)
     keys = _keys(16, 1)
-    together = cpu_attention.exponential_race(probs, _signed(keys), ops=ops).tolist()
-    alone = [cpu_attention.exponential_race(probs[i:i + 1], _signed(keys[i:i + 1]), ops=ops)[0]
+    together = cpu_attention.exponential_race(probs, keys, ops=ops).tolist()
+    alone = [cpu_attention.exponential_race(probs[i:i + 1], keys[i:i + 1], ops=ops)[0]
              for i in range(16)]
     assert together == [int(t) for t in alone]
 
@@ -64,7 +60,7 @@ def test_zero_probabilities_are_never_drawn(ops):
     probs = torch.zeros((500, 64))
     probs[:, 7] = 1e-30  # tiny next to nothing: still the only token with mass
     probs[:, 40] = 2e-30
-    out = cpu_attention.exponential_race(probs, _signed(_keys(500, 2)), ops=ops)
+    out = cpu_attention.exponential_race(probs, _keys(500, 2), ops=ops)
     assert set(out.tolist()) == {7, 40}
 
 
@@ -73,7 +69,7 @@ def test_draws_follow_the_distribution(ops, logits):
     p = torch.tensor([0.05, 0.3, 0.0, 0.15, 0.4, 0.1])
     n = 20000
     rows = (p.log() if logits else p).expand(n, -1).contiguous()
-    out = cpu_attention.exponential_race(rows, _signed(_keys(n, 3)), logits, ops=ops)
+    out = cpu_attention.exponential_race(rows, _keys(n, 3), logits, ops=ops)
     counts = torch.bincount(out, minlength=6).double()
     assert counts[2] == 0
     keep = p > 0
@@ -84,7 +80,17 @@ def test_draws_follow_the_distribution(ops, logits):
 
 def test_bad_input_is_refused(ops):
     probs = torch.rand((2, 10))
+    out = torch.empty(2, dtype=torch.long)
     with pytest.raises(RuntimeError, match="keys"):
-        cpu_attention.exponential_race(probs, torch.zeros(3, dtype=torch.long), ops=ops)
+        ops.exponential_race(probs, torch.zeros(3, dtype=torch.long), False, out)
     with pytest.raises(RuntimeError, match="float32"):
-        cpu_attention.exponential_race(probs.double(), torch.zeros(2, dtype=torch.long), ops=ops)
+        ops.exponential_race(probs.double(), torch.zeros(2, dtype=torch.long), False, out)
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), float("inf")])
+def test_rows_without_finite_logits(ops, fill):
+    """A +inf logit is certain (the first of them); a row masked whole draws token 0."""
+    logits = torch.full((2, 40), float("-inf"))
+    logits[1, 9] = logits[1, 30] = fill
+    out = cpu_attention.exponential_race(logits, [5, 6], True, ops=ops).tolist()
+    assert out == [0, 9 if fill > 0 else 0]

@@ -37,6 +37,29 @@ def random_logits(num_rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Ten
     return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+def test_min_tokens_alone_leaves_the_input_as_it_was(new_sampler):
+    """Without penalties or a bias nothing else copies the logits before min_tokens masks them."""
+    logits = random_logits(3)
+    before = logits.clone()
+    rows = [make_row(min_tokens=4, temperature=t, stop_token_ids=[5]) for t in (0.0, 1.0, 1.0)]
+    new_sampler(VOCAB)(logits, rows)
+    torch.testing.assert_close(logits, before)
+
+
+def test_a_coupled_draw_is_the_samplers_own(new_sampler):
+    """draw() at salt 0 (a coupled draft's) takes the token __call__ takes: the same noise and
+    the same weights, greedy rows included; another salt draws on its own."""
+    logits = random_logits(200, vocab=1000, seed=3) / 3
+    rows = [make_row(temperature=0.0 if p % 7 == 0 else 1.0, top_p=0.9, seed=p % 3 or None,
+                     position=p) for p in range(200)]
+    sampler = new_sampler(1000, seed=4)
+    drawn = sampler.draw(logits, rows).tolist()
+    sampled = new_sampler(1000, seed=4)(logits, rows).token_ids
+    assert drawn == sampled
+    other = sampler.draw(logits, rows, salt=12345).tolist()
+    assert sum(a != b for a, b in zip(other, sampled)) > 100
+
+
 def test_greedy_is_argmax():
     logits = random_logits(5)
     out = Sampler(VOCAB)(logits, [make_row() for _ in range(5)])
@@ -283,3 +306,42 @@ def test_logit_bias_leaves_logprobs_raw_and_comes_before_penalties():
     assert out.token_ids == [0]
     assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 0].item())
     assert [t.token_id for t in out.logprobs[0].top] == [1, 0]
+
+
+def _sorted_top_k_top_p_min_p(logits, top_k, top_p, min_p):
+    """The plain reference: one ascending sort, cut from the least likely end."""
+    vocab = logits.shape[1]
+    logits_sort, order = logits.sort(dim=-1, descending=False)  # most likely last
+    kth = logits_sort.gather(1, (vocab - top_k).unsqueeze(1))
+    logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
+    cum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= 1 - top_p.unsqueeze(1)
+    drop[:, -1] = False
+    logits_sort.masked_fill_(drop, float("-inf"))
+    probs_sort = logits_sort.softmax(dim=-1)
+    logits_sort.masked_fill_(probs_sort < min_p.unsqueeze(1) * probs_sort[:, -1:], float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, logits_sort)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 6.0])  # flat (nuclei past the candidates), peaked
+def test_top_k_top_p_min_p_keep_what_a_full_sort_keeps(scale):
+    from common.worker.sampler import TOP_P_CANDIDATES, apply_top_k_top_p_min_p
+    gen = torch.Generator().manual_seed(int(scale * 100))
+    rows, vocab = 48, 3000
+    logits = torch.randn((rows, vocab), generator=gen) * scale
+    top_k = torch.randint(1, vocab + 1, (rows,), generator=gen)
+    top_k[::3] = vocab  # no top_k on a third of the rows
+    top_k[1::6] = torch.randint(1, TOP_P_CANDIDATES // 2, (len(top_k[1::6]),), generator=gen)
+    top_p = torch.rand((rows,), generator=gen) * 0.98 + 0.01
+    top_p[2::4] = 1.0
+    min_p = torch.rand((rows,), generator=gen) * 0.3
+    min_p[::2] = 0.0
+    got = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    want = _sorted_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[~got.isinf()], logits[~got.isinf()])
+    for k_, p_, m_ in [(top_k, None, None), (None, top_p, None), (None, None, min_p)]:
+        full = [torch.full((rows,), vocab), torch.ones(rows), torch.zeros(rows)]
+        args = [a if a is not None else f for a, f in zip((k_, p_, m_), full)]
+        assert torch.equal(apply_top_k_top_p_min_p(logits, k_, p_, m_).isinf(),
+                           _sorted_top_k_top_p_min_p(logits, *args).isinf())
