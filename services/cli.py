@@ -193,7 +193,8 @@ TOOLS = {
                "a service's grpc.health.v1 status; exit 0 when SERVING (a probe for compose "
                "and Kubernetes)"),
     "build-kernels": (_kernels_args, _kernels,
-                      "compile the CPU attention kernels into their on-disk cache"),
+                      "compile the CPU kernels (attention, the sampler's race) into their "
+                      "on-disk cache"),
     "make-tiny-model": (_tiny_args, _tiny, "write the embedded tiny random-weight model"),
     "make-certs": (_certs_args, _certs,
                    "a CA and a certificate per service role, for --tls-dir (mutual TLS)"),
