@@ -9,22 +9,8 @@ import torch
 from kernels import cpu_attention, reference
 from tests.kernels.paged import ATTN_TOL, HEADS, block_tables, param_id, random_cache
 
-ISAS = sorted({cpu_attention.cpu_isa(), "DEFAULT"})
 # contexts of 1 to 3000 in one batch: the query alone, block-size remainders, several partitions
 SEQ_LENS = [1, 15, 33, 600, 3000, 17, 1100]
-
-
-@pytest.fixture(params=ISAS)
-def ops(request):
-    return cpu_attention.load(request.param)
-
-
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thr")
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def _tol(dtype):

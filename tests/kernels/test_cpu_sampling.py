@@ -6,21 +6,6 @@ import torch
 
 from kernels import cpu_attention, reference
 
-ISAS = sorted({cpu_attention.cpu_isa(), "DEFAULT"})
-
-
-@pytest.fixture(params=ISAS)
-def ops(request):
-    return cpu_attention.load(request.param)
-
-
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thr")
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
 
 def _keys(n: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
