@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -30,10 +31,12 @@ def stop_all(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
             p.wait()
 
 
-def stream_completion(url: str, body: dict,
-                      connection_retries: int = 0) -> tuple[list[int], list[float]]:
+def stream_completion(url: str, body: dict, connection_retries: int = 0,
+                      on_tokens: Callable[[int], None] | None = None
+                      ) -> tuple[list[int], list[float]]:
     """POST /v1/completions streamed (body gets the served model and return_token_ids): the
     choice tokens and each chunk's arrival time; fails on a non-200 or an error event.
+    on_tokens(n) runs as each chunk arrives, n the tokens so far.
 
     connection_retries: sends the request again when its connection failed before any response
     began, as the OpenAI client does (a gateway process that drains for a restart closes the
@@ -57,6 +60,8 @@ def stream_completion(url: str, body: dict,
                             for choice in event["choices"]:
                                 ids += choice.get("token_ids") or []
                                 times.append(time.monotonic())
+                                if on_tokens is not None:
+                                    on_tokens(len(ids))
             return ids, times
         except httpx.TransportError:
             if began or attempt == connection_retries:

@@ -4,6 +4,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,11 +68,12 @@ def test_workers_reattach_to_a_restarted_scheduler(tiny_llama, tmp_path):
         stop_all(procs)
 
 
-def _stream(url: str, i: int) -> tuple[list[int], list[float]]:
+def _stream(url: str, i: int, on_tokens=None) -> tuple[list[int], list[float]]:
     """Choice tokens and arrival times of stream i (greedy when i is even, else seeded)."""
     return stream_completion(url, {
         "prompt": f"Stream {i} keeps going through a failover", "max_tokens": 96,
-        "ignore_eos": True, "temperature": 0.0 if i % 2 == 0 else 0.9, "seed": 1000 + i})
+        "ignore_eos": True, "temperature": 0.0 if i % 2 == 0 else 0.9, "seed": 1000 + i},
+        on_tokens=on_tokens)
 
 
 def test_streams_go_on_through_a_scheduler_killed_under_load(tiny_llama, tmp_path):
@@ -87,8 +89,12 @@ def test_streams_go_on_through_a_scheduler_killed_under_load(tiny_llama, tmp_pat
         seen = _cached_tokens(stack.url, LONG)  # its blocks in both workers' caches
         with ThreadPoolExecutor(16) as pool:
             want = [ids for ids, _ in pool.map(lambda i: _stream(stack.url, i), range(16))]
-            running = [pool.submit(_stream, stack.url, i) for i in range(16)]
-            time.sleep(1.0)
+            # the kill once a stream is an eighth of the way: the others are under way too
+            # (a fixed wait let a fast machine finish all 96 tokens first)
+            under_way = threading.Event()
+            running = [pool.submit(_stream, stack.url, i,
+                                   lambda n: n >= 12 and under_way.set()) for i in range(16)]
+            assert under_way.wait(120), "no stream got under way"
             scheduler = [pid for pid, cmd in stack.children().items() if " scheduler " in cmd]
             assert len(scheduler) == 1
             killed_at = time.monotonic()
