@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "sampling.cpp"]  # and isa.h, which both include
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "sampling.cpp"]  # with isa.h, vec_helpers.h
 
 # PDSERVE_ISA selects the kernels' target and at::vec's vector width; the library's load-time
 # code is baseline, so every build loads anywhere (an image can carry all three)

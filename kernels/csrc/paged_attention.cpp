@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "vec_helpers.h"
 
 namespace {
 
@@ -139,18 +140,6 @@ inline void scale_row(float* x, float w, int64_t n) {
   int64_t d = 0;
   for (; d + kVec <= n; d += kVec) (fVec::loadu(x + d) * wv).store(x + d);
   for (; d < n; ++d) x[d] *= w;
-}
-
-inline float row_max(const float* x, int64_t n) {
-  float m = kNegInf;
-  int64_t i = 0;
-  if (n >= kVec) {
-    fVec mv = fVec::loadu(x);
-    for (i = kVec; i + kVec <= n; i += kVec) mv = at::vec::maximum(mv, fVec::loadu(x + i));
-    m = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, mv);
-  }
-  for (; i < n; ++i) m = std::max(m, x[i]);
-  return m;
 }
 
 // x[i] = exp(x[i] - m) in place; returns the sum. exp(-inf) = 0 for masked scores.

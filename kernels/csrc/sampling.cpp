@@ -20,6 +20,7 @@
 #include <limits>
 
 #include "isa.h"
+#include "vec_helpers.h"
 
 namespace {
 
@@ -71,17 +72,6 @@ inline void exponential_noise(uint64_t key, int64_t begin, int64_t n, float* out
                     (1.f / 8388608.f);
     out[j] = neg_log(u);
   }
-}
-
-// The largest of x[0:n] (-inf for a row masked whole).
-float row_max(const float* x, int64_t n) {
-  fVec m(-std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + kVec <= n; i += kVec) m = at::vec::maximum(m, fVec::loadu(x + i));
-  float out = at::vec::vec_reduce_all<float>(
-      [](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, m);
-  for (; i < n; ++i) out = std::max(out, x[i]);
-  return out;
 }
 
 // With `logits`, p holds log-weights: the weights are exp(p - max p), computed in passing.
