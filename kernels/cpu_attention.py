@@ -27,6 +27,7 @@ ISA_FLAGS = {"AVX512": ["-DPDSERVE_ISA=2"], "AVX2": ["-DPDSERVE_ISA=1"],
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
+_failed: dict[str, Exception] = {}  # a build that failed is not tried again in this process
 
 
 def cpu_isa() -> str:
@@ -45,24 +46,31 @@ def cache_dir() -> Path:
 def load(isa: str | None = None, verbose: bool = False):
     """The ops of the build for `isa` (default: this CPU's), compiling it on first use.
     Returns the `torch.ops` namespace holding paged_decode_attention, paged_prefill_attention
-    and exponential_race."""
+    and exponential_race. A build that failed raises the same error on every later call (the
+    attention backend and the sampler both ask for it at a worker's start)."""
     isa = isa or cpu_isa()
     if isa not in ISA_FLAGS:
         raise ValueError(f"unknown instruction set {isa!r}; known: {', '.join(ISA_FLAGS)}")
     with _lock:
+        if isa in _failed:
+            raise _failed[isa]
         if isa not in _loaded:
             from torch.utils import cpp_extension
             name = f"pdserve_attention_{isa.lower()}"
             build = cache_dir() / f"torch{torch.__version__}" / name
             build.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
-                               build_directory=str(build),
-                               extra_cflags=["-O3", "-fopenmp", f"-DPDSERVE_OPS={name}",
-                                             *ISA_FLAGS[isa]],
-                               # at::parallel_for is inline OpenMP: the same libgomp as torch's
-                               # (already loaded, same soname), so one thread pool
-                               extra_ldflags=["-fopenmp"],
-                               is_python_module=False, verbose=verbose)
+            try:
+                cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
+                                   build_directory=str(build),
+                                   extra_cflags=["-O3", "-fopenmp", f"-DPDSERVE_OPS={name}",
+                                                 *ISA_FLAGS[isa]],
+                                   # at::parallel_for is inline OpenMP: the same libgomp as
+                                   # torch's (already loaded, same soname), so one thread pool
+                                   extra_ldflags=["-fopenmp"],
+                                   is_python_module=False, verbose=verbose)
+            except Exception as e:
+                _failed[isa] = e
+                raise
             _loaded[isa] = getattr(torch.ops, name)
         return _loaded[isa]
 

@@ -160,3 +160,21 @@ def test_backend_writes_the_step_and_attends_like_the_reference():
 def test_unknown_instruction_set_is_refused():
     with pytest.raises(ValueError, match="known: AVX512, AVX2, DEFAULT"):
         cpu_attention.load("NEON9")
+
+
+def test_a_failed_build_is_not_tried_again(monkeypatch):
+    """The attention backend and the sampler both load the kernels at a worker's start: where
+    the build fails (no compiler), the second asks without compiling again."""
+    from torch.utils import cpp_extension
+    calls = []
+
+    def no_compiler(**kwargs):
+        calls.append(kwargs["name"])
+        raise RuntimeError("Error building extension: c++: not found")
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(cpu_attention, "_loaded", {})
+    monkeypatch.setattr(cpu_attention, "_failed", {})
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="c\\+\\+: not found"):
+            cpu_attention.load("DEFAULT")
+    assert calls == ["pdserve_attention_default"]
