@@ -6,8 +6,9 @@ Pipeline, all vectorized over the batch:
                  |
                  +--> logit_bias --> penalties (repetition, frequency, presence) --> min_tokens mask
                         --> greedy rows: argmax
-                        --> random rows: / temperature --> top_k, top_p, min_p (one sort)
-                              --> softmax --> argmax(probs / Exp(1) noise)
+                        --> random rows: / temperature --> top_k, top_p, min_p
+                              (thresholds from one topk) --> softmax
+                              --> argmax(probs / Exp(1) noise)
                                   (the CPU kernel exponentiates in passing, no softmax written)
 
 The Exp(1) noise (-log U) of a row with a seed is a function of (seed, position) alone (its
@@ -166,7 +167,6 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     core ~150 ms, a topk of 256 ~6 ms.
     """
     rows, vocab = logits.shape
-    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
     cut = torch.full((rows,), float("-inf"), dtype=logits.dtype, device=logits.device)  # [B]
     if top_k is not None or top_p is not None:
         k = top_k if top_k is not None else torch.full((rows,), vocab, device=logits.device)
@@ -198,7 +198,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     if min_p is not None:  # p < min_p * p_max, in logits: l < l_max + log(min_p)
         floor = logits.amax(dim=-1) + min_p.log()
         cut = torch.maximum(cut, floor)
-    return logits.masked_fill(logits < cut.unsqueeze(1), neg_inf)
+    return logits.masked_fill(logits < cut.unsqueeze(1), float("-inf"))
 
 
 def _sorted_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -248,7 +248,7 @@ class Sampler:
             f"logits {tuple(logits.shape)} for {len(rows)} rows"
         assert logits.shape[1] >= self.vocab_size, \
             f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}"
-        logits = logits[:, :self.vocab_size].float().contiguous()  # [B, V]
+        logits = self._vocab(logits)  # [B, V]
         token_ids = self._draw(logits, rows, 0)
         return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, rows))
 
@@ -256,7 +256,11 @@ class Sampler:
              salt: int = 0) -> torch.Tensor:
         """[B] the tokens __call__ samples, without logprobs; another salt draws independent
         ones. A coupled draft draws with salt 0: the target's very race (noise and weights)."""
-        return self._draw(logits[:, :self.vocab_size].float().contiguous(), rows, salt)
+        return self._draw(self._vocab(logits), rows, salt)
+
+    def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """The vocabulary's columns (past them: the embedding's padding), as float32."""
+        return logits[:, :self.vocab_size].float().contiguous()
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRequest], salt: int) -> torch.Tensor:
         processed = _processed(logits, rows)
@@ -296,7 +300,7 @@ class Sampler:
     def distribution(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
         """[B, vocab_size]: the distribution each row samples from (what __call__ draws from),
         one-hot at the argmax for greedy rows."""
-        logits = logits[:, :self.vocab_size].float().contiguous()
+        logits = self._vocab(logits)
         processed = _processed(logits, rows)
         greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
         probs = self._random_logits(processed, rows, greedy).softmax(dim=-1) \
