@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "sampling.cpp"]  # with isa.h, vec_helpers.h
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "sampling.cpp",  # with isa.h, vec_helpers.h
+           CSRC / "elementwise.cpp"]
 
 # PDSERVE_ISA selects the kernels' target and at::vec's vector width; the library's load-time
 # code is baseline, so every build loads anywhere (an image can carry all three)
@@ -45,9 +46,10 @@ def cache_dir() -> Path:
 
 def load(isa: str | None = None, verbose: bool = False):
     """The ops of the build for `isa` (default: this CPU's), compiling it on first use.
-    Returns the `torch.ops` namespace holding paged_decode_attention, paged_prefill_attention
-    and exponential_race. A build that failed raises the same error on every later call (the
-    attention backend and the sampler both ask for it at a worker's start)."""
+    Returns the `torch.ops` namespace holding paged_decode_attention, paged_prefill_attention,
+    exponential_race and the decoder's fused element-wise ops (silu_mul, rms_norm, rope). A
+    build that failed raises the same error on every later call (the attention backend and the
+    sampler both ask for it at a worker's start)."""
     isa = isa or cpu_isa()
     if isa not in ISA_FLAGS:
         raise ValueError(f"unknown instruction set {isa!r}; known: {', '.join(ISA_FLAGS)}")

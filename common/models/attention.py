@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.models.ops import ModelOps, TorchOps, TritonOps
+from common.models.ops import CpuOps, ModelOps, TorchOps, TritonOps
 from kernels import reference
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class CpuAttentionBackend(AttentionBackend):
         from kernels import cpu_attention
         self._kernels = cpu_attention
         self.library = cpu_attention.load()  # the CPU kernels' ops (the sampler's race too)
-        self.ops = TorchOps()
+        self.ops = CpuOps(self.library)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         reference.write_kv(k, v, kv_cache, meta.slot_mapping)

@@ -1,8 +1,10 @@
 """The decoder's norms, rotary embedding and activation, one implementation per backend.
 
 The attention backend carries its `ModelOps` (`backend.ops`), so choosing a backend chooses
-these too: pure torch on CPU (bit-identical to HuggingFace), Triton kernels on CUDA (fused
-residual-add RMSNorm, in-place rope, fused SiLU-and-mul).
+these too: pure torch (bit-identical to HuggingFace) with the torch backends; with the CPU
+kernels, the same three fused in one pass each (kernels/csrc/elementwise.cpp: rounding where
+torch's ops round, so bfloat16 results equal torch's but for RMSNorm's order of summation);
+Triton kernels on CUDA (fused residual-add RMSNorm, in-place rope, fused SiLU-and-mul).
 """
 from __future__ import annotations
 
@@ -57,6 +59,49 @@ class TorchOps(ModelOps):
 
     def silu_mul(self, gate, up):
         return torch.nn.functional.silu(gate) * up
+
+
+class CpuOps(TorchOps):
+    """The fused CPU kernels of `library` (kernels.cpu_attention.load()) for float32 and
+    bfloat16; torch's ops for other dtypes."""
+
+    FUSED = (torch.float32, torch.bfloat16)
+
+    def __init__(self, library):
+        self._lib = library
+
+    def rms_norm(self, x, weight, eps):
+        if x.dtype not in self.FUSED or weight.dtype != x.dtype:
+            return super().rms_norm(x, weight, eps)
+        rows = x.reshape(-1, x.shape[-1])  # q/k norms: [tokens, heads, dim] as rows of dim
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        self._lib.rms_norm(rows, None, weight, eps, out)
+        return out.view(x.shape)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if x.dtype not in self.FUSED or weight.dtype != x.dtype or x.dim() != 2 or \
+                residual.dtype != x.dtype or x.stride(-1) != 1 or residual.stride(-1) != 1:
+            return super().add_rms_norm(x, residual, weight, eps)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._lib.rms_norm(x, residual, weight, eps, out)  # residual += x, in place
+        return out, residual
+
+    def rope(self, q, k, step):
+        cos, sin = step
+        if q.dtype not in self.FUSED or cos.dtype != q.dtype or q.stride(-1) != 1 or \
+                k.stride(-1) != 1:
+            return super().rope(q, k, step)
+        self._lib.rope(q, cos, sin)  # in place
+        self._lib.rope(k, cos, sin)
+        return q, k
+
+    def silu_mul(self, gate, up):
+        if gate.dtype not in self.FUSED or gate.dim() != 2 or gate.stride(-1) != 1 or \
+                up.stride(-1) != 1:
+            return super().silu_mul(gate, up)
+        out = torch.empty(gate.shape, dtype=gate.dtype)
+        self._lib.silu_mul(gate, up, out)
+        return out
 
 
 class TritonOps(ModelOps):

@@ -1,0 +1,211 @@
+// The decoder's element-wise steps, fused: one pass over each row where torch makes several
+// (residual add + RMSNorm, neox rotary embedding in place, SiLU-and-mul).
+//
+// They round where torch's ops do: in bfloat16 every intermediate that torch would store as a
+// bfloat16 tensor is rounded to bfloat16 here too (x + residual; the normalized row before the
+// weight; silu(gate) before the product; each product of the rotation before their sum), so
+// their results equal kernels/reference.py's rounding for rounding. Arithmetic inside a step is
+// float32; only RMSNorm's sum of squares adds in another order than torch's mean.
+//
+// Rows are split between threads (at::parallel_for); inner dims must be contiguous.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "isa.h"
+
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+using at::BFloat16;
+using bVec = at::vec::Vectorized<BFloat16>;
+constexpr int64_t kVec = fVec::size();
+
+// kVec values of T at p (n < kVec: the first n, the rest 0) as float
+inline fVec load(const float* p, int64_t n = kVec) {
+  return n == kVec ? fVec::loadu(p) : fVec::loadu(p, n);
+}
+inline fVec load(const BFloat16* p, int64_t n = kVec) {
+  const auto b = n == kVec ? bVec::loadu(p, kVec) : bVec::loadu(p, n);
+  return std::get<0>(at::vec::convert_to_float<BFloat16>(b));
+}
+
+inline void store(float* p, const fVec& v, int64_t n = kVec) { v.store(p, n); }
+inline void store(BFloat16* p, const fVec& v, int64_t n = kVec) {
+  // round to nearest even, as torch's casts
+  at::vec::convert_from_float<BFloat16>(v, v).store(p, n);
+}
+
+// v as torch would hold it in a tensor of T: rounded to bfloat16 and back, or as is
+template <typename T>
+inline fVec as_stored(const fVec& v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return std::get<0>(at::vec::convert_to_float<BFloat16>(
+        at::vec::convert_from_float<BFloat16>(v, v)));
+}
+
+// out = silu(gate) * up, row by row
+template <typename T>
+void silu_mul_kernel(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
+  const int64_t rows = gate.size(0), n = gate.size(1);
+  const T* g = gate.data_ptr<T>();
+  const T* u = up.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t gs = gate.stride(0), us = up.stride(0), os = out.stride(0);
+  const fVec one(1.f);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t d = 0; d < n; d += kVec) {
+        const int64_t w = std::min(kVec, n - d);
+        const fVec x = load(g + r * gs + d, w);
+        const fVec s = as_stored<T>(x / (one + x.neg().exp()));
+        store(o + r * os + d, s * load(u + r * us + d, w), w);
+      }
+    }
+  });
+}
+
+// residual = x + residual (when add); out = weight * rms_norm(residual), row by row
+template <typename T>
+void rms_norm_kernel(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                     double eps, bool add, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* rp = add ? residual.data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), rs = add ? residual.stride(0) : 0, os = out.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* src = xp + r * xs;
+      if (add) {  // residual first, as stored: the norm reads it back
+        for (int64_t d = 0; d < n; d += kVec) {
+          const int64_t w = std::min(kVec, n - d);
+          store(rp + r * rs + d, load(src + d, w) + load(rp + r * rs + d, w), w);
+        }
+        src = rp + r * rs;
+      }
+      fVec sq(0.f);
+      for (int64_t d = 0; d < n; d += kVec) {
+        const fVec v = load(src + d, std::min(kVec, n - d));
+        sq = at::vec::fmadd(v, v, sq);
+      }
+      const float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, sq);
+      const fVec inv(1.f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps)));
+      for (int64_t d = 0; d < n; d += kVec) {
+        const int64_t w = std::min(kVec, n - d);
+        const fVec normed = as_stored<T>(load(src + d, w) * inv);
+        store(o + r * os + d, load(wp + d, w) * normed, w);
+      }
+    }
+  });
+}
+
+// x[t, h] = x * cos[t] + rotate_half(x) * sin[t] in place (neox), rotate_half(x) = (-x2, x1)
+template <typename T>
+void rope_kernel(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  const int64_t ts = x.stride(0), hs = x.stride(1), cs = cos.stride(0), ss = sin.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * cs;
+      const T* s = sp + t * ss;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = xp + t * ts + h * hs;
+        for (int64_t d = 0; d < half; d += kVec) {
+          const int64_t w = std::min(kVec, half - d);
+          const fVec x1 = load(row + d, w), x2 = load(row + half + d, w);
+          // each product and the sum rounded as torch's separate ops round them
+          const fVec lo = as_stored<T>(x1 * load(c + d, w)) +
+                          as_stored<T>(x2.neg() * load(s + d, w));
+          const fVec hi = as_stored<T>(x2 * load(c + half + d, w)) +
+                          as_stored<T>(x1 * load(s + half + d, w));
+          store(row + d, lo, w);
+          store(row + half + d, hi, w);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+PDSERVE_ISA_END
+
+namespace {
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
+              ": a CPU [rows, n] tensor with contiguous rows");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              ": float32 or bfloat16");
+}
+
+void same_shape(const at::Tensor& a, const at::Tensor& b, const char* name) {
+  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(), name,
+              ": the shape and dtype of the first input");
+}
+
+void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor out) {
+  check_rows(gate, "gate");
+  check_rows(up, "up");
+  check_rows(out, "out");
+  same_shape(gate, up, "up");
+  same_shape(gate, out, "out");
+  if (gate.scalar_type() == at::kFloat)
+    silu_mul_kernel<float>(gate, up, out);
+  else
+    silu_mul_kernel<BFloat16>(gate, up, out);
+}
+
+void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+              const at::Tensor& weight, double eps, at::Tensor out) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  same_shape(x, out, "out");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight: [n], contiguous, the dtype of x");
+  at::Tensor res;
+  if (residual) {
+    res = *residual;
+    check_rows(res, "residual");
+    same_shape(x, res, "residual");
+  }
+  const bool add = residual.has_value();
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_kernel<float>(x, res, weight, eps, add, out);
+  else
+    rms_norm_kernel<BFloat16>(x, res, weight, eps, add, out);
+}
+
+void rope(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "x: a CPU [tokens, heads, head_dim] tensor, head_dim even and contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x: float32 or bfloat16");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == x.size(2) &&
+                    t->stride(1) == 1 && t->scalar_type() == x.scalar_type(),
+                "cos, sin: [tokens, head_dim] with contiguous rows, the dtype of x");
+  if (x.scalar_type() == at::kFloat)
+    rope_kernel<float>(x, cos, sin);
+  else
+    rope_kernel<BFloat16>(x, cos, sin);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OPS, m) {
+  m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
+  m.def("rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
+  m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("rope", c10::DispatchKey::CPU, &rope);
+}
