@@ -40,7 +40,10 @@ namespace {
 using fVec = at::vec::Vectorized<float>;
 using at::BFloat16;
 constexpr int64_t kVec = fVec::size();
-constexpr int64_t kPartition = 512;      // decode positions per work item
+// decode positions per work item, whatever the batch and the thread count: a sequence's result
+// then depends on its own positions only (the same bits in any batch, on any number of threads),
+// so a seeded request draws the same tokens however the steps around it are composed
+constexpr int64_t kPartition = 512;
 #ifndef PDSERVE_AHEAD
 #define PDSERVE_AHEAD 4096
 #endif
@@ -239,14 +242,6 @@ std::vector<DecodeItem> decode_items(const int64_t* seq_lens, int64_t batch, int
   return items;
 }
 
-// Positions per work item: kPartition, smaller when the batch holds too few positions to give
-// every thread several items.
-int64_t decode_partition(const int64_t* seq_lens, int64_t batch) {
-  int64_t total = 0;
-  for (int64_t b = 0; b < batch; ++b) total += seq_lens[b];
-  const int64_t want = total / (4 * std::max(1, at::get_num_threads()));
-  return std::clamp<int64_t>((want + 63) / 64 * 64, 64, kPartition);
-}
 
 // Rows are read whole (every kv head of a position is one contiguous row of the cache), keys
 // first: the scores of the item's positions for every query head, a softmax, then the values.
@@ -265,7 +260,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* out_ptr = out.data_ptr<T>();
 
-  const int64_t P = decode_partition(lens, batch);
+  const int64_t P = kPartition;
   const int64_t row_bytes = c.row_stride * sizeof(T);
   // as many bytes ahead whatever the dtype: a bfloat16 row is half a float one
   const int64_t ahead = std::max<int64_t>(1, kAheadBytes / row_bytes);

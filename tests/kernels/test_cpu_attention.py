@@ -42,6 +42,25 @@ def test_decode_matches_reference(ops, threads, dtype, gqa, block_size):
 
 # 128 (compiled for), 32 (the tiny model, run-time loop), 40 and 36 (not whole AVX-512 / AVX2
 # vectors: the scalar tails)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_decode_of_a_sequence_is_the_same_in_any_batch_on_any_threads(ops, dtype):
+    """Partitions of a fixed size: a sequence's output, bit for bit, does not depend on what
+    shares its step or on the thread count (seeded sampling repeats however steps are made)."""
+    q, cache, tables, lens = _decode_case(SEQ_LENS, dtype, 64, 2, 16, seed=3)
+    scale = 64 ** -0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
+        torch.set_num_threads(2)
+        for i in (0, 3, 4, 6):
+            alone = cpu_attention.paged_decode_attention(q[i:i + 1], cache, tables[i:i + 1],
+                                                         lens[i:i + 1], scale, ops=ops)
+            assert torch.equal(alone[0], whole[i]), i
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("head_dim", [128, 32, 40, 36])
 def test_decode_head_dims(ops, head_dim):
     q, cache, tables, lens = _decode_case([1, 70, 700], torch.float32, head_dim, 4, 16, seed=1)
