@@ -63,15 +63,20 @@ class TorchOps(ModelOps):
 
 class CpuOps(TorchOps):
     """The fused CPU kernels of `library` (kernels.cpu_attention.load()) for float32 and
-    bfloat16; torch's ops for other dtypes."""
+    bfloat16; torch's ops for other dtypes and for layouts the kernels do not take."""
 
     FUSED = (torch.float32, torch.bfloat16)
 
     def __init__(self, library):
         self._lib = library
 
+    def _fused(self, first: torch.Tensor, *others: torch.Tensor) -> bool:
+        """Whether the kernels take these: one fused dtype, each innermost dim contiguous."""
+        return first.dtype in self.FUSED and all(
+            t.dtype == first.dtype and t.stride(-1) == 1 for t in (first, *others))
+
     def rms_norm(self, x, weight, eps):
-        if x.dtype not in self.FUSED or weight.dtype != x.dtype:
+        if not self._fused(weight) or x.dtype != weight.dtype:
             return super().rms_norm(x, weight, eps)
         rows = x.reshape(-1, x.shape[-1])  # q/k norms: [tokens, heads, dim] as rows of dim
         out = torch.empty(rows.shape, dtype=x.dtype)
@@ -79,8 +84,7 @@ class CpuOps(TorchOps):
         return out.view(x.shape)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        if x.dtype not in self.FUSED or weight.dtype != x.dtype or x.dim() != 2 or \
-                residual.dtype != x.dtype or x.stride(-1) != 1 or residual.stride(-1) != 1:
+        if x.dim() != 2 or not self._fused(x, residual, weight):
             return super().add_rms_norm(x, residual, weight, eps)
         out = torch.empty(x.shape, dtype=x.dtype)
         self._lib.rms_norm(x, residual, weight, eps, out)  # residual += x, in place
@@ -88,16 +92,14 @@ class CpuOps(TorchOps):
 
     def rope(self, q, k, step):
         cos, sin = step
-        if q.dtype not in self.FUSED or cos.dtype != q.dtype or q.stride(-1) != 1 or \
-                k.stride(-1) != 1:
+        if not self._fused(q, k, cos, sin):
             return super().rope(q, k, step)
         self._lib.rope(q, cos, sin)  # in place
         self._lib.rope(k, cos, sin)
         return q, k
 
     def silu_mul(self, gate, up):
-        if gate.dtype not in self.FUSED or gate.dim() != 2 or gate.stride(-1) != 1 or \
-                up.stride(-1) != 1:
+        if gate.dim() != 2 or not self._fused(gate, up):
             return super().silu_mul(gate, up)
         out = torch.empty(gate.shape, dtype=gate.dtype)
         self._lib.silu_mul(gate, up, out)

@@ -13,22 +13,13 @@
 #include <limits>
 
 #include "isa.h"
+#include "vec_helpers.h"
 
 namespace {
 
 using fVec = at::vec::Vectorized<float>;
 using at::BFloat16;
-using bVec = at::vec::Vectorized<BFloat16>;
 constexpr int64_t kVec = fVec::size();
-
-// kVec values of T at p (n < kVec: the first n, the rest 0) as float
-inline fVec load(const float* p, int64_t n = kVec) {
-  return n == kVec ? fVec::loadu(p) : fVec::loadu(p, n);
-}
-inline fVec load(const BFloat16* p, int64_t n = kVec) {
-  const auto b = n == kVec ? bVec::loadu(p, kVec) : bVec::loadu(p, n);
-  return std::get<0>(at::vec::convert_to_float<BFloat16>(b));
-}
 
 inline void store(float* p, const fVec& v, int64_t n = kVec) { v.store(p, n); }
 inline void store(BFloat16* p, const fVec& v, int64_t n = kVec) {

@@ -52,14 +52,7 @@ constexpr int64_t kQueryRows = 128;      // prefill: query rows (tokens x group 
 constexpr int64_t kKeyTile = 256;        // prefill: keys per packed tile (rounded to blocks)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// ---- vector helpers: a row of `n` values of the cache's dtype, as float ----
-
-inline fVec load(const float* p) { return fVec::loadu(p); }
-inline fVec load(const BFloat16* p) {
-  fVec v;
-  at::vec::load_to_float(p, v);
-  return v;
-}
+// ---- vector helpers (and load, vec_helpers.h): rows of the cache's dtype, as float ----
 
 // `dst[0:n] = float(src[0:n])`; for float rows there is nothing to convert.
 inline const float* as_float(const float* src, float*, int64_t) { return src; }
@@ -241,7 +234,6 @@ std::vector<DecodeItem> decode_items(const int64_t* seq_lens, int64_t batch, int
   first_partial[batch] = partials;
   return items;
 }
-
 
 // Rows are read whole (every kv head of a position is one contiguous row of the cache), keys
 // first: the scores of the item's positions for every query head, a softmax, then the values.

@@ -6,6 +6,23 @@
 
 namespace {
 
+// n values (default: a whole vector) of a float or bfloat16 row at p as float; zeros past n.
+inline at::vec::Vectorized<float> load(const float* p,
+                                       int64_t n = at::vec::Vectorized<float>::size()) {
+  using fVec = at::vec::Vectorized<float>;
+  return n == fVec::size() ? fVec::loadu(p) : fVec::loadu(p, n);
+}
+inline at::vec::Vectorized<float> load(const at::BFloat16* p,
+                                       int64_t n = at::vec::Vectorized<float>::size()) {
+  at::vec::Vectorized<float> v;
+  if (n == v.size()) {
+    at::vec::load_to_float(p, v);
+    return v;
+  }
+  return std::get<0>(at::vec::convert_to_float<at::BFloat16>(
+      at::vec::Vectorized<at::BFloat16>::loadu(p, n)));
+}
+
 // The largest of x[0:n]; -inf for n = 0 or a row masked whole.
 inline float row_max(const float* x, int64_t n) {
   using fVec = at::vec::Vectorized<float>;

@@ -40,8 +40,6 @@ def test_decode_matches_reference(ops, threads, dtype, gqa, block_size):
     torch.testing.assert_close(out.float(), ref, **_tol(dtype))
 
 
-# 128 (compiled for), 32 (the tiny model, run-time loop), 40 and 36 (not whole AVX-512 / AVX2
-# vectors: the scalar tails)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 def test_decode_of_a_sequence_is_the_same_in_any_batch_on_any_threads(ops, dtype):
     """Partitions of a fixed size: a sequence's output, bit for bit, does not depend on what
@@ -61,6 +59,8 @@ def test_decode_of_a_sequence_is_the_same_in_any_batch_on_any_threads(ops, dtype
         torch.set_num_threads(before)
 
 
+# 128 (compiled for), 32 (the tiny model, run-time loop), 40 and 36 (not whole AVX-512 / AVX2
+# vectors: the scalar tails)
 @pytest.mark.parametrize("head_dim", [128, 32, 40, 36])
 def test_decode_head_dims(ops, head_dim):
     q, cache, tables, lens = _decode_case([1, 70, 700], torch.float32, head_dim, 4, 16, seed=1)
