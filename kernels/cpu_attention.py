@@ -6,13 +6,19 @@ dispatches to on this CPU (`torch.backends.cpu.get_cpu_capability()`: AVX512, AV
 so kernels built for one machine never run on a CPU that lacks their instructions. Builds are
 cached on disk (`PDSERVE_KERNEL_CACHE`, default ~/.cache/pdserve/kernels) and rebuilt only when
 the source, the flags or torch change: `make install` builds the one this machine needs, and a
-worker loads it before it reports ready.
+worker loads it before it reports ready. Processes that start together build once: each holds an
+advisory lock on the build directory (`fcntl.flock`, freed by the kernel when its holder dies)
+for at most BUILD_WAIT_S, so a build killed half-way (an OOM kill during `make install`) leaves
+nothing that blocks the next one.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +31,8 @@ SOURCES = [CSRC / "paged_attention.cpp", CSRC / "sampling.cpp",  # with isa.h, v
 # code is baseline, so every build loads anywhere (an image can carry all three)
 ISA_FLAGS = {"AVX512": ["-DPDSERVE_ISA=2"], "AVX2": ["-DPDSERVE_ISA=1"],
              "DEFAULT": ["-DPDSERVE_ISA=0"]}
+
+BUILD_WAIT_S = 900.0  # the longest a process waits for another's build of the same kernels
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -44,12 +52,37 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def load(isa: str | None = None, verbose: bool = False):
+@contextlib.contextmanager
+def _build_lock(build: Path, wait_s: float):
+    """Holds the build directory against every other process that loads these kernels; raises
+    TimeoutError after `wait_s` seconds of another holding it."""
+    with open(build / "pdserve.lock", "a") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"another process has been building the CPU kernels in "
+                                       f"{build} for over {wait_s:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            # torch's own marker (a file it deletes when its build ends): with the flock held
+            # nobody is building, so one found here is left by a build that was killed
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def load(isa: str | None = None, verbose: bool = False, wait_s: float = BUILD_WAIT_S):
     """The ops of the build for `isa` (default: this CPU's), compiling it on first use.
     Returns the `torch.ops` namespace holding paged_decode_attention, paged_prefill_attention,
     exponential_race and the decoder's fused element-wise ops (silu_mul, rms_norm, rope). A
     build that failed raises the same error on every later call (the attention backend and the
-    sampler both ask for it at a worker's start)."""
+    sampler both ask for it at a worker's start). Waits at most `wait_s` for another process's
+    build of the same kernels (TimeoutError, not cached: a later call waits again)."""
     isa = isa or cpu_isa()
     if isa not in ISA_FLAGS:
         raise ValueError(f"unknown instruction set {isa!r}; known: {', '.join(ISA_FLAGS)}")
@@ -61,18 +94,19 @@ def load(isa: str | None = None, verbose: bool = False):
             name = f"pdserve_attention_{isa.lower()}"
             build = cache_dir() / f"torch{torch.__version__}" / name
             build.mkdir(parents=True, exist_ok=True)
-            try:
-                cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
-                                   build_directory=str(build),
-                                   extra_cflags=["-O3", "-fopenmp", f"-DPDSERVE_OPS={name}",
-                                                 *ISA_FLAGS[isa]],
-                                   # at::parallel_for is inline OpenMP: the same libgomp as
-                                   # torch's (already loaded, same soname), so one thread pool
-                                   extra_ldflags=["-fopenmp"],
-                                   is_python_module=False, verbose=verbose)
-            except Exception as e:
-                _failed[isa] = e
-                raise
+            with _build_lock(build, wait_s):
+                try:
+                    cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
+                                       build_directory=str(build),
+                                       extra_cflags=["-O3", "-fopenmp", f"-DPDSERVE_OPS={name}",
+                                                     *ISA_FLAGS[isa]],
+                                       # at::parallel_for is inline OpenMP: the same libgomp as
+                                       # torch's (already loaded, same soname), so one thread pool
+                                       extra_ldflags=["-fopenmp"],
+                                       is_python_module=False, verbose=verbose)
+                except Exception as e:
+                    _failed[isa] = e
+                    raise
             _loaded[isa] = getattr(torch.ops, name)
         return _loaded[isa]
 

@@ -3,6 +3,8 @@
 Both builds that can run here are checked: the one this CPU takes (AVX2 or AVX512) and the
 portable DEFAULT one, on 1 and 2 threads (the work split by cost, long contexts in partitions).
 """
+import os
+
 import pytest
 import torch
 
@@ -197,3 +199,34 @@ def test_a_failed_build_is_not_tried_again(monkeypatch):
         with pytest.raises(RuntimeError, match="c\\+\\+: not found"):
             cpu_attention.load("DEFAULT")
     assert calls == ["pdserve_attention_default"]
+
+
+def test_a_build_killed_half_way_does_not_block_the_next(tmp_path):
+    """torch marks a build in progress with a `lock` file it deletes when done; one killed
+    half-way (an OOM kill during `make install`) left it behind and every later load waited on
+    it forever. A load now finds it stale under its own flock and builds (here: nothing to do)."""
+    import fcntl
+    import shutil
+    import subprocess
+    import sys
+    isa = cpu_attention.cpu_isa()
+    cpu_attention.load(isa)
+    version = f"torch{torch.__version__}"
+    name = f"pdserve_attention_{isa.lower()}"
+    shutil.copytree(cpu_attention.cache_dir() / version / name, tmp_path / version / name)
+    build = tmp_path / version / name
+    (build / "lock").touch()
+    load = f"from kernels import cpu_attention; cpu_attention.load({isa!r}, wait_s=60)"
+    env = {**os.environ, "PDSERVE_KERNEL_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", load], env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not (build / "lock").exists()
+
+    # a live build elsewhere (its flock held) is waited for, up to the deadline
+    with open(build / "pdserve.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waited = subprocess.run([sys.executable, "-c", load.replace("60", "0.5")], env=env,
+                                timeout=120, capture_output=True, text=True)
+    assert waited.returncode != 0
+    assert "TimeoutError: another process has been building the CPU kernels" in waited.stderr
