@@ -122,11 +122,30 @@ def has_fast_bf16_gemm() -> bool:
 
 @functools.cache
 def has_amx() -> bool:
-    """Whether the CPU has AMX tiles. The prefill kernel's score and value tiles are small
-    GEMMs (256 keys x 128 rows x head_dim): on AVX512-BF16 without AMX, MKL's bfloat16 GEMM
-    runs them about 10% slower than converting the tiles and multiplying in float32 (a 2048-
-    token chunk over a 2048-token prefix, 1 and 2 threads), so only AMX takes it."""
+    """Whether the CPU has AMX tiles."""
     return bool(getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", lambda: False)())
+
+
+@functools.cache
+def has_avx512_bf16() -> bool:
+    return bool(getattr(getattr(torch, "cpu", None), "_is_avx512_bf16_supported",
+                        lambda: False)())
+
+
+# How the prefill kernel multiplies bfloat16 tiles: 0 converted to float (float32 GEMMs);
+# 1 MKL's bfloat16 GEMM, taken with AMX; 2 its own bfloat16 dot products (AVX512-BF16 without
+# AMX: MKL's bfloat16 GEMM ran the score and value tiles (256 keys x 128 rows x head_dim) about
+# 10% slower there than converting them to float, and converting halves the multiply rate). The
+# kernel runs 0 where the build or the head dim cannot take 2.
+PREFILL_FLOAT, PREFILL_MKL_BF16, PREFILL_DOT_BF16 = 0, 1, 2
+
+
+def prefill_gemm(dtype: torch.dtype) -> int:
+    if dtype != torch.bfloat16:
+        return PREFILL_FLOAT
+    if has_amx():
+        return PREFILL_MKL_BF16
+    return PREFILL_DOT_BF16 if has_avx512_bf16() else PREFILL_FLOAT
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -146,7 +165,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start_loc: torch.Tensor, num_cached: torch.Tensor, scale: float,
-                            out: torch.Tensor | None = None, ops=None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, ops=None,
+                            gemm: int | None = None) -> torch.Tensor:
     """Causal attention of every prefill chunk of a step, each over its cached prefix and
     itself, all keys read from the paged cache (the chunk's own keys written first).
 
@@ -155,9 +175,9 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     """
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    reduced = q.dtype == torch.bfloat16 and has_amx()
     (ops or load()).paged_prefill_attention(q, kv_cache, block_tables, query_start_loc,
-                                            num_cached, scale, reduced, out)
+                                            num_cached, scale, gemm if gemm is not None
+                                            else prefill_gemm(q.dtype), out)
     return out
 
 

@@ -16,7 +16,9 @@
 //          are already written to the cache), causal. Work items are (sequence, kv head, tile
 //          of query tokens); the tile's G heads are packed into one [tokens * G, head_dim]
 //          matrix and walk the keys in tiles packed from the blocks into a buffer that stays
-//          in cache, scores and values through BLAS GEMMs, online softmax between.
+//          in cache, scores and values through BLAS GEMMs, online softmax between. bfloat16 on
+//          AVX512-BF16 without AMX: the kernel's own bfloat16 dot products instead of GEMMs
+//          (prefill_kernel_dp, query rows in the vector lanes, keys read where they lie).
 //
 // Built once per instruction set (kernels/cpu_attention.py picks the one the CPU runs):
 // PDSERVE_ISA 2 = AVX512, 1 = AVX2, 0 = portable. Only the kernels below are compiled for it
@@ -24,6 +26,7 @@
 // baseline, so any build loads on any x86 CPU and only calling a kernel needs its instructions.
 // The op namespace comes from PDSERVE_OPS, so that two builds can be loaded side by side.
 #include <dlfcn.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -532,6 +535,242 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
   });
 }
 
+
+#if PDSERVE_ISA == 2
+// ---- prefill on bfloat16 dot products (AVX512-BF16 without AMX) ----
+//
+// Where MKL's bfloat16 GEMM is slow (it is on AMD's AVX512-BF16 CPUs) and converting the tiles
+// to float halves the multiply rate, this variant multiplies pairs of bfloat16 into float lanes
+// (vdpbf16ps) with the tile's *query rows in the lanes*: scores are [keys][rows], so each key's
+// row is read where it lies in the cache, two values at a time broadcast against 16 query rows,
+// and the online softmax is lane-wise (no horizontal reductions). The probabilities are rounded
+// to bfloat16 for the value product, as the AMX path rounds them; sums and accumulators stay
+// float. Head dims that are multiples of 32 (the values are interleaved in pairs 32 at a time).
+#define PDSERVE_DP __attribute__((target( \
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi,bmi2")))
+
+typedef uint32_t u32a __attribute__((may_alias));  // a pair of bfloat16 read as one word
+constexpr int64_t kDpCols = 8;                       // broadcast words per micro-tile
+
+// acc[i][v] += sum over j < n of pair a[i][j * a_step] . pairs b[j * b_step + 16 v, + 16)
+template <int NV>
+PDSERVE_DP inline void dp_tile(const u32a* const* a, int64_t a_step, const u32a* b,
+                               int64_t b_step, int64_t n, __m512 (&acc)[kDpCols][NV]) {
+  for (int64_t j = 0; j < n; ++j) {
+    __m512bh bv[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v)
+      bv[v] = (__m512bh)_mm512_loadu_si512(b + j * b_step + 16 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < kDpCols; ++i) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i][j * a_step]));
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], av, bv[v]);
+    }
+  }
+}
+
+// s[c][r] = scale * q_r . k_c for kDpCols keys c (rows k[c] of head_dim values, as pairs) and
+// the rows [r0, r0 + 16 NV) of the packed queries qp[pair][rows].
+template <int NV>
+PDSERVE_DP inline void dp_scores(const u32a* const* k, const u32a* qp, int64_t rp, int64_t pairs,
+                                 int64_t r0, float scale, float* s) {
+  __m512 acc[kDpCols][NV];
+  for (auto& row : acc)
+    for (auto& x : row) x = _mm512_setzero_ps();
+  dp_tile<NV>(k, 1, qp + r0, rp, pairs, acc);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int i = 0; i < kDpCols; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + i * rp + r0 + 16 * v, acc[i][v] * sv);
+}
+
+// o[d][r] += sum over keys of p[key][r] v[key][d] for kDpCols columns d0.. of the packed values
+// vp[key pair][D] and the rows [r0, r0 + 16 NV) of the packed probabilities pp[key pair][rows].
+template <int NV>
+PDSERVE_DP inline void dp_values(const u32a* vp, int64_t D, int64_t d0, const u32a* pp,
+                                 int64_t rp, int64_t key_pairs, int64_t r0, float* o) {
+  const u32a* cols[kDpCols];
+  for (int i = 0; i < kDpCols; ++i) cols[i] = vp + d0 + i;
+  __m512 acc[kDpCols][NV];
+  for (int i = 0; i < kDpCols; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_loadu_ps(o + (d0 + i) * rp + r0 + 16 * v);
+  dp_tile<NV>(cols, D, pp + r0, rp, key_pairs, acc);
+  for (int i = 0; i < kDpCols; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + (d0 + i) * rp + r0 + 16 * v, acc[i][v]);
+}
+
+// dst[d] = (a[d], b[d]) for d < D: two value rows interleaved into pairs, 32 values at a time.
+PDSERVE_DP inline void interleave_rows(const BFloat16* a, const BFloat16* b, int64_t D,
+                                       u32a* dst) {
+  alignas(64) static const uint16_t lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6,
+                                              38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44,
+                                              13, 45, 14, 46, 15, 47};
+  const __m512i ilo = _mm512_load_si512(lo);
+  const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
+    _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x, ilo, y));
+    _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(x, ihi, y));
+  }
+}
+
+// 16 words (p0[r], p1[r]) from two float vectors, each rounded to bfloat16 (nearest even).
+PDSERVE_DP inline __m512i pair_probs(__m512 p0, __m512 p1) {
+  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6,
+                                                 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12,
+                                                 28, 13, 29, 14, 30, 15, 31};
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0 low half, p1 high half
+  return _mm512_permutexvar_epi16(_mm512_load_si512(order), both);
+}
+
+PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables,
+                                  const at::Tensor& query_start_loc,
+                                  const at::Tensor& num_cached, double scale, at::Tensor& out) {
+  const Cache c = describe(kv_cache);
+  const int64_t heads = q.size(1), D = c.head_dim, pairs = D / 2;
+  const int64_t G = heads / c.num_kv_heads;
+  const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t num_seqs = num_cached.size(0);
+  const BFloat16* q_ptr = q.data_ptr<BFloat16>();
+  const BFloat16* cache = kv_cache.data_ptr<BFloat16>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  const int64_t* cached = num_cached.data_ptr<int64_t>();
+  BFloat16* out_ptr = out.data_ptr<BFloat16>();
+
+  const int64_t tokens_per_tile = std::max<int64_t>(1, kQueryRows / G);
+  const int64_t key_tile = (kKeyTile + c.block_size - 1) / c.block_size * c.block_size;
+  const int64_t keys_max = (key_tile + kDpCols - 1) / kDpCols * kDpCols;
+  struct Item { int64_t seq, head, begin, end; };
+  std::vector<Item> items;
+  std::vector<int64_t> costs;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n = starts[s + 1] - starts[s];
+    TORCH_CHECK(n >= 0 && cached[s] >= 0 && cached[s] + n <= block_tables.size(1) * c.block_size,
+                "prefill ", s, ": ", cached[s], " cached + ", n,
+                " new positions do not fit its block table");
+    for (int64_t h = 0; h < c.num_kv_heads; ++h)
+      for (int64_t t = 0; t < n; t += tokens_per_tile) {
+        items.push_back({s, h, t, std::min(n, t + tokens_per_tile)});
+        costs.push_back((cached[s] + items.back().end) * (items.back().end - t) + 64);
+      }
+  }
+  parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
+    const int64_t rp_max = (tokens_per_tile * G + 15) / 16 * 16;
+    std::vector<uint32_t> qp(pairs * rp_max), pp(keys_max / 2 * rp_max), vp(keys_max / 2 * D),
+        zero(pairs, 0);
+    std::vector<float> s(keys_max * rp_max), o(D * rp_max), maxes(rp_max), sums(rp_max);
+    std::vector<int32_t> pos(rp_max);
+    std::vector<const u32a*> krows(keys_max);
+    std::vector<const BFloat16*> vrows(keys_max);
+    const auto* zero_row = reinterpret_cast<const u32a*>(zero.data());
+    for (int64_t i = i_begin; i < i_end; ++i) {
+      const Item& it = items[i];
+      const int64_t tokens = it.end - it.begin, rows = tokens * G, rp = (rows + 15) / 16 * 16;
+      const int64_t first = cached[it.seq] + it.begin;  // the tile's first query position
+      const int64_t* table = tables + it.seq * table_stride;
+      // qp[j][r]: pair j of query row r = (token r / G, head r % G of the group); padding 0
+      for (int64_t r = 0; r < rp; ++r) {
+        const auto* src = reinterpret_cast<const u32a*>(
+            q_ptr + (starts[it.seq] + it.begin + std::min(r, rows - 1) / G) * q_stride +
+            (it.head * G + std::min(r, rows - 1) % G) * D);
+        for (int64_t j = 0; j < pairs; ++j) qp[j * rp + r] = r < rows ? src[j] : 0u;
+      }
+      // each row's position (padding rows: the last row's, so they see what it sees)
+      for (int64_t r = 0; r < rp; ++r)
+        pos[r] = static_cast<int32_t>(first + std::min(r, rows - 1) / G);
+      std::fill(maxes.begin(), maxes.begin() + rp, kNegInf);
+      std::fill(sums.begin(), sums.begin() + rp, 0.f);
+      std::fill(o.begin(), o.begin() + D * rp, 0.f);
+      const int64_t last_key = first + tokens;  // keys [0, last_key) are visible to some row
+      for (int64_t k0 = 0; k0 < last_key; k0 += key_tile) {
+        const int64_t keys = std::min(key_tile, last_key - k0);
+        const int64_t padded = (keys + kDpCols - 1) / kDpCols * kDpCols;
+        for (int64_t p = k0; p < k0 + keys; ++p) {
+          const int64_t row = block_at(table, p, c) * c.block_size + p % c.block_size;
+          const BFloat16* kr = cache + row * c.row_stride + it.head * D;
+          krows[p - k0] = reinterpret_cast<const u32a*>(kr);
+          vrows[p - k0] = kr + c.value_offset;
+        }
+        for (int64_t p = keys; p < padded; ++p) {
+          krows[p] = zero_row;
+          vrows[p] = reinterpret_cast<const BFloat16*>(zero.data());
+        }
+        // scores s[key][row]
+        for (int64_t kc = 0; kc < padded; kc += kDpCols) {
+          int64_t r0 = 0;
+          for (; r0 + 32 <= rp; r0 += 32)
+            dp_scores<2>(krows.data() + kc, qp.data(), rp, pairs, r0, scale, s.data() + kc * rp);
+          if (r0 < rp)
+            dp_scores<1>(krows.data() + kc, qp.data(), rp, pairs, r0, scale, s.data() + kc * rp);
+        }
+        // masks: padding keys, and keys past a row's own position (tiles on the diagonal)
+        for (int64_t kk = std::clamp<int64_t>(first - k0 + 1, 0, keys); kk < padded; ++kk) {
+          const __m512i kpos = _mm512_set1_epi32(static_cast<int32_t>(k0 + kk));
+          for (int64_t v = 0; v < rp / 16; ++v) {
+            const __mmask16 hide = kk >= keys ? __mmask16(0xffff)
+                                              : _mm512_cmpgt_epi32_mask(kpos, _mm512_loadu_si512(pos.data() + v * 16));
+            float* sv = s.data() + kk * rp + v * 16;
+            _mm512_storeu_ps(sv, _mm512_mask_mov_ps(_mm512_loadu_ps(sv), hide,
+                                                    _mm512_set1_ps(kNegInf)));
+          }
+        }
+        // online softmax per lane; probabilities to bfloat16 pairs pp[key pair][row]
+        for (int64_t v = 0; v < rp / 16; ++v) {
+          const float* sv = s.data() + v * 16;
+          __m512 m = _mm512_loadu_ps(maxes.data() + v * 16);
+          const __m512 m_old = m;
+          for (int64_t kk = 0; kk < padded; ++kk) m = _mm512_max_ps(m, _mm512_loadu_ps(sv + kk * rp));
+          // key 0 is visible to every row, so from the first tile on every lane's max is finite
+          const __m512 rescale = fVec(_mm512_sub_ps(m_old, m)).exp_u20();
+          __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(sums.data() + v * 16), rescale);
+          for (int64_t kk = 0; kk < padded; kk += 2) {
+            const __m512 p0 = fVec(_mm512_sub_ps(_mm512_loadu_ps(sv + kk * rp), m)).exp_u20();
+            const __m512 p1 =
+                fVec(_mm512_sub_ps(_mm512_loadu_ps(sv + (kk + 1) * rp), m)).exp_u20();
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            _mm512_storeu_si512(pp.data() + kk / 2 * rp + v * 16, pair_probs(p0, p1));
+          }
+          _mm512_storeu_ps(sums.data() + v * 16, sum);
+          _mm512_storeu_ps(maxes.data() + v * 16, m);
+          for (int64_t d = 0; d < D; ++d) {
+            float* od = o.data() + d * rp + v * 16;
+            _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), rescale));
+          }
+        }
+        // values as pairs of keys, then o[d][row] += p . v
+        for (int64_t kk = 0; kk < padded; kk += 2)
+          interleave_rows(vrows[kk], vrows[kk + 1], D,
+                          reinterpret_cast<u32a*>(vp.data()) + kk / 2 * D);
+        for (int64_t d0 = 0; d0 < D; d0 += kDpCols) {
+          int64_t r0 = 0;
+          for (; r0 + 32 <= rp; r0 += 32)
+            dp_values<2>(reinterpret_cast<const u32a*>(vp.data()), D, d0,
+                         reinterpret_cast<const u32a*>(pp.data()), rp, padded / 2, r0, o.data());
+          if (r0 < rp)
+            dp_values<1>(reinterpret_cast<const u32a*>(vp.data()), D, d0,
+                         reinterpret_cast<const u32a*>(pp.data()), rp, padded / 2, r0, o.data());
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / sums[r];
+        BFloat16* dst = out_ptr + (starts[it.seq] + it.begin + r / G) * out_stride +
+                        (it.head * G + r % G) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = BFloat16(o[d * rp + r] * inv);
+      }
+    }
+  });
+}
+
+// Whether this CPU and head dim take prefill_kernel_dp.
+bool prefill_dp_runs(int64_t head_dim) {
+  static const bool cpu = __builtin_cpu_supports("avx512bf16");
+  return cpu && head_dim % 32 == 0;
+}
+#endif
+
 }  // namespace
 
 PDSERVE_ISA_END
@@ -582,7 +821,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
 
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                             const at::Tensor& num_cached, double scale, bool reduced_gemm,
+                             const at::Tensor& num_cached, double scale, int64_t gemm,
                              at::Tensor out) {
   check_common(q, kv_cache, out);
   const int64_t n = num_cached.size(0);
@@ -599,7 +838,12 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                  out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 expected");
-    if (reduced_gemm && blas().bgemm)
+#if PDSERVE_ISA == 2
+    if (gemm == 2 && prefill_dp_runs(q.size(2)))
+      return prefill_kernel_dp(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
+                               out);
+#endif
+    if (gemm == 1 && blas().bgemm)
       prefill_kernel<BFloat16, BFloat16>(q, kv_cache, block_tables, query_start_loc, num_cached,
                                          scale, out);
     else
@@ -614,7 +858,7 @@ TORCH_LIBRARY(PDSERVE_OPS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
   m.def("paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor num_cached, float scale, bool reduced_gemm, "
+        "Tensor query_start_loc, Tensor num_cached, float scale, int gemm, "
         "Tensor(a!) out) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);

@@ -122,15 +122,20 @@ def test_prefill_head_dims(ops, head_dim):
     torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
 
 
-def test_bf16_prefill_through_float_gemms_too(ops, monkeypatch):
-    """Without AMX the tiles are converted to float; with it MKL's bf16 GEMM: same answer."""
-    q, cache, tables, starts, cached = _prefill_case([(33, 40)], torch.bfloat16, 64, 4, 16)
-    ref = _prefill_reference(q, cache, tables, starts, cached, 0.125)
-    for native in (False, True):
-        monkeypatch.setattr(cpu_attention, "has_amx", lambda: native)
-        out = cpu_attention.paged_prefill_attention(q, cache, tables, starts, cached, 0.125,
-                                                    ops=ops)
-        torch.testing.assert_close(out.float(), ref, **_tol(torch.bfloat16))
+@pytest.mark.parametrize("gemm", [cpu_attention.PREFILL_FLOAT, cpu_attention.PREFILL_MKL_BF16,
+                                  cpu_attention.PREFILL_DOT_BF16])
+@pytest.mark.parametrize("head_dim", [64, 128, 36])
+def test_bf16_prefill_every_gemm(ops, threads, gemm, head_dim):
+    """bfloat16 tiles converted to float, through MKL's bf16 GEMM, or through the kernel's own
+    bf16 dot products (AVX512-BF16; a build, CPU or head dim without them runs the first):
+    the same answer. Query tiles of 64 tokens and key tiles of 256 with ragged ends, GQA 2."""
+    q, cache, tables, starts, cached = _prefill_case([(33, 40), (250, 261), (0, 1)],
+                                                     torch.bfloat16, head_dim, 2, 16, seed=4)
+    scale = head_dim ** -0.5
+    ref = _prefill_reference(q, cache, tables, starts, cached, scale)
+    out = cpu_attention.paged_prefill_attention(q, cache, tables, starts, cached, scale,
+                                                ops=ops, gemm=gemm)
+    torch.testing.assert_close(out.float(), ref, **_tol(torch.bfloat16))
 
 
 def test_writes_only_its_rows_of_a_shared_output(ops):
