@@ -434,6 +434,29 @@ void pack_rows(G* dst, const T* base, const int64_t* table, const Cache& c, int6
   }
 }
 
+// A prefill's work items: (sequence, kv head, tile of query tokens); costs[i]: its keys (later
+// tiles of a chunk see more of them), for parallel_by_cost.
+struct PrefillItem { int64_t seq, head, begin, end; };  // query tokens [begin, end) of the chunk
+
+std::vector<PrefillItem> prefill_items(const Cache& c, const at::Tensor& block_tables,
+                                       const int64_t* starts, const int64_t* cached,
+                                       int64_t num_seqs, int64_t tokens_per_tile,
+                                       std::vector<int64_t>& costs) {
+  std::vector<PrefillItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n = starts[s + 1] - starts[s];
+    TORCH_CHECK(n >= 0 && cached[s] >= 0 && cached[s] + n <= block_tables.size(1) * c.block_size,
+                "prefill ", s, ": ", cached[s], " cached + ", n,
+                " new positions do not fit its block table");
+    for (int64_t h = 0; h < c.num_kv_heads; ++h)
+      for (int64_t t = 0; t < n; t += tokens_per_tile) {
+        items.push_back({s, h, t, std::min(n, t + tokens_per_tile)});
+        costs.push_back((cached[s] + items.back().end) * (items.back().end - t) + 64);
+      }
+  }
+  return items;
+}
+
 // T: the cache's dtype; GT: the GEMMs' input dtype (T, or float where the CPU has no fast
 // bfloat16 GEMM).
 template <typename T, typename GT>
@@ -455,20 +478,9 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
 
   const int64_t tokens_per_tile = std::max<int64_t>(1, kQueryRows / G);
   const int64_t key_tile = (kKeyTile + c.block_size - 1) / c.block_size * c.block_size;
-  struct Item { int64_t seq, head, begin, end; };  // query tokens [begin, end) of the chunk
-  std::vector<Item> items;
-  std::vector<int64_t> costs;  // a tile's keys: later tiles of a chunk see more of them
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t n = starts[s + 1] - starts[s];
-    TORCH_CHECK(n >= 0 && cached[s] >= 0 && cached[s] + n <= block_tables.size(1) * c.block_size,
-                "prefill ", s, ": ", cached[s], " cached + ", n,
-                " new positions do not fit its block table");
-    for (int64_t h = 0; h < c.num_kv_heads; ++h)
-      for (int64_t t = 0; t < n; t += tokens_per_tile) {
-        items.push_back({s, h, t, std::min(n, t + tokens_per_tile)});
-        costs.push_back((cached[s] + items.back().end) * (items.back().end - t) + 64);
-      }
-  }
+  std::vector<int64_t> costs;
+  const std::vector<PrefillItem> items =
+      prefill_items(c, block_tables, starts, cached, num_seqs, tokens_per_tile, costs);
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
     const int64_t rows_max = tokens_per_tile * G;
     std::vector<GT> qpack(rows_max * D), kpack(key_tile * D), vpack(key_tile * D),
@@ -476,7 +488,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
     std::vector<float> scores(rows_max * key_tile), acc(rows_max * D), maxes(rows_max),
         sums(rows_max);
     for (int64_t i = i_begin; i < i_end; ++i) {
-      const Item& it = items[i];
+      const PrefillItem& it = items[i];
       const int64_t tokens = it.end - it.begin, rows = tokens * G;
       const int64_t offset = cached[it.seq];  // position of the chunk's first query
       const int64_t* table = tables + it.seq * table_stride;
@@ -643,20 +655,9 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t tokens_per_tile = std::max<int64_t>(1, kQueryRows / G);
   const int64_t key_tile = (kKeyTile + c.block_size - 1) / c.block_size * c.block_size;
   const int64_t keys_max = (key_tile + kDpCols - 1) / kDpCols * kDpCols;
-  struct Item { int64_t seq, head, begin, end; };
-  std::vector<Item> items;
   std::vector<int64_t> costs;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t n = starts[s + 1] - starts[s];
-    TORCH_CHECK(n >= 0 && cached[s] >= 0 && cached[s] + n <= block_tables.size(1) * c.block_size,
-                "prefill ", s, ": ", cached[s], " cached + ", n,
-                " new positions do not fit its block table");
-    for (int64_t h = 0; h < c.num_kv_heads; ++h)
-      for (int64_t t = 0; t < n; t += tokens_per_tile) {
-        items.push_back({s, h, t, std::min(n, t + tokens_per_tile)});
-        costs.push_back((cached[s] + items.back().end) * (items.back().end - t) + 64);
-      }
-  }
+  const std::vector<PrefillItem> items =
+      prefill_items(c, block_tables, starts, cached, num_seqs, tokens_per_tile, costs);
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
     const int64_t rp_max = (tokens_per_tile * G + 15) / 16 * 16;
     std::vector<uint32_t> qp(pairs * rp_max), pp(keys_max / 2 * rp_max), vp(keys_max / 2 * D),
@@ -667,7 +668,7 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
     std::vector<const BFloat16*> vrows(keys_max);
     const auto* zero_row = reinterpret_cast<const u32a*>(zero.data());
     for (int64_t i = i_begin; i < i_end; ++i) {
-      const Item& it = items[i];
+      const PrefillItem& it = items[i];
       const int64_t tokens = it.end - it.begin, rows = tokens * G, rp = (rows + 15) / 16 * 16;
       const int64_t first = cached[it.seq] + it.begin;  // the tile's first query position
       const int64_t* table = tables + it.seq * table_stride;
