@@ -115,9 +115,7 @@ def load(isa: str | None = None, verbose: bool = False, wait_s: float = BUILD_WA
 def has_fast_bf16_gemm() -> bool:
     """Whether oneDNN computes bfloat16 GEMMs natively here (AVX512-BF16 or AMX): packed
     bfloat16 linears pay only then."""
-    cpu = getattr(torch, "cpu", None)
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, p, lambda: False)() for p in probes)
+    return has_avx512_bf16() or has_amx()
 
 
 @functools.cache
