@@ -133,16 +133,17 @@ def test_prefix_hits_increase_on_a_repeated_prompt(stack, client, urls):
 
 
 def test_gauges_follow_a_running_request(stack, client, urls):
+    """Scraped while a request streams, then after the client hung up on it (which aborts it).
+    It asks for 4000 tokens (nearly all of the 256 blocks), so that it is still running at the
+    scrape however slowly a loaded host streams the first one out."""
     model = client.get("/v1/models").json()["data"][0]["id"]
-    body = {"model": model, "prompt": [1500 + k for k in range(PROMPT_LEN)], "max_tokens": 400,
+    body = {"model": model, "prompt": [1500 + k for k in range(PROMPT_LEN)], "max_tokens": 4000,
             "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200, r.read()
-        lines = r.iter_lines()
+        lines = r.iter_lines()  # kept: a line iterator dropped closes the stream
         next(line for line in lines if line.startswith("data:"))
         during = scrape(urls["scheduler"])
-        for _ in lines:
-            pass
     assert value(during, "pdserve:num_requests_running") == 1
     assert value(during, "pdserve:kv_cache_usage_perc", role="decode") > 0
     stack.wait_idle()

@@ -2,6 +2,8 @@
 the logits one process computes, prefill and greedy decode through each rank's own paged KV
 cache, for llama, qwen2 (QKV bias, tied embeddings) and qwen3 (QK norm); T = 2 splits the KV
 heads, T = 4 replicates them (the tiny models have 2)."""
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,17 @@ def _references(tiny_models, seed: int) -> tuple[dict, dict]:
     return want, prompts
 
 
+def _leave() -> None:
+    """Ends a rank process that did its work without the interpreter's teardown. gloo's worker
+    threads release the tensors of a finished collective on their own, which takes the GIL;
+    a thread that asks for it while the interpreter finalizes aborts the whole process
+    ("terminate called without an active exception", SIGABRT), and after the last step of a
+    loaded host that release can come later than the exit. Every result is saved by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _rank(rank: int, size: int, port: int, models: list[tuple[str, str, list[int]]],
           out: str) -> None:
     torch.set_num_threads(1)
@@ -64,6 +77,7 @@ def _rank(rank: int, size: int, port: int, models: list[tuple[str, str, list[int
             torch.save(_greedy_logits(model, prompt), Path(out) / f"{arch}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    _leave()
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -128,6 +142,7 @@ def _stage(rank: int, world: int, tp_size: int, port: int,
                 torch.save(logits, Path(out) / f"{arch}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    _leave()
 
 
 @pytest.mark.parametrize("stages,tp_size", [(2, 1), (2, 2)], ids=["P2", "T2xP2"])
