@@ -24,7 +24,9 @@ rejection_sampler: a (k + 1)-th draft is drawn too, and only verified. Position 
     (the most a draft can be kept with). Each draw is keyed by (seed, position), so seeded
     requests repeat run after run; but a position sampled without a draft (the first token, a
     step without drafts, a recompute after preemption) draws otherwise than it would with one,
-    so after a preemption or a worker's loss a seeded request's later tokens may differ.
+    so after a preemption or a worker's loss a seeded request's later tokens may differ. For
+    the same reason a seeded request's draft length follows its acceptance record alone, not
+    the draft's measured cost (timing, which differs from run to run).
 """
 from __future__ import annotations
 

@@ -253,6 +253,14 @@ class ModelRunner:
                 COST_SMOOTHING * ratio + (1 - COST_SMOOTHING) * self.draft_cost
         return sampled, stats
 
+    def _cost_for(self, r: RequestState) -> float:
+        """The draft cost r's draft length weighs: none for a seeded request under rejection
+        sampling, whose tokens depend on which positions had drafts (draft.py): a length that
+        followed this host's measured timing would change its output from run to run."""
+        if r.sampling.seed is not None and self.draft is not None and not self.draft.coupled:
+            return 0.0
+        return self.draft_cost
+
     def _propose(self, scheduled: list[tuple[RequestState, int]], lookahead: dict[str, int],
                  failed: dict[str, str]
                  ) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], torch.Tensor]]]:
@@ -271,7 +279,7 @@ class ModelRunner:
             room = len(r.block_ids) * self.block_size - len(r.token_ids)
             left = r.sampling.max_tokens - (len(r.token_ids) - r.num_prompt_tokens) - 1
             k = min(self.num_speculative_tokens, slots, room, left)
-            k = r.draft_length.drafts(k, self.draft_cost) if k > 0 else 0
+            k = r.draft_length.drafts(k, self._cost_for(r)) if k > 0 else 0
             if k < 1:
                 continue
             if self.draft is not None:

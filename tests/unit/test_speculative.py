@@ -424,14 +424,21 @@ def test_draft_speculation_after_a_lost_worker_keeps_greedy_and_seeded_tokens(
     """A decode worker dies mid-request: greedy tokens still equal HF's. Coupled drafts keep
     seeded output (temperature > 0, logprobs too) equal to plain decoding's, lost worker or
     not; rejection sampling keeps it equal run after run (each draw keyed by seed and position),
-    not across the loss."""
+    not across the loss, nor whatever a draft costs on this host (it drafts by its acceptance
+    alone)."""
     roles = [("prefill", 64), ("decode", 64), ("decode", 64)]
     prompts = {f"r{i}": _prompt(12, 60 + i) for i in range(3)}
     spec = json.dumps({"model": str(other_draft if method == "coupled" else tiny_llama),
                        "num_speculative_tokens": 3, "acceptance_method": method})
 
-    def run(lose, speculate=True, **kw):
+    def run(lose, speculate=True, draft_cost=None, **kw):
         c = cluster(roles, worker_kw={"speculative_config": spec} if speculate else None)
+        if draft_cost is not None:  # as measured on a host where a draft is dear
+            for w in c.workers.values():
+                def execute(plan, sub_step=0, w=w, step=w.execute):
+                    w.runner.draft_cost = draft_cost
+                    return step(plan, sub_step)
+                w.execute = execute
         for rid, p in prompts.items():
             c.submit(rid, p, max_tokens=16, **kw)
         if lose:  # once a decode worker has decoded a few tokens of a request
@@ -457,6 +464,8 @@ def test_draft_speculation_after_a_lost_worker_keeps_greedy_and_seeded_tokens(
     if method == "coupled":
         _assert_same(_outputs(run(True, **seeded), prompts), once)
         _assert_same(_outputs(run(False, speculate=False, **seeded), prompts), once)
+    else:  # a draft dearer than half a step would never pay, yet seeded tokens keep drafting
+        _assert_same(_outputs(run(False, draft_cost=0.6, **seeded), prompts), once)
 
 
 def test_a_draft_model_through_preemption_and_a_stop_token_keeps_greedy_tokens(cluster, hf,
