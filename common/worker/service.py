@@ -320,6 +320,11 @@ async def serve(cfg: WorkerConfig) -> int:
     # of one sequence took 18-25 ms with 2 threads, as slow as with 1; 15-18 ms on its own)
     steps = ThreadPoolExecutor(1, thread_name_prefix="step")
     worker, reg = await asyncio.get_running_loop().run_in_executor(steps, build_worker, cfg)
+    # ... and only that thread runs an OpenMP team: this one (KV frames landing in the cache)
+    # copies on its own. A second team would take cores from the step's threads mid-step and,
+    # with more of libgomp's threads than cores, make every team sleep between its parallel
+    # regions instead of spinning (layer_streamer.py)
+    torch.set_num_threads(1)
     await start_listeners(worker, reg)
     telemetry = await start_telemetry(cfg, worker)
     health = await start_health(cfg)

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services import launcher
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"
 OUR_SERVICES = {"scheduler", "gateway"}
@@ -96,6 +98,7 @@ def test_cpu_profile_runs_the_same_stack_without_gpus(compose_bin):
     prefill, decode = services["prefill-worker-cpu"], services["decode-worker-cpu"]
     assert prefill["environment"]["PDSERVE_CPU_NICE"] == "19"
     assert prefill["environment"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert prefill["environment"]["GOMP_SPINCOUNT"] == str(launcher.NICE_SPIN_COUNT)
     assert prefill["cpu_shares"] == 2 and "cpu_shares" not in decode
     assert prefill["environment"]["PDSERVE_HOST_ID"] == decode["environment"]["PDSERVE_HOST_ID"]
 

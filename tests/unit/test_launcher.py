@@ -31,9 +31,11 @@ def test_workers_share_every_core_and_prefill_yields_them_by_default():
         assert c[c.index("--cpu-threads") + 1] == cores
         nice = c[c.index("--cpu-nice") + 1] if "--cpu-nice" in c else None
         assert nice == ("19" if name.startswith("prefill") else None)
-        passive = launcher.environment(c).get("OMP_WAIT_POLICY")
-        assert passive == ("PASSIVE" if name.startswith("prefill") else os.environ.get(
-            "OMP_WAIT_POLICY"))
+        env = launcher.environment(c)
+        for key, nice_value in (("OMP_WAIT_POLICY", "PASSIVE"),
+                                ("GOMP_SPINCOUNT", str(launcher.NICE_SPIN_COUNT))):
+            assert env.get(key) == (nice_value if name.startswith("prefill")
+                                    else os.environ.get(key))
 
 
 def test_pinned_workers_get_disjoint_cores_when_there_are_enough():
