@@ -167,8 +167,15 @@ class _StateCollector:
                                           "Blocks the cache evicted into the second tier.",
                                           labels=labels)
         tier_evictions = CounterMetricFamily(PREFIX + "kv_tier_evictions",
-                                             "Blocks the second tier evicted (least recently "
-                                             "used) to make room.", labels=labels)
+                                             "Blocks a worker's own second tier evicted (least "
+                                             "recently used) to make room.", labels=labels)
+        shared_evictions = CounterMetricFamily(PREFIX + "kv_shared_tier_evictions",
+                                               "Blocks a second tier that the workers of a host "
+                                               "share evicted (least recently used) to make "
+                                               "room: once per tier, not per worker.",
+                                               labels=["tier_id"])
+        for tier_id, pool in sorted(s.workers.shared_tiers().items()):
+            shared_evictions.add_metric([tier_id], pool.num_evicted)
         for w in list(s.workers.values()):
             key = [w.worker_id, w.role]
             usage.add_metric(key, 1.0 - w.kv.num_free_blocks / w.kv.num_blocks)
@@ -179,5 +186,7 @@ class _StateCollector:
             if w.kv.tier is not None:
                 tier_hits.add_metric(key, w.kv.num_tier_hit_tokens)
                 tier_stores.add_metric(key, w.kv.num_tier_stores)
-                tier_evictions.add_metric(key, w.kv.tier.num_evicted)
-        yield from (usage, queries, hits, running, speed, tier_hits, tier_stores, tier_evictions)
+                if not w.tier_id:  # a shared tier's are counted once, above
+                    tier_evictions.add_metric(key, w.kv.tier.num_evicted)
+        yield from (usage, queries, hits, running, speed, tier_hits, tier_stores, tier_evictions,
+                    shared_evictions)

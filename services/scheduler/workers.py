@@ -119,6 +119,11 @@ class Workers(Mapping[str, WorkerState]):
                 del self._shared_tiers[tier_id]
         return w
 
+    def shared_tiers(self) -> dict[str, TierPool]:
+        """Tier id -> the second tier the workers of a host share, while any of them is here."""
+        return {tier_id: pool for tier_id, (pool, holders) in self._shared_tiers.items()
+                if holders}
+
     def _tier(self, reg: Registration) -> TierPool | None:
         """The worker's second tier: none, its own, or the one it shares with its host's
         workers (one index for all of them)."""

@@ -80,6 +80,36 @@ def test_prefix_cache_counts_each_admission_once_in_tokens():
     assert off.num_queried_tokens == 0
 
 
+def test_a_shared_tier_counts_its_evictions_once():
+    """Two decode workers of a host share one second tier, a third has its own: the shared
+    tier's evictions are one sample of their own, not one per worker that maps it."""
+    sched = Scheduler(SchedulerConfig())
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32")
+
+    def join(worker_id, tier_id):
+        return sched.add_worker(Registration(
+            worker_id=worker_id, role="decode", model_fingerprint="m", num_blocks=10,
+            layout=layout, transports=("shm",), kv_endpoints={"shm": worker_id},
+            num_tier_blocks=2, tier_id=tier_id))
+    x, y, own = join("x", "host-a"), join("y", "host-a"), join("o", "")
+    assert x.kv.tier is y.kv.tier is not own.kv.tier
+    for tier, worker, n in ((x.kv.tier, "x", 5), (own.kv.tier, "o", 3)):
+        for i in range(n):  # one block each, every step answered: n - 2 evictions
+            slot = tier.store(bytes([i]) * 16, worker)
+            tier.seal(("step", i), worker, [slot], [])
+            tier.done(("step", i))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in SchedulerTelemetry(sched).registry.collect() for s in f.samples}
+    evictions = {k: v for k, v in samples.items() if "tier_evictions_total" in k[0]}
+    assert evictions == {
+        ("pdserve:kv_shared_tier_evictions_total", (("tier_id", "host-a"),)): 3,
+        ("pdserve:kv_tier_evictions_total", (("role", "decode"), ("worker_id", "o"))): 1}
+    sched.remove_worker("x")
+    sched.remove_worker("y")  # the last one mapping it: the tier goes, its counter with it
+    assert not any(f.name == "pdserve:kv_shared_tier_evictions" and f.samples
+                   for f in SchedulerTelemetry(sched).registry.collect())
+
+
 def test_scheduler_metrics_read_its_state():
     sched = Scheduler(SchedulerConfig())
     w = sched.add_worker(Registration(
