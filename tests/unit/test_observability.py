@@ -7,8 +7,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import tracing
-from common.metrics import start_metrics_server
 from common.kv_layout import KVLayout
+from common.metrics import start_metrics_server
 from common.plans import Registration
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
