@@ -323,7 +323,9 @@ async def serve(cfg: WorkerConfig) -> int:
     # ... and only that thread runs an OpenMP team: this one (KV frames landing in the cache)
     # copies on its own. A second team would take cores from the step's threads mid-step and,
     # with more of libgomp's threads than cores, make every team sleep between its parallel
-    # regions instead of spinning (layer_streamer.py)
+    # regions instead of spinning (layer_streamer.py). Only after the build: a thread's first
+    # torch op takes the thread count last set on any thread, and the step thread has had its
+    # own by now.
     torch.set_num_threads(1)
     await start_listeners(worker, reg)
     telemetry = await start_telemetry(cfg, worker)
