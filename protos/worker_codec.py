@@ -33,11 +33,14 @@ from protos.scheduler_codec import (
 def layout_to_pb(layout: KVLayout) -> worker_pb2.KVLayout:
     return worker_pb2.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                                head_dim=layout.head_dim, block_size=layout.block_size,
-                               dtype=layout.dtype)
+                               dtype=layout.dtype,
+                               tensor_parallel_size=layout.tensor_parallel_size,
+                               pipeline_parallel_size=layout.pipeline_parallel_size)
 
 
 def layout_from_pb(pb: worker_pb2.KVLayout) -> KVLayout:
-    return KVLayout(pb.num_layers, pb.num_kv_heads, pb.head_dim, pb.block_size, pb.dtype)
+    return KVLayout(pb.num_layers, pb.num_kv_heads, pb.head_dim, pb.block_size, pb.dtype,
+                    max(1, pb.tensor_parallel_size), max(1, pb.pipeline_parallel_size))
 
 
 def registration_to_pb(r: Registration) -> worker_pb2.Register:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from common.kv_cache import PagedKVCache, copy_blocks
-from common.kv_layout import KVLayout
+from common.kv_layout import KVLayout, KVShard
 from common.tls import TLSFiles
 
 # the sender writes straight into the receiver's cache: no listener sees the data arrive
@@ -64,15 +64,23 @@ class KVSender(ABC):
 
 class DirectWriteSender(KVSender):
     """A sender that maps the receiver's cache (once per endpoint) and copies blocks straight
-    into it: shm, cuda_ipc."""
+    into it: shm, cuda_ipc.
 
-    def __init__(self, layout: KVLayout):
-        self.layout = layout
-        self._peers: dict[str, torch.Tensor] = {}  # endpoint -> the receiver's cache, mapped
+    Either side may be a worker group whose ranks each hold a shard (kv_layout.KVShard): the
+    endpoint then names every rank's cache, and this sender writes the layers and heads of its
+    own shard into each destination cache holding any of them. A head replicated on several
+    ranks of this sender's group goes from the first of them only."""
+
+    def __init__(self, layout: KVLayout, shard: KVShard | None = None):
+        self.layout = layout  # this worker's (this rank's) cache
+        self.shard = shard or KVShard.whole(layout)
+        self._peers: dict[str, list[tuple[torch.Tensor, KVShard]]] = {}  # endpoint -> caches
 
     @abstractmethod
-    def _open(self, endpoint: str) -> torch.Tensor:
-        """The receiver's whole cache `[layers, 2, blocks, ...]`; KVTransferError if it cannot."""
+    def _open(self, endpoint: str) -> list[tuple[torch.Tensor, KVShard]]:
+        """The receiver's whole caches `[layers, 2, blocks, ...]` and the shard of the model's
+        KV each holds (one for a worker, one per rank for a group); KVTransferError if it
+        cannot."""
 
     def _copy(self, dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor,
               src_ids: list[int]) -> None:
@@ -83,15 +91,30 @@ class DirectWriteSender(KVSender):
         if len(src_block_ids) != len(dst_block_ids):
             raise KVTransferError(f"transfer {transfer_id}: {len(src_block_ids)} source blocks, "
                                   f"{len(dst_block_ids)} destination blocks")
-        peer = self._peers.get(dst_endpoint)
-        if peer is None:
-            peer = self._peers[dst_endpoint] = self._open(dst_endpoint)
-        if any(not 0 <= b < peer.shape[2] for b in dst_block_ids):
+        peers = self._peers.get(dst_endpoint)
+        if peers is None:
+            peers = self._peers[dst_endpoint] = self._open(dst_endpoint)
+        if any(not 0 <= b < peer.shape[2] for peer, _ in peers for b in dst_block_ids):
             raise KVTransferError(f"transfer {transfer_id}: destination block out of range")
-        self._copy(peer[layer_start:layer_end], dst_block_ids,
-                   cache.tensor[layer_start:layer_end], src_block_ids)
-        return (len(src_block_ids) * self.layout.block_bytes // self.layout.num_layers
-                * (layer_end - layer_start))
+        if not self.shard.sends:
+            return 0
+        mine = self.shard
+        sending = KVShard(mine.layer_start + layer_start, mine.layer_start + layer_end,
+                          mine.head_start, mine.head_end)
+        moved = 0
+        for peer, theirs in peers:
+            both = sending.overlap(theirs)
+            if both is None:
+                continue
+            dst = peer[both.layer_start - theirs.layer_start:both.layer_end - theirs.layer_start,
+                       :, :, :, both.head_start - theirs.head_start:
+                       both.head_end - theirs.head_start]
+            src = cache.tensor[both.layer_start - mine.layer_start:
+                               both.layer_end - mine.layer_start, :, :, :,
+                               both.head_start - mine.head_start:both.head_end - mine.head_start]
+            self._copy(dst, dst_block_ids, src, src_block_ids)
+            moved += src[:, :, :len(src_block_ids)].numel() * src.element_size()
+        return moved
 
     def close(self) -> None:
         self._peers.clear()

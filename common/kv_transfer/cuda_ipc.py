@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, urlencode
 import torch
 
 from common.kv_cache import PagedKVCache, copy_blocks
-from common.kv_layout import KVLayout
+from common.kv_layout import KVLayout, KVShard
 from common.kv_transfer.base import DirectWriteSender, KVListener, KVTransferError
 
 SCHEME = "cuda_ipc://"
@@ -79,7 +79,7 @@ class CudaIpcSender(DirectWriteSender):
         super().__init__(layout)
         self._stream: torch.cuda.Stream | None = None
 
-    def _open(self, endpoint: str) -> torch.Tensor:
+    def _open(self, endpoint: str) -> list[tuple[torch.Tensor, KVShard]]:
         h = IpcHandle.parse(endpoint)
         visible = [i for i in range(torch.cuda.device_count())
                    if gpu_uuid(torch.device("cuda", i)) == h.gpu_uuid]
@@ -100,7 +100,9 @@ class CudaIpcSender(DirectWriteSender):
         shape = self.layout.cache_shape(h.num_blocks)
         cache = torch.empty(0, dtype=self.layout.torch_dtype, device=device)
         # torch's stub drops set_'s `stride=[]` default (contiguous), which the op itself has
-        return cache.set_(storage, 0, shape)  # type: ignore[call-overload]
+        # (a worker's whole cache: worker groups exchange KV over shm so far)
+        return [(cache.set_(storage, 0, shape),  # type: ignore[call-overload]
+                 KVShard.whole(self.layout))]
 
     def _copy(self, dst, dst_ids, src, src_ids):
         """On its own stream: the copy waits for nothing the compute stream still queues (the

@@ -6,7 +6,7 @@ offering shm and tcp never loads torch.distributed (nccl) or the CUDA IPC code.
 from __future__ import annotations
 
 from common.kv_cache import PagedKVCache
-from common.kv_layout import KVLayout
+from common.kv_layout import KVLayout, KVShard
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, TransferConfig
 
 KNOWN_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
@@ -16,10 +16,13 @@ def _unknown(transport: str) -> ValueError:
     return ValueError(f"unknown KV transport {transport!r}; known: {', '.join(KNOWN_TRANSPORTS)}")
 
 
-def create_sender(transport: str, layout: KVLayout, cfg: TransferConfig) -> KVSender:
+def create_sender(transport: str, layout: KVLayout, cfg: TransferConfig,
+                  shard: KVShard | None = None) -> KVSender:
+    """`shard`: the part of the model's KV the sending cache holds (a worker group's rank);
+    None: all of it."""
     if transport == "shm":
         from common.kv_transfer.shm import ShmSender
-        return ShmSender(layout)
+        return ShmSender(layout, shard)
     if transport == "tcp":
         from common.kv_transfer.tcp import TcpSender
         return TcpSender(layout, cfg)
@@ -33,10 +36,10 @@ def create_sender(transport: str, layout: KVLayout, cfg: TransferConfig) -> KVSe
 
 
 def create_listener(transport: str, cache: PagedKVCache, receiver: KVReceiver,
-                    cfg: TransferConfig) -> KVListener:
+                    cfg: TransferConfig, shard: KVShard | None = None) -> KVListener:
     if transport == "shm":
         from common.kv_transfer.shm import ShmListener
-        return ShmListener(cache)
+        return ShmListener(cache, shard)
     if transport == "tcp":
         from common.kv_transfer.tcp import TcpListener
         return TcpListener(cache, receiver, cfg)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.kv_layout import kv_head_split, layer_split
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -49,11 +51,7 @@ class TensorParallel:
 
     def kv_heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
         """[start, end) of the KV heads this rank's query heads use."""
-        if num_kv_heads >= self.size:
-            return self.share(num_kv_heads)
-        first_q = self.share(num_heads)[0]
-        kv = first_q // (num_heads // num_kv_heads)
-        return kv, kv + 1
+        return kv_head_split(num_kv_heads, self.size, self.rank)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
@@ -107,12 +105,7 @@ class PipelineParallel:
 
     def layers(self, num_layers: int) -> tuple[int, int]:
         """[start, end) of this stage's layers: an even split, the first stages one more."""
-        if num_layers < self.size:
-            raise ValueError(f"--pipeline-parallel-size {self.size} exceeds the model's "
-                             f"{num_layers} layers")
-        k, extra = divmod(num_layers, self.size)
-        start = self.stage * k + min(self.stage, extra)
-        return start, start + k + (self.stage < extra)
+        return layer_split(num_layers, self.size, self.stage)
 
     def send(self, h: torch.Tensor, residual: torch.Tensor) -> None:
         dist.send(torch.stack([h, residual]).contiguous(), self.next)

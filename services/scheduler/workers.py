@@ -23,6 +23,7 @@ MAX_BLOCKS = 1 << 22
 MAX_BLOCK_SIZE = 1 << 16
 MAX_SPECULATIVE_TOKENS = 64
 MAX_CORES = 1 << 16
+MAX_GROUP_SIZE = 1024  # ranks per tensor or pipeline dimension of a worker group
 
 
 class RegistrationError(Exception):
@@ -164,6 +165,10 @@ class Workers(Mapping[str, WorkerState]):
         if min(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size) < 1 \
                 or lay.block_size > MAX_BLOCK_SIZE or lay.dtype not in DTYPE_BYTES:
             raise RegistrationError(f"KV layout {lay} is not one a cache can have")
+        if not (1 <= lay.tensor_parallel_size <= MAX_GROUP_SIZE
+                and 1 <= lay.pipeline_parallel_size <= min(lay.num_layers, MAX_GROUP_SIZE)):
+            raise RegistrationError(f"KV layout {lay}: a group's tensor and pipeline parallel "
+                                    f"sizes are 1 to {MAX_GROUP_SIZE} (and the layers)")
         if reg.max_model_len < 0:
             raise RegistrationError("max_model_len must be >= 0")
         if not 0 <= reg.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -181,7 +186,7 @@ class Workers(Mapping[str, WorkerState]):
                     f"model fingerprint {reg.model_fingerprint} differs from worker "
                     f"{other.worker_id}'s {other.fingerprint}: every worker must serve the same "
                     "model")
-            if other.layout != reg.layout:
+            if not other.layout.same_model(reg.layout):  # group shapes may differ
                 raise RegistrationError(
                     f"KV layout {reg.layout} differs from worker {other.worker_id}'s "
                     f"{other.layout}")

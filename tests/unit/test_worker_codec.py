@@ -65,3 +65,13 @@ def test_registrations_round_trip_and_one_endpoint_serves_every_transport():
     assert registration_from_pb(pb) == reg
     del pb.kv_endpoints["shm"], pb.kv_endpoints["tcp"]
     assert registration_from_pb(pb).kv_endpoints == {"shm": "shm://w", "tcp": "shm://w"}
+
+
+def test_a_worker_groups_shape_travels_with_its_layout():
+    group = KVLayout(4, 2, 16, 16, "bfloat16", tensor_parallel_size=2, pipeline_parallel_size=2)
+    reg = Registration("g", "prefill", "fp", 64, group, ("shm",), {"shm": "shm://a,shm://b"})
+    assert registration_from_pb(registration_to_pb(reg)).layout == group
+    pb = registration_to_pb(reg)
+    pb.layout.ClearField("tensor_parallel_size")  # a writer that predates groups: one rank
+    pb.layout.ClearField("pipeline_parallel_size")
+    assert registration_from_pb(pb).layout == group.model_layout()
