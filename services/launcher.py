@@ -93,7 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory the workers on it may use in all, split "
                         f"evenly between them (default on a GPU: {GPU_MEMORY_SHARE})")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="only 1: tensor parallelism is not built yet")
+                   help="every worker a group of this many rank processes splitting the model "
+                        "(CPU workers, gloo; KV between groups over shm); a pool of another "
+                        "size: --prefill-worker-args / --decode-worker-args")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="only 1: pipeline-parallel worker groups are not built yet")
     p.add_argument("--speculative-config", default="",
                    help="speculative decoding on the decode workers (those that decode, in "
                         "either mode), vLLM's JSON: '{\"method\": \"ngram\", "
@@ -145,9 +149,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def unbuilt(args) -> str | None:
     """Why a flag cannot be honoured, for vLLM flags whose concept is not built yet (refused,
     never silently ignored), or None."""
-    if args.tensor_parallel_size != 1:
-        return (f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
-                "built yet; each worker holds the whole model on one device (use 1)")
+    if args.pipeline_parallel_size != 1:
+        return (f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline-parallel "
+                "worker groups are not built yet (use 1; --tensor-parallel-size is)")
+    if args.tensor_parallel_size < 1:
+        return "--tensor-parallel-size must be >= 1"
     try:
         SpeculativeConfig.parse(args.speculative_config)
     except ValueError as e:
@@ -207,6 +213,8 @@ def commands(args) -> list[list[str]]:
     if args.max_model_len:
         worker += ["--max-model-len", str(args.max_model_len)]
     worker += ["--seed", str(args.seed)]
+    if args.tensor_parallel_size != 1:
+        worker += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     tracing = ["--otlp-traces-endpoint", args.otlp_traces_endpoint] \
         if args.otlp_traces_endpoint else []
     tls = ["--tls-dir", args.tls_dir] if args.tls_dir else []

@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import sys
 
-from common.worker import config, service
+from common.worker import config, group, service
 
 ROLES = {"prefill-worker": "prefill", "decode-worker": "decode"}  # subcommand -> role
 
@@ -25,4 +25,7 @@ def run(args) -> int:
     except ValueError as e:
         print(f"pdserve {args.command}: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(service.serve(cfg))
+    status = asyncio.run(service.serve(cfg))
+    if cfg.tensor_parallel_size > 1:
+        group.leave(status)  # no interpreter teardown beside gloo's threads
+    return status

@@ -59,6 +59,9 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0    # SIGTERM: how long its requests may run on before it leaves
     speculative_config: str = ""     # vLLM's JSON (speculative.py); "": no speculation
     tls: TLSFiles | None = None      # mutual TLS to the scheduler and between workers
+    tensor_parallel_size: int = 1    # > 1: a group of rank processes (group.py)
+    pipeline_parallel_size: int = 1
+    group_start_timeout_s: float = 600.0  # a group's ranks loading their shares of the model
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode"):
@@ -99,9 +102,37 @@ class WorkerConfig:
         unknown = set(self.kv_transports) - set(KNOWN_TRANSPORTS)
         if unknown or not self.kv_transports:
             raise ValueError(f"unknown KV transports {sorted(unknown)}; known: {KNOWN_TRANSPORTS}")
+        self._check_group()
         if not self.worker_id:
             object.__setattr__(self, "worker_id",
                                f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+
+    def _check_group(self) -> None:
+        """Refuses what a worker group does not do yet; its default transport is shm."""
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("--pipeline-parallel-size: pipeline-parallel worker groups are not "
+                             "built yet (use 1; tensor parallelism is)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
+        if self.tensor_parallel_size == 1:
+            return
+        if self.resolved_device() != "cpu":
+            raise ValueError("--tensor-parallel-size > 1 runs on CPU workers so far (gloo); "
+                             "GPU groups over NCCL are not built yet")
+        if self.kv_transports == ("shm", "tcp"):
+            object.__setattr__(self, "kv_transports", ("shm",))
+        if self.kv_transports != ("shm",):
+            raise ValueError("a worker group (--tensor-parallel-size > 1) exchanges KV over shm "
+                             "only so far: every rank writes its heads straight into its peers' "
+                             "caches on the same host")
+        spec = self.speculative()
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("a draft model does not run in a worker group yet; ngram "
+                             "speculation does")
+        if self.kv_offloading_backend == "host" and (self.kv_offloading_size_gib
+                                                     or self.kv_offloading_blocks):
+            raise ValueError("--kv-offloading-backend host is one tier per host and model; a "
+                             "worker group's ranks each need their own (use native)")
 
     def _set_dtype(self) -> None:
         """"auto" (and vLLM's aliases) become the dtype the model is served in, logged once."""
@@ -248,6 +279,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         '\'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
                         "(env PDSERVE_SPECULATIVE_CONFIG); default: none")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   default=int(env("PDSERVE_TENSOR_PARALLEL_SIZE", 1)),
+                   help="split the model over this many rank processes (one group serving as "
+                        "one worker, its cores split between them; CPU, gloo); env "
+                        "PDSERVE_TENSOR_PARALLEL_SIZE")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages per worker group (only 1 so far)")
     add_tls_args(p, "worker")
     tracing.add_arguments(p)
     p.add_argument("--detailed-traces", action="store_true",
@@ -282,4 +320,6 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         speculative_config=args.speculative_config,
                         otlp_traces_endpoint=args.otlp_traces_endpoint or "",
                         detailed_traces=args.detailed_traces,
-                        tls=tls_from_args(args, "worker"))
+                        tls=tls_from_args(args, "worker"),
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size)

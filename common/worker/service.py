@@ -42,12 +42,15 @@ from common.kv_transfer.base import KVReceiver, TransferConfig
 from common.kv_transfer.registry import create_listener, create_sender
 from common.models.attention import cpu_kernels, create_attention_backend
 from common.models.llama import load_model
-from common.plans import Registration
+from common.models.parallel import TensorParallel
+from common.plans import Registration, StepResult, TransfersDone
+from common.ports import free_port
 from common.tls import grpc_channel_credentials, scheduler_channel_options, warn_if_exposed
 from common.worker.config import WorkerConfig
 from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.draft import DraftModel
 from common.worker.grammars import Grammars
+from common.worker.group import GroupBroken, GroupLeader, rank_cores
 from common.worker.memory import GIB, num_kv_blocks
 from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
@@ -64,15 +67,24 @@ class RegistrationRefused(Exception):
     pass
 
 
-def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
+def build_worker(cfg: WorkerConfig, rank: int = 0) -> tuple[Worker, Registration]:
+    """The worker, or with --tensor-parallel-size T > 1 rank `rank`'s part of its group: its
+    share of the weights, its KV heads' cache (group.py)."""
     stale = sweep_stale_segments()
     if stale:
         log.info("removed KV segments of dead workers: %s", ", ".join(stale))
-    if cfg.cpu_cores:
-        os.sched_setaffinity(0, cfg.cpu_cores)
+    size = cfg.tensor_parallel_size
+    group_cores = cfg.cpu_cores or tuple(sorted(os.sched_getaffinity(0)))
+    cores = rank_cores(cfg.cpu_cores, size, rank)
+    if cores:
+        os.sched_setaffinity(0, cores)
     if cfg.cpu_nice:
         lower_priority(cfg.cpu_nice)
-    if cfg.cpu_threads or cfg.cpu_cores:
+    if size > 1:  # the group's threads split between its ranks
+        share = cfg.cpu_threads // size if cfg.cpu_threads else \
+            len(cores) if len(cfg.cpu_cores) >= size else len(group_cores) // size
+        torch.set_num_threads(max(1, share))
+    elif cfg.cpu_threads or cfg.cpu_cores:
         torch.set_num_threads(cfg.cpu_threads or len(cfg.cpu_cores))
     dtype = getattr(torch, cfg.dtype)
     device = torch.device(cfg.resolved_device())
@@ -85,15 +97,20 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
     log.info("%s attention backend ready in %.2f s", type(backend).__name__,
              time.monotonic() - start)
     model = load_model(cfg.model, backend, dtype, device, prepack=cfg.prepack_weights,
-                       progress=cfg.use_tqdm_on_load)
+                       progress=cfg.use_tqdm_on_load and rank == 0,
+                       tp=TensorParallel(rank, size) if size > 1 else None)
     mc = model.config
-    layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                      head_dim=mc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype)
+    group_layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                            head_dim=mc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype,
+                            tensor_parallel_size=size)
+    shard = group_layout.shard(rank)
+    layout = group_layout.shard_layout(shard)  # this rank's cache
     num_blocks = num_kv_blocks(cfg.num_kv_blocks, cfg.kv_cache_memory_mib,
                                cfg.gpu_memory_utilization, cfg.max_num_batched_tokens, model,
                                layout, device)
     # on a GPU the cache is device memory: peers reach it over tcp or nccl, not shm
-    shm_name = f"{SEGMENT_PREFIX}{cfg.worker_id}" if device.type == "cpu" else None
+    shm_name = f"{SEGMENT_PREFIX}{cfg.worker_id}{f'-rank{rank}' if rank else ''}" \
+        if device.type == "cpu" else None
     cache = PagedKVCache(layout, num_blocks, shm_name=shm_name, device=device)
     host_id = cfg.host_id or default_host_id()
     tier = second_tier(cfg, layout, host_id, mc.fingerprint, device)
@@ -126,14 +143,16 @@ def build_worker(cfg: WorkerConfig) -> tuple[Worker, Registration]:
                             sampler)
     runner = ModelRunner(model, cache, sampler, graphs, grammars, speculative, draft)
     worker = Worker(runner, cache,
-                    {t: create_sender(t, layout, tcfg) for t in cfg.kv_transports}, receiver,
-                    {t: create_listener(t, cache, receiver, tcfg) for t in cfg.kv_transports},
-                    tier)
+                    {t: create_sender(t, layout, tcfg, shard) for t in cfg.kv_transports},
+                    receiver,
+                    {t: create_listener(t, cache, receiver, tcfg, shard)
+                     for t in cfg.kv_transports},
+                    tier, group_size=size)
     reg = Registration(
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
-        num_blocks=num_blocks, layout=layout, transports=cfg.kv_transports, kv_endpoints={},
-        host_id=host_id, max_model_len=max_len,
-        cpu_cores=tuple(sorted(os.sched_getaffinity(0))) if device.type == "cpu" else (),
+        num_blocks=num_blocks, layout=group_layout, transports=cfg.kv_transports,
+        kv_endpoints={}, host_id=host_id, max_model_len=max_len,
+        cpu_cores=group_cores if device.type == "cpu" else (),
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
         num_tier_blocks=tier.num_blocks if tier else 0, tier_id=tier.tier_id if tier else "")
     return worker, reg
@@ -212,10 +231,12 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
                       telemetry: WorkerTelemetry | None = None,
                       health: Health | None = None,
                       leaving: asyncio.Event | None = None,
-                      steps: ThreadPoolExecutor | None = None) -> None:
+                      steps: ThreadPoolExecutor | None = None,
+                      group: GroupLeader | None = None) -> None:
     """Registers and runs plans until the stream ends; health SERVING meanwhile. Once
     `leaving` is set, tells the scheduler, which ends the stream when the worker is drained.
-    `steps`: the one thread that runs steps (see serve); None: a thread of its own."""
+    `steps`: the one thread that runs steps (see serve); None: a thread of its own. `group`:
+    the followers of a worker group's leader, which run every plan beside it."""
     traced = telemetry if telemetry is not None and tracing.enabled() else None
     if cfg.tls is None:
         channel = grpc.aio.insecure_channel(cfg.scheduler, options=channel_options())
@@ -243,7 +264,7 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
         own = steps is None
         runner = ThreadPoolExecutor(1, thread_name_prefix="step") if steps is None else steps
         try:
-            await _run_plans(call, worker, runner, traced, writes)
+            await _run_plans(call, worker, runner, traced, writes, group)
         finally:
             if own:
                 runner.shutdown()
@@ -264,32 +285,51 @@ async def _leave_when(leaving: asyncio.Event | None, call, writes: asyncio.Lock,
 
 
 async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
-                     traced: WorkerTelemetry | None, writes: asyncio.Lock) -> None:
+                     traced: WorkerTelemetry | None, writes: asyncio.Lock,
+                     group: GroupLeader | None = None) -> None:
     """Every step and send on one thread: torch's thread count and OpenMP's thread team belong
-    to the thread that runs them, and a second team would spin beside the first."""
+    to the thread that runs them, and a second team would spin beside the first. A group's
+    followers make the same calls on the same plan (group.follow); the leader answers each
+    once they agree."""
     loop = asyncio.get_running_loop()
+
+    def execute(plan, sub_step: int) -> StepResult:
+        if group is None:
+            return worker.execute(plan, sub_step)
+        try:
+            result = worker.execute(plan, sub_step)
+        except RuntimeError as e:  # a collective whose peer died or timed out
+            raise GroupBroken(f"step {plan.step_id} failed: {e}") from e
+        return group.stepped(result)
+
+    def send_kv(sends) -> TransfersDone:
+        done = worker.send_kv(sends)
+        return done if group is None else group.sent(done)
+
     while True:
         msg = await call.read()
         if msg is grpc.aio.EOF:
             return
         plan = plan_from_pb(msg.plan)
+        if group is not None:
+            group.plan(msg.plan.SerializeToString())
         ready = worker.ready_sends(plan)
         if ready:  # KV computed by earlier steps leaves now, not after this step's forward
-            done = await loop.run_in_executor(steps, worker.send_kv, ready)
+            done = await loop.run_in_executor(steps, send_kv, ready)
             async with writes:
                 await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
         sub_step, more = 0, True
         while more:  # a plan of several decode steps answers after each
             if traced is not None:
                 traced.before_step(plan)
-            result = await loop.run_in_executor(steps, worker.execute, plan, sub_step)
+            result = await loop.run_in_executor(steps, execute, plan, sub_step)
             if traced is not None:
                 traced.after_step(plan, result)
             async with writes:
                 await call.write(worker_pb2.WorkerMessage(result=result_to_pb(result)))
             sub_step, more = sub_step + 1, result.more
         if plan.sends:
-            done = await loop.run_in_executor(steps, worker.send_kv, plan.sends)
+            done = await loop.run_in_executor(steps, send_kv, plan.sends)
             async with writes:
                 await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
 
@@ -319,6 +359,34 @@ async def serve(cfg: WorkerConfig) -> int:
     # thread team belong to the thread that made them (built on another thread, a decode step
     # of one sequence took 18-25 ms with 2 threads, as slow as with 1; 15-18 ms on its own)
     steps = ThreadPoolExecutor(1, thread_name_prefix="step")
+    # a group's followers load their shares while this process loads its own
+    group = GroupLeader(cfg, free_port()) if cfg.tensor_parallel_size > 1 else None
+    try:
+        status = await _serve(cfg, steps, group)
+        if group is not None and (lost := group.lost()) is not None:
+            raise GroupBroken(lost)
+        return status
+    except GroupBroken as e:
+        log.error("worker group broken: %s", e)
+        print(f"pdserve {cfg.role}-worker {cfg.worker_id}: worker group broken: {e}",
+              flush=True)
+        return 1
+    finally:
+        if group is not None:
+            group.close()
+
+
+async def _watch(group: GroupLeader, stop: asyncio.Event, now: asyncio.Event) -> None:
+    """A follower that exits takes the group out at once, not at the next plan: the Attach
+    stream ends, and the scheduler re-queues the group's requests."""
+    while group.lost() is None:
+        await asyncio.sleep(0.5)
+    stop.set()
+    now.set()
+
+
+async def _serve(cfg: WorkerConfig, steps: ThreadPoolExecutor,
+                 group: GroupLeader | None) -> int:
     worker, reg = await asyncio.get_running_loop().run_in_executor(steps, build_worker, cfg)
     # ... and only that thread runs an OpenMP team: this one (KV frames landing in the cache)
     # copies on its own. A second team would take cores from the step's threads mid-step and,
@@ -328,16 +396,20 @@ async def serve(cfg: WorkerConfig) -> int:
     # own by now.
     torch.set_num_threads(1)
     await start_listeners(worker, reg)
+    if group is not None:  # every rank's cache in the endpoints, once all are built
+        reg.kv_endpoints.update(await asyncio.get_running_loop().run_in_executor(
+            steps, group.join, reg.num_blocks, dict(reg.kv_endpoints)))
     telemetry = await start_telemetry(cfg, worker)
     health = await start_health(cfg)
     stop, now = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends it
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: now.set() if stop.is_set() else stop.set())
+    watch = asyncio.create_task(_watch(group, stop, now)) if group is not None else None
     try:
         while not stop.is_set():
             task = asyncio.create_task(attach_once(cfg, worker, reg, telemetry, health, stop,
-                                                   steps))
+                                                   steps, group))
             await _first(task, stop.wait())
             if not task.done():  # leaving: the scheduler ends the stream once drained
                 log.info("leaving: draining for up to %.0f s", cfg.drain_timeout_s)
@@ -356,6 +428,8 @@ async def serve(cfg: WorkerConfig) -> int:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e)
                 log.warning("scheduler %s unreachable or stream broken: %s", cfg.scheduler, detail)
             worker.reset()
+            if group is not None:
+                group.reset()
             if telemetry is not None:
                 telemetry.reset()
             try:
@@ -363,6 +437,8 @@ async def serve(cfg: WorkerConfig) -> int:
             except TimeoutError:
                 pass
     finally:
+        if watch is not None:
+            watch.cancel()
         if health is not None:
             await health.stop()
         worker.cache.close()

@@ -58,13 +58,14 @@ class Worker:
 
     def __init__(self, runner: ModelRunner, cache: PagedKVCache, senders: dict[str, KVSender],
                  receiver: KVReceiver, listeners: dict[str, KVListener],
-                 tier: LocalTier | SharedTier | None = None):
+                 tier: LocalTier | SharedTier | None = None, group_size: int = 1):
         self.runner = runner
         self.cache = cache
         self.tier = tier  # the second KV tier: blocks laid out as the cache's, in host memory
         self.senders = senders
         self.receiver = receiver
         self.listeners = listeners
+        self.group_size = group_size  # ranks of its group sharing a plan's threads (group.py)
         self._streamer: LayerStreamer | None = None  # sends of the step that ran last
         self.requests: dict[str, RequestState] = {}
         # block id -> hash of the tokens it holds, as the scheduler announced it, for as long as
@@ -98,8 +99,9 @@ class Worker:
         the requests of the step before whose token did not stop them decode again (their
         blocks came with the plan). StepResult.more: call again with sub_step + 1."""
         # per step and on the thread that runs it: torch's thread count is per calling thread
-        if plan.num_threads and plan.num_threads != torch.get_num_threads():
-            torch.set_num_threads(plan.num_threads)
+        threads = max(1, plan.num_threads // self.group_size)
+        if plan.num_threads and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         with on_device(self.cache.tensor.device):
             if sub_step == 0:
                 return self._execute(plan)

@@ -1,0 +1,273 @@
+"""A worker group: T tensor-parallel rank processes serving as one worker.
+
+The process the worker command starts is rank 0, the leader: it alone talks to the scheduler
+(one registration, the model's KV layout with T recorded, an shm endpoint naming every rank's
+cache) and it starts ranks 1..T-1 itself. Every rank holds its share of the weights and of the
+paged KV cache (its KV heads, under the same block ids) and runs every plan the same way:
+
+    leader                                    each follower
+    plan from the scheduler ------ pipe ----> the same plan
+    KV sends ready before the step            its shard of them
+    the step(s): forward with the group's collectives (gloo on CPU): one all-reduce per
+                 attention block and one per MLP block; logits all-gathered, so every rank
+                 samples the same tokens from the same bits and the same seeds
+    KV sends of the step                      its shard of them
+    answers the scheduler    <----- pipe ---- what it sampled (a digest) and how its sends went
+
+The leader answers a step only once every follower sampled the same tokens (a rank that drew
+others would feed the next step's embedding other ids), and a transfer is done only once every
+rank's shard landed. Plans travel as their protobuf bytes over a pipe, never as pickles.
+
+A rank that dies or diverges takes the group out: the leader stops (exit status 1), which
+breaks its Attach stream, so the scheduler re-queues the group's requests, which resume
+elsewhere with the same tokens; `pdserve up` restarts the group. Followers end with their
+leader: their pipe closes, and the kernel kills them if it dies first (PR_SET_PDEATHSIG).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from dataclasses import replace
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import NoReturn
+
+import torch.distributed as dist
+
+from common.plans import StepPlan, StepResult, TransferDone, TransfersDone
+from common.worker.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+PLAN, RESET = b"p", b"r"  # leader -> follower
+STEP, SENT = b"s", b"t"   # follower -> leader, one answer per call the plan makes
+# a step's answer comes when its forward is done: as long as a step may take (long prompts on
+# few cores), and the group's collectives notice a dead peer long before
+STEP_TIMEOUT_S = 600.0
+
+
+class GroupBroken(Exception):
+    """A rank died, did not answer in time, or sampled other tokens than the leader."""
+
+
+def rank_cores(cores: tuple[int, ...], size: int, rank: int) -> tuple[int, ...]:
+    """Rank `rank`'s share of the group's cores: an even split, contiguous; all of them where
+    there are fewer cores than ranks."""
+    if len(cores) < size:
+        return cores
+    k, extra = divmod(len(cores), size)
+    start = rank * k + min(rank, extra)
+    return cores[start:start + k + (rank < extra)]
+
+
+def digest(result: StepResult) -> bytes:
+    """What a step sampled, in a few bytes: equal on every rank of a sound group."""
+    h = hashlib.blake2b(digest_size=16)
+    for s in result.sampled:
+        h.update(f"{s.request_id}\0{s.token_id}\0".encode())
+    for e in result.errors:
+        h.update(f"{e.request_id}\0!\0".encode())
+    return h.digest()
+
+
+def _init_collectives(rank: int, size: int, port: int, timeout_s: float) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=timedelta(seconds=timeout_s))
+
+
+class GroupLeader:
+    """Rank 0's side of the group: starts the followers and mirrors every plan to them."""
+
+    def __init__(self, cfg: WorkerConfig, port: int):
+        self.cfg = cfg
+        self.size = cfg.tensor_parallel_size
+        self.port = port
+        self._conns: list[Connection] = []
+        self._procs: list = []
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or OpenMP team
+        for rank in range(1, self.size):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=follower_main, args=(cfg, rank, port, theirs),
+                               name=f"{cfg.worker_id}-rank{rank}")
+            proc.start()
+            theirs.close()
+            self._conns.append(mine)
+            self._procs.append(proc)
+
+    def join(self, num_blocks: int, endpoints: dict[str, str]) -> dict[str, str]:
+        """Waits for every follower's build, joins the collectives; the group's endpoints
+        (every rank's, in rank order). Runs on the step thread."""
+        group = {name: [ep] for name, ep in endpoints.items()}
+        for rank, conn in enumerate(self._conns, 1):
+            hello = json.loads(self._recv(rank, conn, self.cfg.group_start_timeout_s))
+            if hello["num_blocks"] != num_blocks:
+                raise GroupBroken(f"rank {rank} has {hello['num_blocks']} KV blocks, rank 0 "
+                                  f"{num_blocks}")
+            for name, ep in hello["endpoints"].items():
+                group[name].append(ep)
+        _init_collectives(0, self.size, self.port, STEP_TIMEOUT_S)
+        log.info("worker group of %d ranks ready", self.size)
+        return {name: ",".join(eps) for name, eps in group.items()}
+
+    def plan(self, plan_pb: bytes) -> None:
+        for rank, conn in enumerate(self._conns, 1):
+            self._send(rank, conn, PLAN + plan_pb)
+
+    def reset(self) -> None:
+        for rank, conn in enumerate(self._conns, 1):
+            self._send(rank, conn, RESET)
+
+    def stepped(self, result: StepResult) -> StepResult:
+        """The leader's step result, once every follower sampled the same."""
+        mine = digest(result)
+        for rank, conn in enumerate(self._conns, 1):
+            answer = self._recv(rank, conn, STEP_TIMEOUT_S, STEP)
+            if answer != mine:
+                raise GroupBroken(f"rank {rank} sampled other tokens than rank 0 in step "
+                                  f"{result.step_id}")
+        return result
+
+    def sent(self, done: TransfersDone) -> TransfersDone:
+        """The leader's sends merged with every follower's: a transfer failed where any rank's
+        shard did."""
+        errors = {d.transfer_id: d.error for d in done.done}
+        for rank, conn in enumerate(self._conns, 1):
+            theirs = json.loads(self._recv(rank, conn, self.cfg.kv_transfer_timeout_s + 30,
+                                           SENT))
+            for tid, error in theirs.items():
+                if error and not errors.get(tid):
+                    errors[tid] = f"rank {rank}: {error}"
+        return replace(done, done=tuple(TransferDone(d.transfer_id, errors[d.transfer_id])
+                                        for d in done.done))
+
+    def _send(self, rank: int, conn: Connection, msg: bytes) -> None:
+        try:
+            conn.send_bytes(msg)
+        except OSError as e:
+            raise GroupBroken(f"rank {rank} is gone ({e})") from None
+
+    def _recv(self, rank: int, conn: Connection, timeout_s: float,
+              kind: bytes | None = None) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        proc = self._procs[rank - 1]
+        while not conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if not proc.is_alive():
+                raise GroupBroken(f"rank {rank} exited with status {proc.exitcode}")
+            if time.monotonic() >= deadline:
+                raise GroupBroken(f"rank {rank} did not answer within {timeout_s:.0f} s")
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            raise GroupBroken(f"rank {rank} is gone") from None
+        if kind is not None and msg[:1] != kind:
+            raise GroupBroken(f"rank {rank} answered {msg[:1]!r} where {kind!r} was due")
+        return msg[1:] if kind is not None else msg
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ends the followers: their pipes close, they leave; those that do not are killed."""
+        for conn in self._conns:
+            conn.close()
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+    def lost(self) -> str | None:
+        """Which follower exited, if one did."""
+        for rank, proc in enumerate(self._procs, 1):
+            if proc.exitcode is not None:
+                return f"rank {rank} exited with status {proc.exitcode}"
+        return None
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+
+def leave(status: int) -> NoReturn:
+    """Ends a rank's process (the leader's too) without the interpreter's teardown: gloo's
+    threads may still release a finished collective's tensors, which takes the GIL, and a thread
+    asking for it while the interpreter finalizes aborts the process. Spans still batched are
+    exported first."""
+    from opentelemetry import trace
+    shutdown = getattr(trace.get_tracer_provider(), "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL when the leader dies, however it dies (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:  # it died before the call
+        os._exit(1)
+
+
+def follower_main(cfg: WorkerConfig, rank: int, port: int, conn: Connection) -> None:
+    """A follower rank: builds its share, then runs what the leader sends until the pipe
+    closes."""
+    from common.worker.service import build_worker
+    from protos import worker_pb2
+    from protos.worker_codec import plan_from_pb
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the leader decides when the group stops
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    status = 1
+    worker = None
+    try:
+        worker, reg = build_worker(cfg, rank)
+        endpoints = {name: listener.endpoint() for name, listener in worker.listeners.items()}
+        conn.send_bytes(json.dumps({"num_blocks": reg.num_blocks,
+                                    "endpoints": endpoints}).encode())
+        _init_collectives(rank, cfg.tensor_parallel_size, port, STEP_TIMEOUT_S)
+        while True:
+            try:
+                msg = conn.recv_bytes()
+            except (EOFError, OSError):
+                status = 0  # the leader closed the group
+                break
+            if msg[:1] == RESET:
+                worker.reset()
+                continue
+            plan = plan_from_pb(worker_pb2.StepPlan.FromString(msg[1:]))
+            _follow(worker, plan, conn)
+    except Exception:
+        log.exception("rank %d failed", rank)
+    finally:
+        if worker is not None:
+            worker.cache.close()
+        leave(status)
+
+
+def _follow(worker, plan: StepPlan, conn: Connection) -> None:
+    """The calls the leader's loop (service._run_plans) makes for one plan, in its order."""
+    ready = worker.ready_sends(plan)
+    if ready:
+        _sent(worker.send_kv(ready), conn)
+    sub_step, more = 0, True
+    while more:
+        result = worker.execute(plan, sub_step)
+        conn.send_bytes(STEP + digest(result))
+        sub_step, more = sub_step + 1, result.more
+    if plan.sends:
+        _sent(worker.send_kv(plan.sends), conn)
+
+
+def _sent(done: TransfersDone, conn: Connection) -> None:
+    conn.send_bytes(SENT + json.dumps({d.transfer_id: d.error for d in done.done}).encode())
