@@ -144,6 +144,9 @@ class WorkerCounters:
     kv_frames_rejected: int = 0     # KV frames refused on arrival: bad header, tag or digest
     tier_blocks_stored: int = 0     # blocks copied to the second KV tier
     tier_blocks_loaded: int = 0     # ... and back into the cache
+    # bytes of KV each rank pushed to peers (one entry for a worker, one per rank for a group:
+    # every rank sends its own heads and layers, none gathers the others')
+    kv_bytes_sent_per_rank: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "kv_endpoint", "num_blocks", "num_free_blocks", "num_running", "prompt_tokens_computed", "tokens_decoded", "kv_blocks_sent", "kv_blocks_received", "steps", "num_speculative_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "kv_frames_rejected", "num_tier_blocks", "tier_id", "num_tier_used_blocks", "tier_hit_tokens", "tier_blocks_stored", "tier_blocks_loaded")
+    __slots__ = ("worker_id", "role", "kv_endpoint", "num_blocks", "num_free_blocks", "num_running", "prompt_tokens_computed", "tokens_decoded", "kv_blocks_sent", "kv_blocks_received", "steps", "num_speculative_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "kv_frames_rejected", "num_tier_blocks", "tier_id", "num_tier_used_blocks", "tier_hit_tokens", "tier_blocks_stored", "tier_blocks_loaded", "tensor_parallel_size", "pipeline_parallel_size", "kv_bytes_sent_per_rank")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,9 @@ class WorkerStats(_message.Message):
     TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIER_BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
     TIER_BLOCKS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     kv_endpoint: str
@@ -183,7 +186,10 @@ class WorkerStats(_message.Message):
     tier_hit_tokens: int
     tier_blocks_stored: int
     tier_blocks_loaded: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., kv_frames_rejected: _Optional[int] = ..., num_tier_blocks: _Optional[int] = ..., tier_id: _Optional[str] = ..., num_tier_used_blocks: _Optional[int] = ..., tier_hit_tokens: _Optional[int] = ..., tier_blocks_stored: _Optional[int] = ..., tier_blocks_loaded: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    kv_bytes_sent_per_rank: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., kv_frames_rejected: _Optional[int] = ..., num_tier_blocks: _Optional[int] = ..., tier_id: _Optional[str] = ..., num_tier_used_blocks: _Optional[int] = ..., tier_hit_tokens: _Optional[int] = ..., tier_blocks_stored: _Optional[int] = ..., tier_blocks_loaded: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., kv_bytes_sent_per_rank: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("num_running", "num_waiting", "num_finished", "workers", "num_preemptions")

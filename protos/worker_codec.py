@@ -141,14 +141,16 @@ def counters_to_pb(c: WorkerCounters) -> worker_pb2.WorkerCounters:
         steps=c.steps, spec_drafts=c.spec_drafts, spec_draft_tokens=c.spec_draft_tokens,
         spec_accepted_tokens=c.spec_accepted_tokens,
         spec_accepted_per_pos=c.spec_accepted_per_pos, kv_frames_rejected=c.kv_frames_rejected,
-        tier_blocks_stored=c.tier_blocks_stored, tier_blocks_loaded=c.tier_blocks_loaded)
+        tier_blocks_stored=c.tier_blocks_stored, tier_blocks_loaded=c.tier_blocks_loaded,
+        kv_bytes_sent_per_rank=c.kv_bytes_sent_per_rank)
 
 
 def counters_from_pb(pb: worker_pb2.WorkerCounters) -> WorkerCounters:
     return WorkerCounters(pb.prompt_tokens_computed, pb.tokens_decoded, pb.kv_blocks_sent,
                           pb.kv_blocks_received, pb.steps, pb.spec_drafts, pb.spec_draft_tokens,
                           pb.spec_accepted_tokens, tuple(pb.spec_accepted_per_pos),
-                          pb.kv_frames_rejected, pb.tier_blocks_stored, pb.tier_blocks_loaded)
+                          pb.kv_frames_rejected, pb.tier_blocks_stored, pb.tier_blocks_loaded,
+                          tuple(pb.kv_bytes_sent_per_rank))
 
 
 def result_to_pb(r: StepResult) -> worker_pb2.StepResult:

@@ -258,7 +258,7 @@ class RequestError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class WorkerCounters(_message.Message):
-    __slots__ = ("prompt_tokens_computed", "tokens_decoded", "kv_blocks_sent", "kv_blocks_received", "steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "kv_frames_rejected", "tier_blocks_stored", "tier_blocks_loaded")
+    __slots__ = ("prompt_tokens_computed", "tokens_decoded", "kv_blocks_sent", "kv_blocks_received", "steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "kv_frames_rejected", "tier_blocks_stored", "tier_blocks_loaded", "kv_bytes_sent_per_rank")
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_DECODED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,7 @@ class WorkerCounters(_message.Message):
     KV_FRAMES_REJECTED_FIELD_NUMBER: _ClassVar[int]
     TIER_BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
     TIER_BLOCKS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens_computed: int
     tokens_decoded: int
     kv_blocks_sent: int
@@ -283,7 +284,8 @@ class WorkerCounters(_message.Message):
     kv_frames_rejected: int
     tier_blocks_stored: int
     tier_blocks_loaded: int
-    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., kv_frames_rejected: _Optional[int] = ..., tier_blocks_stored: _Optional[int] = ..., tier_blocks_loaded: _Optional[int] = ...) -> None: ...
+    kv_bytes_sent_per_rank: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., steps: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., kv_frames_rejected: _Optional[int] = ..., tier_blocks_stored: _Optional[int] = ..., tier_blocks_loaded: _Optional[int] = ..., kv_bytes_sent_per_rank: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled", "errors", "counters", "prompt_logprobs", "more")

@@ -34,7 +34,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import NoReturn
@@ -43,6 +42,7 @@ import torch.distributed as dist
 
 from common.plans import StepPlan, StepResult, TransferDone, TransfersDone
 from common.worker.config import WorkerConfig
+from common.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -134,18 +134,21 @@ class GroupLeader:
                                   f"{result.step_id}")
         return result
 
-    def sent(self, done: TransfersDone) -> TransfersDone:
+    def sent(self, done: TransfersDone, worker: Worker) -> TransfersDone:
         """The leader's sends merged with every follower's: a transfer failed where any rank's
-        shard did."""
+        shard did; the counters carry every rank's bytes sent."""
         errors = {d.transfer_id: d.error for d in done.done}
+        bytes_sent = []
         for rank, conn in enumerate(self._conns, 1):
             theirs = json.loads(self._recv(rank, conn, self.cfg.kv_transfer_timeout_s + 30,
                                            SENT))
-            for tid, error in theirs.items():
+            for tid, error in theirs["done"].items():
                 if error and not errors.get(tid):
                     errors[tid] = f"rank {rank}: {error}"
-        return replace(done, done=tuple(TransferDone(d.transfer_id, errors[d.transfer_id])
-                                        for d in done.done))
+            bytes_sent.append(theirs["bytes_sent"])
+        worker.followers_sent(bytes_sent)
+        return TransfersDone(tuple(TransferDone(d.transfer_id, errors[d.transfer_id])
+                                   for d in done.done), worker.counters)
 
     def _send(self, rank: int, conn: Connection, msg: bytes) -> None:
         try:
@@ -255,7 +258,7 @@ def follower_main(cfg: WorkerConfig, rank: int, port: int, conn: Connection) -> 
         leave(status)
 
 
-def _follow(worker, plan: StepPlan, conn: Connection) -> None:
+def _follow(worker: Worker, plan: StepPlan, conn: Connection) -> None:
     """The calls the leader's loop (service._run_plans) makes for one plan, in its order."""
     ready = worker.ready_sends(plan)
     if ready:
@@ -270,4 +273,6 @@ def _follow(worker, plan: StepPlan, conn: Connection) -> None:
 
 
 def _sent(done: TransfersDone, conn: Connection) -> None:
-    conn.send_bytes(SENT + json.dumps({d.transfer_id: d.error for d in done.done}).encode())
+    conn.send_bytes(SENT + json.dumps({
+        "done": {d.transfer_id: d.error for d in done.done},
+        "bytes_sent": done.counters.kv_bytes_sent_per_rank[0]}).encode())

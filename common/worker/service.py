@@ -299,12 +299,14 @@ async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
         try:
             result = worker.execute(plan, sub_step)
         except RuntimeError as e:  # a collective whose peer died or timed out
-            raise GroupBroken(f"step {plan.step_id} failed: {e}") from e
+            lost = group.lost()
+            raise GroupBroken(f"{lost + ': ' if lost else ''}step {plan.step_id} failed: "
+                              f"{e}") from e
         return group.stepped(result)
 
     def send_kv(sends) -> TransfersDone:
         done = worker.send_kv(sends)
-        return done if group is None else group.sent(done)
+        return done if group is None else group.sent(done, worker)
 
     while True:
         msg = await call.read()

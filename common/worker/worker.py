@@ -47,6 +47,9 @@ class _Counts:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     tier_stored: int = 0
     tier_loaded: int = 0
+    bytes_sent: int = 0
+    # a group leader's: what each follower reported it sent (group.py), after its own
+    follower_bytes_sent: list[int] = field(default_factory=list)
 
 
 class Worker:
@@ -71,7 +74,7 @@ class Worker:
         # block id -> hash of the tokens it holds, as the scheduler announced it, for as long as
         # nothing writes the block again: what a new scheduler's prefix cache starts from
         self.block_hashes: dict[int, bytes] = {}
-        self._counts = _Counts()
+        self._counts = _Counts(follower_bytes_sent=[0] * (group_size - 1))
         self._decoding: list[str] = []  # requests the running plan's next decode step runs
         # stores ahead, one thread (no second OpenMP team beside the step's on a CPU)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-tier",
@@ -92,7 +95,12 @@ class Worker:
         return WorkerCounters(c.prompt_tokens, c.decoded, c.blocks_sent, c.blocks_received,
                               c.steps, c.spec_drafts, c.spec_draft_tokens,
                               c.spec_accepted_tokens, tuple(c.spec_accepted_per_pos),
-                              self.receiver.frames_rejected, c.tier_stored, c.tier_loaded)
+                              self.receiver.frames_rejected, c.tier_stored, c.tier_loaded,
+                              (c.bytes_sent, *c.follower_bytes_sent))
+
+    def followers_sent(self, bytes_sent: list[int]) -> None:
+        """A group leader's followers' cumulative KV bytes sent, as they last reported them."""
+        self._counts.follower_bytes_sent = list(bytes_sent)
 
     def execute(self, plan: StepPlan, sub_step: int = 0) -> StepResult:
         """Runs the plan (sub_step 0), or, for a plan of several decode steps, its next one:
@@ -308,6 +316,7 @@ class Worker:
             log.warning("KV transfer %s failed: %s", send.transfer_id, stream.error)
             return TransferDone(send.transfer_id, stream.error)
         self._counts.blocks_sent += len(send.src_block_ids)
+        self._counts.bytes_sent += stream.bytes
         return TransferDone(send.transfer_id)
 
     def _add(self, new: NewRequest, errors: list[RequestError]) -> None:
@@ -357,8 +366,9 @@ class Worker:
         try:
             if sender is None:
                 raise KVTransferError(f"this worker does not send over {send.transport!r}")
-            sender.send(send.transfer_id, self.cache, list(send.src_block_ids),
-                        send.dst_endpoint, list(send.dst_block_ids))
+            self._counts.bytes_sent += sender.send(
+                send.transfer_id, self.cache, list(send.src_block_ids), send.dst_endpoint,
+                list(send.dst_block_ids))
         except KVTransferError as e:
             log.warning("KV transfer %s failed: %s", send.transfer_id, e)
             return TransferDone(send.transfer_id, str(e))

@@ -170,7 +170,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 num_tier_blocks=w.kv.tier.num_slots if w.kv.tier else 0, tier_id=w.tier_id,
                 num_tier_used_blocks=len(w.kv.tier) if w.kv.tier else 0,
                 tier_hit_tokens=w.kv.num_tier_hit_tokens,
-                tier_blocks_stored=c.tier_blocks_stored, tier_blocks_loaded=c.tier_blocks_loaded)
+                tier_blocks_stored=c.tier_blocks_stored, tier_blocks_loaded=c.tier_blocks_loaded,
+                tensor_parallel_size=w.layout.tensor_parallel_size,
+                pipeline_parallel_size=w.layout.pipeline_parallel_size,
+                kv_bytes_sent_per_rank=c.kv_bytes_sent_per_rank)
         return resp
 
     # ---- worker side ---------------------------------------------------------------------------

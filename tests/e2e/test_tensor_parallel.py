@@ -1,0 +1,123 @@
+"""Worker groups (--tensor-parallel-size 2) through the four real processes: a group exchanges KV
+with a single worker in either direction, and with a group like it, each rank sending its own KV
+heads straight to the caches that hold them; greedy tokens equal transformers'. A rank killed
+mid-stream takes its group out, its requests finish elsewhere with the same tokens, and
+`pdserve up` restarts the group."""
+import asyncio
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Stack, stream_completion
+from tests.e2e.test_serve import _body, _greedy, _prompt, hf  # noqa: F401 (a fixture)
+
+LENGTHS = [1, 16, 17, 123, 300]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "stat").read_text().split()[3] == str(pid):
+                out.append(int(d.name))
+        except OSError:
+            pass
+    return out
+
+
+def _greedy_all(stack: Stack, prompts: list[list[int]]) -> list[list[int]]:
+    async def go():
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+            name = (await c.get("/v1/models")).json()["data"][0]["id"]
+            rs = await asyncio.gather(*[c.post("/v1/completions", json=_body(p, model=name))
+                                        for p in prompts])
+            assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+            return [r.json()["choices"][0]["token_ids"] for r in rs]
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("shape", [
+    ("--prefill-worker-args=--tensor-parallel-size 2",),
+    ("--decode-worker-args=--tensor-parallel-size 2",),
+    ("--tensor-parallel-size", "2"),
+], ids=["prefill_tp2-decode_tp1", "prefill_tp1-decode_tp2", "both_tp2"])
+def test_groups_of_any_shape_serve_hf_greedy_tokens(tiny_llama, tmp_path, hf, shape):  # noqa: F811
+    stack = Stack(tiny_llama, tmp_path, *shape)
+    try:
+        groups = {cmd.split("pdserve ", 1)[1].split()[0]: pid
+                  for pid, cmd in stack.children().items() if "-worker " in cmd}
+        one = [_prompt(n, n) for n in LENGTHS]
+        for prompt in one:  # one at a time: each takes the disaggregated path
+            assert _greedy_all(stack, [prompt]) == [_greedy(hf, prompt)], len(prompt)
+        many = [_prompt(n, 50 + i) for i, n in enumerate([1, 15, 16, 17, 123, 40, 64, 3])]
+        assert _greedy_all(stack, many) == [_greedy(hf, p) for p in many]
+
+        s = stack.wait_idle()
+        by_role = {w["role"]: w for w in s["workers"]}
+        for role, w in by_role.items():
+            assert w["num_free_blocks"] == w["num_blocks"], w
+            tp = w.get("tensor_parallel_size", 1)
+            # a group's leader started its follower; its endpoint names both ranks' caches,
+            # each holding one of the model's two KV heads
+            assert len(_children(groups[f"{role}-worker"])) >= tp - 1
+            parts = w["kv_endpoint"].split(",")
+            assert [p.split("heads=")[1] for p in parts] == \
+                (["0-1", "1-2"] if tp == 2 else ["0-2"]), w["kv_endpoint"]
+        prefill, decode = by_role["prefill"], by_role["decode"]
+        assert prefill["kv_blocks_sent"] > 0
+        assert decode["kv_blocks_received"] == prefill["kv_blocks_sent"]
+        # (under the concurrent batch the decode worker may take a short prompt itself)
+        assert prefill["prompt_tokens_computed"] >= sum(LENGTHS)
+        per_rank = [int(b) for b in prefill["kv_bytes_sent_per_rank"]]
+        # every rank sent its own heads, none gathered the other's: equal halves
+        assert len(per_rank) == prefill.get("tensor_parallel_size", 1)
+        assert min(per_rank) > 0 and len(set(per_rank)) == 1, per_rank
+    finally:
+        stack.stop()
+
+
+def test_a_rank_killed_mid_stream_takes_its_group_out_and_nothing_is_lost(tiny_llama, tmp_path,
+                                                                         hf):  # noqa: F811
+    """Two decode groups; SIGKILL of one group's follower while 8 streams decode: its leader
+    leaves, the scheduler re-queues the group's requests, they finish on the other group (or
+    the restarted one) with the tokens of an undisturbed run, and `pdserve up` restarts the
+    group, which serves again."""
+    stack = Stack(tiny_llama, tmp_path, "--decode-workers", "2",
+                  "--decode-worker-args=--tensor-parallel-size 2", "--num-scheduler-steps", "1")
+    try:
+        prompts = [_prompt(20 + 7 * i, 200 + i) for i in range(8)]
+        want = [_greedy(hf, p, 64) for p in prompts]
+        under_way = threading.Event()
+        body = {"max_tokens": 64, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(8) as pool:
+            running = [pool.submit(stream_completion, stack.url, {**body, "prompt": p},
+                                   0, lambda n: n >= 8 and under_way.set()) for p in prompts]
+            assert under_way.wait(120), "no stream got under way"
+            leaders = [pid for pid, cmd in stack.children().items() if "decode-worker " in cmd]
+            followers = [c for leader in leaders for c in _children(leader)]
+            victim = next(f for f in followers
+                          if b"spawn_main" in Path(f"/proc/{f}/cmdline").read_bytes())
+            os.kill(victim, signal.SIGKILL)
+            got = [f.result()[0] for f in running]
+        assert got == want
+        deadline = time.monotonic() + 120
+        while "exited with 1; restarting it" not in stack.log.read_text():
+            assert time.monotonic() < deadline, stack.log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert "worker group broken: " in stack.log.read_text()
+        deadline = time.monotonic() + 120
+        while len([w for w in stack.stats()["workers"] if w["role"] == "decode"]) < 2:
+            assert time.monotonic() < deadline, "the group did not come back"
+            time.sleep(0.5)
+        again = [_prompt(33, 300 + i) for i in range(4)]
+        assert _greedy_all(stack, again) == [_greedy(hf, p) for p in again]
+        s = stack.wait_idle()
+        assert all(w["num_free_blocks"] == w["num_blocks"] for w in s["workers"])
+    finally:
+        stack.stop()

@@ -1,0 +1,50 @@
+"""A worker group's configuration and bookkeeping: what it refuses, how it splits its cores,
+and the digest its ranks compare after every step."""
+import pytest
+
+from common.plans import RequestError, SampledToken, StepResult, WorkerCounters
+from common.worker.config import WorkerConfig
+from common.worker.group import digest, rank_cores
+
+
+def _cfg(**kw) -> WorkerConfig:
+    return WorkerConfig(role="decode", model="m", dtype="float32", **kw)
+
+
+def test_a_group_exchanges_kv_over_shm_by_default():
+    assert _cfg(tensor_parallel_size=2).kv_transports == ("shm",)
+    assert _cfg().kv_transports == ("shm", "tcp")
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"pipeline_parallel_size": 2}, "pipeline-parallel worker groups are not built yet"),
+    ({"tensor_parallel_size": 0}, "must be >= 1"),
+    ({"tensor_parallel_size": 2, "kv_transports": ("tcp",)}, "over shm only"),
+    ({"tensor_parallel_size": 2, "device": "cuda"}, "CPU workers so far"),
+    ({"tensor_parallel_size": 2, "kv_offloading_blocks": 8, "kv_offloading_backend": "host"},
+     "use native"),
+    ({"tensor_parallel_size": 2,
+      "speculative_config": '{"method": "draft_model", "model": "d", '
+                            '"num_speculative_tokens": 2}'}, "draft model"),
+])
+def test_what_a_group_does_not_do_yet_is_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(**kw)
+
+
+def test_ranks_split_the_groups_cores():
+    assert [rank_cores((0, 1, 2, 3), 2, r) for r in range(2)] == [(0, 1), (2, 3)]
+    assert [rank_cores((0, 1, 2), 2, r) for r in range(2)] == [(0, 1), (2,)]
+    assert [rank_cores((5,), 2, r) for r in range(2)] == [(5,), (5,)]  # fewer cores: shared
+    assert rank_cores((), 2, 1) == ()
+
+
+def test_the_digest_tells_other_tokens_and_other_failures_apart():
+    def result(*tokens, errors=()):
+        return StepResult(7, tuple(SampledToken(r, t) for r, t in tokens),
+                          tuple(RequestError(r, "x") for r in errors), WorkerCounters())
+    a = digest(result(("a", 1), ("b", 2)))
+    assert a == digest(result(("a", 1), ("b", 2)))
+    assert a != digest(result(("a", 1), ("b", 3)))
+    assert digest(result(("a1", 2))) != digest(result(("a", 12)))
+    assert a != digest(result(("a", 1), ("b", 2), errors=("c",)))
