@@ -1,0 +1,247 @@
+"""Tensor parallelism on this host: step times of a worker group of T = 1 and 2 ranks and the time
+its collectives take, and KV transfer between groups of different shapes beside same-shape ones.
+
+    .venv/bin/python benchmarks/tensor_parallel.py --model DIR [--dtype bfloat16]
+
+Steps: each rank runs the model's forward on its share (common/models/parallel.py) over its own
+paged cache, with the group's cores split between the ranks as a worker group splits them
+(`--cores`, default all of this process's); a prefill of `--prompt` tokens and decode steps of
+`--batch` sequences at that context, the median of `--reps`. The collectives' time (all-reduces
+and the logits' all-gather, over gloo) is measured inside rank 0.
+
+Transfers: `--blocks` blocks of the model's KV over shm from a sending group to a receiving one
+(common/kv_transfer: every sending rank writes its heads straight into each receiving cache that
+holds them), the sending ranks each on a thread of their own as their processes would be.
+
+Prints a table, writes JSON and a PNG (matplotlib) to --out. Two CPU cores make a small group:
+the figures say what the split costs and gains here, not on a GPU host.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.kv_cache import PagedKVCache  # noqa: E402
+from common.kv_layout import KVLayout  # noqa: E402
+from common.kv_transfer.shm import ShmListener, ShmSender  # noqa: E402
+from common.models.attention import AttentionMetadata, create_attention_backend  # noqa: E402
+from common.models.config import ModelConfig  # noqa: E402
+from common.models.llama import load_model  # noqa: E402
+from common.models.parallel import TensorParallel  # noqa: E402
+from common.ports import free_port  # noqa: E402
+from common.worker.group import rank_cores  # noqa: E402
+
+BLOCK = 16
+
+
+def _timed_collectives(spent: list[float]) -> None:
+    """Rank 0's all_reduce and all_gather, timed (parallel.py calls them through `dist`)."""
+    for name in ("all_reduce", "all_gather"):
+        op = getattr(dist, name)
+
+        def timed(*a, _op=op, **kw):
+            start = time.perf_counter()
+            out = _op(*a, **kw)
+            spent.append(time.perf_counter() - start)
+            return out
+        setattr(dist, name, timed)
+
+
+def _rank(rank: int, size: int, port: int, args, out: str) -> None:
+    cores = rank_cores(tuple(args.cores), size, rank)
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores) if len(args.cores) >= size else
+                          max(1, len(args.cores) // size))
+    tp = None
+    if size > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=size)
+        tp = TensorParallel(rank, size)
+    spent: list[float] = []
+    if rank == 0:
+        _timed_collectives(spent)
+    dtype = getattr(torch, args.dtype)
+    model = load_model(args.model, create_attention_backend("cpu"), dtype, progress=False,
+                       tp=tp)
+    c = model.config
+    layout = KVLayout(c.num_layers, model.num_kv_heads, c.head_dim, BLOCK, args.dtype)
+    per_seq = -(-(args.prompt + args.reps + 2) // BLOCK)
+    cache = PagedKVCache(layout, per_seq * args.batch + 1)
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(args.batch)]
+    g = torch.Generator().manual_seed(0)
+
+    def step(prefills, decodes) -> tuple[float, float]:
+        ids = [t for toks, _, _ in prefills for t in toks] + [t for t, _, _ in decodes]
+        pos = [p for toks, start, _ in prefills for p in range(start, start + len(toks))] + \
+            [p for _, p, _ in decodes]
+        meta = AttentionMetadata.build([(p, b) for _, p, b in decodes],
+                                       [(s, len(t), b) for t, s, b in prefills], BLOCK)
+        if tp is not None:
+            dist.barrier()
+        spent.clear()
+        start = time.perf_counter()
+        hidden = model(torch.tensor(ids), torch.tensor(pos), cache.layers, meta)
+        model.compute_logits(hidden[-1:] if prefills else hidden)
+        return time.perf_counter() - start, sum(spent)
+
+    prompt = [torch.randint(0, c.vocab_size, (args.prompt,), generator=g).tolist()
+              for _ in range(args.batch)]
+    prefill = [step([(prompt[0], 0, tables[0])], []) for _ in range(args.reps)]
+    for i in range(1, args.batch):  # every sequence's context, once
+        step([(prompt[i], 0, tables[i])], [])
+    decode = []
+    for r in range(args.reps):
+        pos = args.prompt + r
+        decode.append(step([], [(1, pos, tables[i]) for i in range(args.batch)]))
+    if rank == 0:
+        Path(out).write_text(json.dumps({"prefill": prefill, "decode": decode}))
+    if tp is not None:
+        dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads and an interpreter teardown do not mix (worker/group.py)
+
+
+def steps(args, size: int) -> dict:
+    out = Path(args.out) / f".steps-tp{size}.json"
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, size, port, args, str(out)))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(1800)
+        assert p.exitcode == 0, f"a rank of T={size} failed ({p.exitcode})"
+    got = json.loads(out.read_text())
+    out.unlink()
+    return {kind: {"step_ms": statistics.median(t for t, _ in runs) * 1e3,
+                   "step_ms_min": min(t for t, _ in runs) * 1e3,
+                   "step_ms_max": max(t for t, _ in runs) * 1e3,
+                   "collectives_ms": statistics.median(s for _, s in runs) * 1e3}
+            for kind, runs in got.items()}
+
+
+def _group(model: KVLayout, t: int) -> KVLayout:
+    return KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, BLOCK, model.dtype,
+                    tensor_parallel_size=t)
+
+
+def transfer(model: KVLayout, src_t: int, dst_t: int, blocks: int, reps: int) -> float:
+    """Median seconds to move `blocks` blocks from a group of src_t ranks to one of dst_t."""
+    src_group, dst_group = _group(model, src_t), _group(model, dst_t)
+    ids = list(range(blocks))
+    src = []
+    for r in range(src_t):
+        shard = src_group.shard(r)
+        cache = PagedKVCache(src_group.shard_layout(shard), blocks)
+        cache.tensor.normal_()
+        src.append((cache, ShmSender(cache.layout, shard)))
+    dst = []
+    for r in range(dst_t):
+        shard = dst_group.shard(r)
+        dst.append((PagedKVCache(dst_group.shard_layout(shard), blocks,
+                                 shm_name=f"pdserve-kv-bench-tp-{os.getpid()}-{r}"), shard))
+    endpoint = ",".join(ShmListener(c, s).endpoint() for c, s in dst)
+    times = []
+    try:
+        for _ in range(reps + 1):  # the first maps the segments
+            threads = [threading.Thread(target=sender.send,
+                                        args=("t", cache, ids, endpoint, ids))
+                       for cache, sender in src]
+            start = time.perf_counter()
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            times.append(time.perf_counter() - start)
+    finally:
+        for cache, _ in dst:
+            cache.close()
+    return statistics.median(times[1:])
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    kinds = ["prefill", "decode"]
+    for i, (t, s) in enumerate(sorted(result["steps"].items())):
+        total = [s[k]["step_ms"] for k in kinds]
+        coll = [s[k]["collectives_ms"] for k in kinds]
+        x = [j + i * 0.38 for j in range(len(kinds))]
+        a.bar(x, total, 0.36, label=f"T={t} step")
+        a.bar(x, coll, 0.36, label=f"T={t} collectives", hatch="//", fill=False)
+    a.set_xticks([j + 0.19 for j in range(len(kinds))], [
+        f"prefill {result['prompt']} tokens", f"decode x{result['batch']}"])
+    a.set_ylabel("ms (median)")
+    a.set_title("step time and its collectives")
+    a.legend(fontsize=8)
+    names = list(result["transfers"])
+    b.bar(names, [result["transfers"][n]["gb_s"] for n in names])
+    b.set_ylabel("GB/s")
+    b.set_title(f"KV over shm, {result['blocks']} blocks, by group shapes")
+    fig.suptitle(result["machine"], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--blocks", type=int, default=256)
+    p.add_argument("--cores", type=lambda s: [int(c) for c in s.split(",")],
+                   default=sorted(os.sched_getaffinity(0)))
+    p.add_argument("--out", default="benchmarks/results/tensor_parallel")
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    flags = open("/proc/cpuinfo").read()
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+    result: dict = {"machine": f"{len(args.cores)} cores, {' '.join(isa)}, {args.dtype}",
+                    "prompt": args.prompt, "batch": args.batch, "blocks": args.blocks,
+                    "steps": {}, "transfers": {}}
+    for size in (1, 2):
+        result["steps"][size] = steps(args, size)
+    c = ModelConfig.from_pretrained(args.model)
+    model = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, args.dtype)
+    nbytes = model.block_bytes * args.blocks
+    for src_t, dst_t in ((1, 1), (2, 2), (2, 1), (1, 2)):
+        s = transfer(model, src_t, dst_t, args.blocks, args.reps)
+        result["transfers"][f"T={src_t} -> T={dst_t}"] = {"ms": s * 1e3, "gb_s": nbytes / s / 1e9}
+
+    print(f"{result['machine']}; model {args.model}")
+    print(f"{'step':<22}{'T':>3}{'ms median':>11}{'[min-max]':>18}{'collectives ms':>16}"
+          f"{'share':>7}")
+    for size, s in result["steps"].items():
+        for kind, v in s.items():
+            label = f"prefill {args.prompt}" if kind == "prefill" else f"decode x{args.batch}"
+            spread = f"[{v['step_ms_min']:.1f}-{v['step_ms_max']:.1f}]"
+            print(f"{label:<22}{size:>3}{v['step_ms']:>11.2f}{spread:>18}"
+                  f"{v['collectives_ms']:>16.2f}{v['collectives_ms'] / v['step_ms']:>7.0%}")
+    print(f"\nKV transfer over shm, {args.blocks} blocks ({nbytes / 1e6:.1f} MB):")
+    for name, v in result["transfers"].items():
+        print(f"  {name:<14}{v['ms']:>9.2f} ms {v['gb_s']:>7.2f} GB/s")
+    out = Path(args.out)
+    (out / "tensor_parallel.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "tensor_parallel.png")
+    print(f"\nwrote {out / 'tensor_parallel.json'} and {out / 'tensor_parallel.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
