@@ -34,3 +34,15 @@ def test_the_idle_workload_sends_one_request_at_a_time(tiny_llama, tmp_path):
     assert [r["prompt_tokens"] for r in recs] == [128, 1024, 3000]
     for before, after in zip(recs, recs[1:]):  # each starts once the one before has ended
         assert after["start"] >= before["end"]
+
+
+def test_the_tensor_parallel_benchmark_writes_its_files(tiny_llama, tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tensor_parallel.py"), "--model",
+         str(tiny_llama), "--prompt", "16", "--batch", "2", "--reps", "1", "--blocks", "4",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "tensor_parallel.json").read_text())
+    assert set(result["steps"]) == {"1", "2"}
+    assert set(result["transfers"]) == {"T=1 -> T=1", "T=2 -> T=2", "T=2 -> T=1", "T=1 -> T=2"}
+    assert (tmp_path / "tensor_parallel.png").stat().st_size > 0
