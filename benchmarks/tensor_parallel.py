@@ -1,13 +1,15 @@
-"""Tensor parallelism on this host: step times of a worker group of T = 1 and 2 ranks and the time
-its collectives take, and KV transfer between groups of different shapes beside same-shape ones.
+"""Worker groups on this host: step times of groups of T = 1, 2 tensor-parallel ranks and P = 2
+pipeline stages (with and without micro-batches) and the time spent in their collectives, and KV
+transfer between groups of different shapes beside same-shape ones.
 
     .venv/bin/python benchmarks/tensor_parallel.py --model DIR [--dtype bfloat16]
 
-Steps: each rank runs the model's forward on its share (common/models/parallel.py) over its own
-paged cache, with the group's cores split between the ranks as a worker group splits them
-(`--cores`, default all of this process's); a prefill of `--prompt` tokens and decode steps of
-`--batch` sequences at that context, the median of `--reps`. The collectives' time (all-reduces
-and the logits' all-gather, over gloo) is measured inside rank 0.
+Steps: each rank runs the worker's forward (ModelRunner, micro-batches on a pipeline stage) on
+its share over its own paged cache, the group's cores split between the ranks as a worker group
+splits them (`--cores`, default all of this process's): a prefill of `--prompt` tokens, and
+decode steps of `--batch` sequences at that context; the median of `--reps`, timed on the last
+rank (the last stage ends the step). "collectives": the time that rank spent in all-reduces,
+all-gathers and receives from the stage before (over gloo), waiting included.
 
 Transfers: `--blocks` blocks of the model's KV over shm from a sending group to a receiving one
 (common/kv_transfer: every sending rank writes its heads straight into each receiving cache that
@@ -35,19 +37,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.kv_cache import PagedKVCache  # noqa: E402
 from common.kv_layout import KVLayout  # noqa: E402
 from common.kv_transfer.shm import ShmListener, ShmSender  # noqa: E402
-from common.models.attention import AttentionMetadata, create_attention_backend  # noqa: E402
+from common.models.attention import create_attention_backend  # noqa: E402
 from common.models.config import ModelConfig  # noqa: E402
 from common.models.llama import load_model  # noqa: E402
-from common.models.parallel import TensorParallel  # noqa: E402
 from common.ports import free_port  # noqa: E402
-from common.worker.group import rank_cores  # noqa: E402
+from common.worker.config import WorkerConfig  # noqa: E402
+from common.worker.group import connect, rank_cores  # noqa: E402
+from common.worker.model_runner import ModelRunner  # noqa: E402
+from common.worker.sampler import Sampler  # noqa: E402
 
 BLOCK = 16
 
 
+SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2)]  # (T, P, micro-batches)
+
+
 def _timed_collectives(spent: list[float]) -> None:
-    """Rank 0's all_reduce and all_gather, timed (parallel.py calls them through `dist`)."""
-    for name in ("all_reduce", "all_gather"):
+    """This rank's collectives and point-to-point receives, timed (parallel.py calls them
+    through `dist`)."""
+    for name in ("all_reduce", "all_gather", "recv"):
         op = getattr(dist, name)
 
         def timed(*a, _op=op, **kw):
@@ -58,41 +66,45 @@ def _timed_collectives(spent: list[float]) -> None:
         setattr(dist, name, timed)
 
 
-def _rank(rank: int, size: int, port: int, args, out: str) -> None:
+def _rank(rank: int, shape: tuple[int, int, int], port: int, args, out: str) -> None:
+    t, p, micro = shape
+    size = t * p
     cores = rank_cores(tuple(args.cores), size, rank)
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores) if len(args.cores) >= size else
                           max(1, len(args.cores) // size))
-    tp = None
+    place = None
     if size > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=size)
-        tp = TensorParallel(rank, size)
+        cfg = WorkerConfig(role="decode", model=args.model, dtype=args.dtype,
+                           tensor_parallel_size=t, pipeline_parallel_size=p)
+        place = connect(cfg, rank, port)
     spent: list[float] = []
-    if rank == 0:
-        _timed_collectives(spent)
+    _timed_collectives(spent)
     dtype = getattr(torch, args.dtype)
     model = load_model(args.model, create_attention_backend("cpu"), dtype, progress=False,
-                       tp=tp)
+                       tp=place.tp if place else None, pp=place.pp if place else None)
     c = model.config
-    layout = KVLayout(c.num_layers, model.num_kv_heads, c.head_dim, BLOCK, args.dtype)
+    layout = KVLayout(len(model.layers), model.num_kv_heads, c.head_dim, BLOCK, args.dtype)
     per_seq = -(-(args.prompt + args.reps + 2) // BLOCK)
     cache = PagedKVCache(layout, per_seq * args.batch + 1)
+    runner = ModelRunner(model, cache, Sampler(c.vocab_size))
+    runner.micro_batches = micro
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(args.batch)]
     g = torch.Generator().manual_seed(0)
 
     def step(prefills, decodes) -> tuple[float, float]:
-        ids = [t for toks, _, _ in prefills for t in toks] + [t for t, _, _ in decodes]
-        pos = [p for toks, start, _ in prefills for p in range(start, start + len(toks))] + \
-            [p for _, p, _ in decodes]
-        meta = AttentionMetadata.build([(p, b) for _, p, b in decodes],
-                                       [(s, len(t), b) for t, s, b in prefills], BLOCK)
-        if tp is not None:
+        ids = [t for t, _, _ in decodes] + [t for toks, _, _ in prefills for t in toks]
+        pos = [p for _, p, _ in decodes] + \
+            [p for toks, start, _ in prefills for p in range(start, start + len(toks))]
+        if size > 1:
             dist.barrier()
         spent.clear()
         start = time.perf_counter()
-        hidden = model(torch.tensor(ids), torch.tensor(pos), cache.layers, meta)
-        model.compute_logits(hidden[-1:] if prefills else hidden)
+        hidden = runner._forward(torch.tensor(ids), torch.tensor(pos),
+                                 [(q, b) for _, q, b in decodes],
+                                 [(s, len(toks), b) for toks, s, b in prefills], None)
+        if runner.samples:
+            model.compute_logits(hidden[-1:] if prefills else hidden)
         return time.perf_counter() - start, sum(spent)
 
     prompt = [torch.randint(0, c.vocab_size, (args.prompt,), generator=g).tolist()
@@ -100,29 +112,28 @@ def _rank(rank: int, size: int, port: int, args, out: str) -> None:
     prefill = [step([(prompt[0], 0, tables[0])], []) for _ in range(args.reps)]
     for i in range(1, args.batch):  # every sequence's context, once
         step([(prompt[i], 0, tables[i])], [])
-    decode = []
-    for r in range(args.reps):
-        pos = args.prompt + r
-        decode.append(step([], [(1, pos, tables[i]) for i in range(args.batch)]))
-    if rank == 0:
+    decode = [step([], [(1, args.prompt + r, tables[i]) for i in range(args.batch)])
+              for r in range(args.reps)]
+    if rank == size - 1:  # the last stage ends the step
         Path(out).write_text(json.dumps({"prefill": prefill, "decode": decode}))
-    if tp is not None:
+    if size > 1:
         dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # gloo's threads and an interpreter teardown do not mix (worker/group.py)
 
 
-def steps(args, size: int) -> dict:
-    out = Path(args.out) / f".steps-tp{size}.json"
+def steps(args, shape: tuple[int, int, int]) -> dict:
+    t, p, micro = shape
+    out = Path(args.out) / f".steps-{t}-{p}-{micro}.json"
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, size, port, args, str(out)))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(1800)
-        assert p.exitcode == 0, f"a rank of T={size} failed ({p.exitcode})"
+    procs = [ctx.Process(target=_rank, args=(r, shape, port, args, str(out)))
+             for r in range(t * p)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(1800)
+        assert proc.exitcode == 0, f"a rank of {shape} failed ({proc.exitcode})"
     got = json.loads(out.read_text())
     out.unlink()
     return {kind: {"step_ms": statistics.median(t for t, _ in runs) * 1e3,
@@ -130,6 +141,11 @@ def steps(args, size: int) -> dict:
                    "step_ms_max": max(t for t, _ in runs) * 1e3,
                    "collectives_ms": statistics.median(s for _, s in runs) * 1e3}
             for kind, runs in got.items()}
+
+
+def _label(shape: tuple[int, int, int]) -> str:
+    t, p, micro = shape
+    return f"T={t} P={p}" + (f" x{micro} micro" if p > 1 else "")
 
 
 def _group(model: KVLayout, t: int) -> KVLayout:
@@ -177,16 +193,18 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     kinds = ["prefill", "decode"]
-    for i, (t, s) in enumerate(sorted(result["steps"].items())):
+    width = 0.8 / len(result["steps"])
+    for i, (name, s) in enumerate(result["steps"].items()):
         total = [s[k]["step_ms"] for k in kinds]
         coll = [s[k]["collectives_ms"] for k in kinds]
-        x = [j + i * 0.38 for j in range(len(kinds))]
-        a.bar(x, total, 0.36, label=f"T={t} step")
-        a.bar(x, coll, 0.36, label=f"T={t} collectives", hatch="//", fill=False)
-    a.set_xticks([j + 0.19 for j in range(len(kinds))], [
+        x = [j + i * width for j in range(len(kinds))]
+        bars = a.bar(x, total, width * 0.95, label=name)
+        a.bar(x, coll, width * 0.95, hatch="//", fill=False,
+              edgecolor=bars[0].get_facecolor(), label=f"{name}: collectives")
+    a.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], [
         f"prefill {result['prompt']} tokens", f"decode x{result['batch']}"])
     a.set_ylabel("ms (median)")
-    a.set_title("step time and its collectives")
+    a.set_title("step time (hatched: waiting in collectives)")
     a.legend(fontsize=8)
     names = list(result["transfers"])
     b.bar(names, [result["transfers"][n]["gb_s"] for n in names])
@@ -215,8 +233,8 @@ def main() -> int:
     result: dict = {"machine": f"{len(args.cores)} cores, {' '.join(isa)}, {args.dtype}",
                     "prompt": args.prompt, "batch": args.batch, "blocks": args.blocks,
                     "steps": {}, "transfers": {}}
-    for size in (1, 2):
-        result["steps"][size] = steps(args, size)
+    for shape in SHAPES:
+        result["steps"][_label(shape)] = steps(args, shape)
     c = ModelConfig.from_pretrained(args.model)
     model = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, args.dtype)
     nbytes = model.block_bytes * args.blocks
@@ -225,13 +243,13 @@ def main() -> int:
         result["transfers"][f"T={src_t} -> T={dst_t}"] = {"ms": s * 1e3, "gb_s": nbytes / s / 1e9}
 
     print(f"{result['machine']}; model {args.model}")
-    print(f"{'step':<22}{'T':>3}{'ms median':>11}{'[min-max]':>18}{'collectives ms':>16}"
+    print(f"{'step':<16}{'group':>20}{'ms median':>11}{'[min-max]':>18}{'collectives ms':>16}"
           f"{'share':>7}")
-    for size, s in result["steps"].items():
+    for name, s in result["steps"].items():
         for kind, v in s.items():
             label = f"prefill {args.prompt}" if kind == "prefill" else f"decode x{args.batch}"
             spread = f"[{v['step_ms_min']:.1f}-{v['step_ms_max']:.1f}]"
-            print(f"{label:<22}{size:>3}{v['step_ms']:>11.2f}{spread:>18}"
+            print(f"{label:<16}{name:>20}{v['step_ms']:>11.2f}{spread:>18}"
                   f"{v['collectives_ms']:>16.2f}{v['collectives_ms'] / v['step_ms']:>7.0%}")
     print(f"\nKV transfer over shm, {args.blocks} blocks ({nbytes / 1e6:.1f} MB):")
     for name, v in result["transfers"].items():

@@ -97,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(CPU workers, gloo; KV between groups over shm); a pool of another "
                         "size: --prefill-worker-args / --decode-worker-args")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="only 1: pipeline-parallel worker groups are not built yet")
+                   help="every worker's layers split over this many stages of "
+                        "--tensor-parallel-size ranks each (CPU workers, gloo)")
     p.add_argument("--speculative-config", default="",
                    help="speculative decoding on the decode workers (those that decode, in "
                         "either mode), vLLM's JSON: '{\"method\": \"ngram\", "
@@ -149,11 +150,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def unbuilt(args) -> str | None:
     """Why a flag cannot be honoured, for vLLM flags whose concept is not built yet (refused,
     never silently ignored), or None."""
-    if args.pipeline_parallel_size != 1:
-        return (f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline-parallel "
-                "worker groups are not built yet (use 1; --tensor-parallel-size is)")
-    if args.tensor_parallel_size < 1:
-        return "--tensor-parallel-size must be >= 1"
+    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
+        return "--tensor-parallel-size and --pipeline-parallel-size must be >= 1"
     try:
         SpeculativeConfig.parse(args.speculative_config)
     except ValueError as e:
@@ -215,6 +213,8 @@ def commands(args) -> list[list[str]]:
     worker += ["--seed", str(args.seed)]
     if args.tensor_parallel_size != 1:
         worker += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.pipeline_parallel_size != 1:
+        worker += ["--pipeline-parallel-size", str(args.pipeline_parallel_size)]
     tracing = ["--otlp-traces-endpoint", args.otlp_traces_endpoint] \
         if args.otlp_traces_endpoint else []
     tls = ["--tls-dir", args.tls_dir] if args.tls_dir else []

@@ -26,6 +26,6 @@ def run(args) -> int:
         print(f"pdserve {args.command}: {e}", file=sys.stderr)
         return 2
     status = asyncio.run(service.serve(cfg))
-    if cfg.tensor_parallel_size > 1:
+    if cfg.group_size > 1:
         group.leave(status)  # no interpreter teardown beside gloo's threads
     return status

@@ -15,7 +15,7 @@ KV cache holds its own KV heads under the same block ids as every other rank's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,8 @@ class PipelineParallel:
     size: int
     prev: int = -1
     next: int = -1
+    # sends under way: a stage goes on with its next micro-batch while one leaves
+    _sending: list = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.size:
@@ -108,7 +110,14 @@ class PipelineParallel:
         return layer_split(num_layers, self.size, self.stage)
 
     def send(self, h: torch.Tensor, residual: torch.Tensor) -> None:
-        dist.send(torch.stack([h, residual]).contiguous(), self.next)
+        """Starts sending; flush() waits for every send started."""
+        both = torch.stack([h, residual]).contiguous()
+        self._sending.append((both, dist.isend(both, self.next)))
+
+    def flush(self) -> None:
+        for _, work in self._sending:
+            work.wait()
+        self._sending.clear()
 
     def recv(self, num_tokens: int, hidden: int, dtype: torch.dtype,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,7 +59,7 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0    # SIGTERM: how long its requests may run on before it leaves
     speculative_config: str = ""     # vLLM's JSON (speculative.py); "": no speculation
     tls: TLSFiles | None = None      # mutual TLS to the scheduler and between workers
-    tensor_parallel_size: int = 1    # > 1: a group of rank processes (group.py)
+    tensor_parallel_size: int = 1    # > 1 here or below: a group of rank processes (group.py)
     pipeline_parallel_size: int = 1
     group_start_timeout_s: float = 600.0  # a group's ranks loading their shares of the model
 
@@ -109,16 +109,14 @@ class WorkerConfig:
 
     def _check_group(self) -> None:
         """Refuses what a worker group does not do yet; its default transport is shm."""
-        if self.pipeline_parallel_size != 1:
-            raise ValueError("--pipeline-parallel-size: pipeline-parallel worker groups are not "
-                             "built yet (use 1; tensor parallelism is)")
-        if self.tensor_parallel_size < 1:
-            raise ValueError("--tensor-parallel-size must be >= 1")
-        if self.tensor_parallel_size == 1:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
+        if self.group_size == 1:
             return
         if self.resolved_device() != "cpu":
-            raise ValueError("--tensor-parallel-size > 1 runs on CPU workers so far (gloo); "
-                             "GPU groups over NCCL are not built yet")
+            raise ValueError("worker groups (--tensor-parallel-size, --pipeline-parallel-size "
+                             "> 1) run on CPU workers so far (gloo); GPU groups over NCCL are "
+                             "not built yet")
         if self.kv_transports == ("shm", "tcp"):
             object.__setattr__(self, "kv_transports", ("shm",))
         if self.kv_transports != ("shm",):
@@ -129,10 +127,17 @@ class WorkerConfig:
         if spec is not None and spec.method == "draft_model":
             raise ValueError("a draft model does not run in a worker group yet; ngram "
                              "speculation does")
+        if spec is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("a pipeline-parallel worker group does not speculate yet")
         if self.kv_offloading_backend == "host" and (self.kv_offloading_size_gib
                                                      or self.kv_offloading_blocks):
             raise ValueError("--kv-offloading-backend host is one tier per host and model; a "
                              "worker group's ranks each need their own (use native)")
+
+    @property
+    def group_size(self) -> int:
+        """Rank processes of this worker: T x P."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def _set_dtype(self) -> None:
         """"auto" (and vLLM's aliases) become the dtype the model is served in, logged once."""
@@ -284,8 +289,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split the model over this many rank processes (one group serving as "
                         "one worker, its cores split between them; CPU, gloo); env "
                         "PDSERVE_TENSOR_PARALLEL_SIZE")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="pipeline stages per worker group (only 1 so far)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                   default=int(env("PDSERVE_PIPELINE_PARALLEL_SIZE", 1)),
+                   help="split the model's layers over this many stages, each of "
+                        "--tensor-parallel-size ranks (one group of T x P processes serving as "
+                        "one worker; CPU, gloo); env PDSERVE_PIPELINE_PARALLEL_SIZE")
     add_tls_args(p, "worker")
     tracing.add_arguments(p)
     p.add_argument("--detailed-traces", action="store_true",

@@ -1,16 +1,20 @@
-"""A worker group: T tensor-parallel rank processes serving as one worker.
+"""A worker group: T x P rank processes serving as one worker (T tensor-parallel ranks in each
+of P pipeline stages; rank r is tensor-parallel rank r % T of stage r // T).
 
 The process the worker command starts is rank 0, the leader: it alone talks to the scheduler
-(one registration, the model's KV layout with T recorded, an shm endpoint naming every rank's
-cache) and it starts ranks 1..T-1 itself. Every rank holds its share of the weights and of the
-paged KV cache (its KV heads, under the same block ids) and runs every plan the same way:
+(one registration, the model's KV layout with T and P recorded, an shm endpoint naming every
+rank's cache) and it starts ranks 1..T*P-1 itself. Every rank holds its share of the weights and
+of the paged KV cache (its stage's layers, its KV heads, under the same block ids) and runs every
+plan the same way:
 
     leader                                    each follower
     plan from the scheduler ------ pipe ----> the same plan
     KV sends ready before the step            its shard of them
     the step(s): forward with the group's collectives (gloo on CPU): one all-reduce per
                  attention block and one per MLP block; logits all-gathered, so every rank
-                 samples the same tokens from the same bits and the same seeds
+                 of the last stage samples the same tokens from the same bits and the same
+                 seeds; hidden states stage to stage; the last stage's tokens broadcast to
+                 the earlier stages (pipeline.py)
     KV sends of the step                      its shard of them
     answers the scheduler    <----- pipe ---- what it sampled (a digest) and how its sends went
 
@@ -34,14 +38,17 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import NoReturn
 
 import torch.distributed as dist
 
+from common.models.parallel import PipelineParallel, TensorParallel
 from common.plans import StepPlan, StepResult, TransferDone, TransfersDone
 from common.worker.config import WorkerConfig
+from common.worker.pipeline import LastStage
 from common.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -55,6 +62,35 @@ STEP_TIMEOUT_S = 600.0
 
 class GroupBroken(Exception):
     """A rank died, did not answer in time, or sampled other tokens than the leader."""
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a rank sits in its group, and its model's parallel layers' collectives."""
+    rank: int
+    tp_rank: int
+    stage: int
+    tp: TensorParallel | None
+    pp: PipelineParallel | None
+    last_stage: LastStage | None  # P > 1: where the sampled tokens come from
+
+
+def connect(cfg: WorkerConfig, rank: int, port: int) -> RankPlace:
+    """Joins the group's collectives (every rank calls it at start, in any order): the world
+    of T x P ranks, one tensor-parallel subgroup per stage where there are stages."""
+    t, p = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=t * p,
+                            timeout=timedelta(seconds=max(STEP_TIMEOUT_S,
+                                                          cfg.group_start_timeout_s)))
+    stage, tp_rank = divmod(rank, t)
+    # every rank makes every subgroup, in the same order
+    stages = [dist.new_group(list(range(s * t, (s + 1) * t))) for s in range(p)] \
+        if t > 1 and p > 1 else None
+    tp = TensorParallel(tp_rank, t, stages[stage] if stages else None) if t > 1 else None
+    pp = PipelineParallel(stage, p, rank - t if stage else -1,
+                          rank + t if stage < p - 1 else -1) if p > 1 else None
+    return RankPlace(rank, tp_rank, stage, tp, pp, LastStage(rank, t, p) if p > 1 else None)
 
 
 def rank_cores(cores: tuple[int, ...], size: int, rank: int) -> tuple[int, ...]:
@@ -77,17 +113,12 @@ def digest(result: StepResult) -> bytes:
     return h.digest()
 
 
-def _init_collectives(rank: int, size: int, port: int, timeout_s: float) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=timedelta(seconds=timeout_s))
-
-
 class GroupLeader:
     """Rank 0's side of the group: starts the followers and mirrors every plan to them."""
 
     def __init__(self, cfg: WorkerConfig, port: int):
         self.cfg = cfg
-        self.size = cfg.tensor_parallel_size
+        self.size = cfg.group_size
         self.port = port
         self._conns: list[Connection] = []
         self._procs: list = []
@@ -102,8 +133,8 @@ class GroupLeader:
             self._procs.append(proc)
 
     def join(self, num_blocks: int, endpoints: dict[str, str]) -> dict[str, str]:
-        """Waits for every follower's build, joins the collectives; the group's endpoints
-        (every rank's, in rank order). Runs on the step thread."""
+        """Waits for every follower's build; the group's endpoints (every rank's, in rank
+        order). Runs on the step thread, after connect and the leader's own build."""
         group = {name: [ep] for name, ep in endpoints.items()}
         for rank, conn in enumerate(self._conns, 1):
             hello = json.loads(self._recv(rank, conn, self.cfg.group_start_timeout_s))
@@ -112,7 +143,6 @@ class GroupLeader:
                                   f"{num_blocks}")
             for name, ep in hello["endpoints"].items():
                 group[name].append(ep)
-        _init_collectives(0, self.size, self.port, STEP_TIMEOUT_S)
         log.info("worker group of %d ranks ready", self.size)
         return {name: ",".join(eps) for name, eps in group.items()}
 
@@ -234,11 +264,10 @@ def follower_main(cfg: WorkerConfig, rank: int, port: int, conn: Connection) -> 
     status = 1
     worker = None
     try:
-        worker, reg = build_worker(cfg, rank)
+        worker, reg = build_worker(cfg, connect(cfg, rank, port))
         endpoints = {name: listener.endpoint() for name, listener in worker.listeners.items()}
         conn.send_bytes(json.dumps({"num_blocks": reg.num_blocks,
                                     "endpoints": endpoints}).encode())
-        _init_collectives(rank, cfg.tensor_parallel_size, port, STEP_TIMEOUT_S)
         while True:
             try:
                 msg = conn.recv_bytes()

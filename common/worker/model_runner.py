@@ -11,6 +11,7 @@ from common.models.attention import AttentionMetadata
 from common.models.llama import LlamaForCausalLM
 from common.plans import Fork, PromptLogprobs, RequestError
 from common.sampling_params import SamplingParams, TokenLogprobs
+from common.worker import micro_batches
 from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.draft import DraftModel, rejection_sample
 from common.worker.grammars import GrammarError, Grammars, Guide, mask_logits
@@ -88,6 +89,10 @@ class ModelRunner:
         self.draft = draft  # the draft_model method
         # one draft forward's time over the target's step time, smoothed (0 until measured)
         self.draft_cost = 0.0
+        # whether this model computes logits: all but an earlier stage of a pipeline group
+        self.samples = model.lm_head is not None
+        # a pipeline stage's step in this many micro-batches at most (micro_batches.py)
+        self.micro_batches = model.pp.size if model.pp is not None else 1
 
     def execute(self, scheduled: list[tuple[RequestState, int]], on_layer=None,
                 lookahead: dict[str, int] | None = None) -> tuple[list[Sampled], StepStats]:
@@ -131,14 +136,10 @@ class ModelRunner:
                 and graphs.fits(len(decodes), max(len(b) for _, b in decoding))):
             hidden = graphs.run(ids, decoding)
         else:
-            meta = AttentionMetadata.build(
-                decoding, [(r.num_computed_tokens, n, r.block_ids) for r, n in chunks],
-                self.block_size)
-            if device.type != "cpu":
-                meta = meta.to(device)
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=device),
-                                torch.tensor(positions, dtype=torch.long, device=device),
-                                self.cache.layers, meta, on_layer)
+            hidden = self._forward(
+                torch.tensor(ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device), decoding,
+                [(r.num_computed_tokens, n, r.block_ids) for r, n in chunks], on_layer)
 
         stats = StepStats(decode_tokens=sum(r.num_computed_tokens >= r.num_prompt_tokens
                                             for r, _ in decodes))
@@ -161,6 +162,9 @@ class ModelRunner:
             offset += n
             if r.num_computed_tokens == len(r.token_ids):
                 rows.append(_Row(r, [offset - 1], []))
+        if not self.samples:  # an earlier pipeline stage: the last one samples (pipeline.py)
+            stats.errors = [RequestError(rid, error) for rid, error in failed.items()]
+            return [], stats
         if scoring:
             stats.prompt_logprobs = prompt_logprobs(
                 hidden, self.model.compute_logits, self.sampler.vocab_size, scoring)
@@ -252,6 +256,28 @@ class ModelRunner:
             self.draft_cost = ratio if not self.draft_cost else \
                 COST_SMOOTHING * ratio + (1 - COST_SMOOTHING) * self.draft_cost
         return sampled, stats
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                 decodes: list[tuple[int, list[int]]], chunks: list[tuple[int, int, list[int]]],
+                 on_layer) -> torch.Tensor:
+        """The step's hidden states; a pipeline stage's in micro-batches (micro_batches.py),
+        layer-wise KV sends starting with the last one (a layer's KV is whole only then)."""
+        pp = self.model.pp
+        parts = micro_batches.split(decodes, chunks, self.micro_batches) \
+            if pp is not None else []
+        if len(parts) < 2:
+            parts = [micro_batches.MicroBatch(0, len(ids), decodes, chunks)]
+        out = []
+        for j, part in enumerate(parts):
+            meta = AttentionMetadata.build(part.decodes, part.chunks, self.block_size)
+            if ids.device.type != "cpu":
+                meta = meta.to(ids.device)
+            out.append(self.model(ids[part.start:part.end], positions[part.start:part.end],
+                                  self.cache.layers, meta,
+                                  on_layer if j == len(parts) - 1 else None))
+        if pp is not None:
+            pp.flush()  # the hidden states this stage sent have left
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _cost_for(self, r: RequestState) -> float:
         """The draft cost r's draft length weighs: none for a seeded request under rejection

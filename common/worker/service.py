@@ -42,7 +42,6 @@ from common.kv_transfer.base import KVReceiver, TransferConfig
 from common.kv_transfer.registry import create_listener, create_sender
 from common.models.attention import cpu_kernels, create_attention_backend
 from common.models.llama import load_model
-from common.models.parallel import TensorParallel
 from common.plans import Registration, StepResult, TransfersDone
 from common.ports import free_port
 from common.tls import grpc_channel_credentials, scheduler_channel_options, warn_if_exposed
@@ -50,7 +49,7 @@ from common.worker.config import WorkerConfig
 from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.draft import DraftModel
 from common.worker.grammars import Grammars
-from common.worker.group import GroupBroken, GroupLeader, rank_cores
+from common.worker.group import GroupBroken, GroupLeader, RankPlace, connect, rank_cores
 from common.worker.memory import GIB, num_kv_blocks
 from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
@@ -67,13 +66,16 @@ class RegistrationRefused(Exception):
     pass
 
 
-def build_worker(cfg: WorkerConfig, rank: int = 0) -> tuple[Worker, Registration]:
-    """The worker, or with --tensor-parallel-size T > 1 rank `rank`'s part of its group: its
-    share of the weights, its KV heads' cache (group.py)."""
+def build_worker(cfg: WorkerConfig, place: RankPlace | None = None
+                 ) -> tuple[Worker, Registration]:
+    """The worker, or in a worker group (--tensor-parallel-size, --pipeline-parallel-size) the
+    part of the rank at `place`: its share of the weights, its layers' and KV heads' cache
+    (group.py)."""
     stale = sweep_stale_segments()
     if stale:
         log.info("removed KV segments of dead workers: %s", ", ".join(stale))
-    size = cfg.tensor_parallel_size
+    size = cfg.group_size
+    rank = place.rank if place is not None else 0
     group_cores = cfg.cpu_cores or tuple(sorted(os.sched_getaffinity(0)))
     cores = rank_cores(cfg.cpu_cores, size, rank)
     if cores:
@@ -98,12 +100,13 @@ def build_worker(cfg: WorkerConfig, rank: int = 0) -> tuple[Worker, Registration
              time.monotonic() - start)
     model = load_model(cfg.model, backend, dtype, device, prepack=cfg.prepack_weights,
                        progress=cfg.use_tqdm_on_load and rank == 0,
-                       tp=TensorParallel(rank, size) if size > 1 else None)
+                       tp=place.tp if place else None, pp=place.pp if place else None)
     mc = model.config
     group_layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                             head_dim=mc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype,
-                            tensor_parallel_size=size)
-    shard = group_layout.shard(rank)
+                            tensor_parallel_size=cfg.tensor_parallel_size,
+                            pipeline_parallel_size=cfg.pipeline_parallel_size)
+    shard = group_layout.shard(place.tp_rank, place.stage) if place else group_layout.shard()
     layout = group_layout.shard_layout(shard)  # this rank's cache
     num_blocks = num_kv_blocks(cfg.num_kv_blocks, cfg.kv_cache_memory_mib,
                                cfg.gpu_memory_utilization, cfg.max_num_batched_tokens, model,
@@ -147,7 +150,7 @@ def build_worker(cfg: WorkerConfig, rank: int = 0) -> tuple[Worker, Registration
                     receiver,
                     {t: create_listener(t, cache, receiver, tcfg, shard)
                      for t in cfg.kv_transports},
-                    tier, group_size=size)
+                    tier, group_size=size, pipeline=place.last_stage if place else None)
     reg = Registration(
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
         num_blocks=num_blocks, layout=group_layout, transports=cfg.kv_transports,
@@ -362,7 +365,7 @@ async def serve(cfg: WorkerConfig) -> int:
     # of one sequence took 18-25 ms with 2 threads, as slow as with 1; 15-18 ms on its own)
     steps = ThreadPoolExecutor(1, thread_name_prefix="step")
     # a group's followers load their shares while this process loads its own
-    group = GroupLeader(cfg, free_port()) if cfg.tensor_parallel_size > 1 else None
+    group = GroupLeader(cfg, free_port()) if cfg.group_size > 1 else None
     try:
         status = await _serve(cfg, steps, group)
         if group is not None and (lost := group.lost()) is not None:
@@ -378,6 +381,17 @@ async def serve(cfg: WorkerConfig) -> int:
             group.close()
 
 
+async def _unless_lost(group: GroupLeader, future: Awaitable):
+    """future's result, or GroupBroken as soon as a follower exits first (a rank that cannot
+    start would leave the others waiting for it until the collectives' deadline)."""
+    task = asyncio.ensure_future(future)
+    while not task.done():
+        if (lost := group.lost()) is not None:
+            raise GroupBroken(lost)
+        await asyncio.wait([task], timeout=0.5)
+    return task.result()
+
+
 async def _watch(group: GroupLeader, stop: asyncio.Event, now: asyncio.Event) -> None:
     """A follower that exits takes the group out at once, not at the next plan: the Attach
     stream ends, and the scheduler re-queues the group's requests."""
@@ -389,7 +403,12 @@ async def _watch(group: GroupLeader, stop: asyncio.Event, now: asyncio.Event) ->
 
 async def _serve(cfg: WorkerConfig, steps: ThreadPoolExecutor,
                  group: GroupLeader | None) -> int:
-    worker, reg = await asyncio.get_running_loop().run_in_executor(steps, build_worker, cfg)
+    loop = asyncio.get_running_loop()
+    place = None
+    if group is not None:  # the group's collectives first: the model's layers hold them
+        place = await _unless_lost(group, loop.run_in_executor(steps, connect, cfg, 0,
+                                                               group.port))
+    worker, reg = await loop.run_in_executor(steps, build_worker, cfg, place)
     # ... and only that thread runs an OpenMP team: this one (KV frames landing in the cache)
     # copies on its own. A second team would take cores from the step's threads mid-step and,
     # with more of libgomp's threads than cores, make every team sleep between its parallel
@@ -404,7 +423,6 @@ async def _serve(cfg: WorkerConfig, steps: ThreadPoolExecutor,
     telemetry = await start_telemetry(cfg, worker)
     health = await start_health(cfg)
     stop, now = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends it
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: now.set() if stop.is_set() else stop.set())
     watch = asyncio.create_task(_watch(group, stop, now)) if group is not None else None

@@ -30,6 +30,7 @@ from common.plans import (
 )
 from common.worker.layer_streamer import LayerStreamer
 from common.worker.model_runner import ModelRunner, RequestState, stops
+from common.worker.pipeline import LastStage, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ class Worker:
 
     def __init__(self, runner: ModelRunner, cache: PagedKVCache, senders: dict[str, KVSender],
                  receiver: KVReceiver, listeners: dict[str, KVListener],
-                 tier: LocalTier | SharedTier | None = None, group_size: int = 1):
+                 tier: LocalTier | SharedTier | None = None, group_size: int = 1,
+                 pipeline: LastStage | None = None):
         self.runner = runner
         self.cache = cache
         self.tier = tier  # the second KV tier: blocks laid out as the cache's, in host memory
@@ -69,6 +71,7 @@ class Worker:
         self.receiver = receiver
         self.listeners = listeners
         self.group_size = group_size  # ranks of its group sharing a plan's threads (group.py)
+        self.pipeline = pipeline  # a pipeline group's: the last stage samples for every rank
         self._streamer: LayerStreamer | None = None  # sends of the step that ran last
         self.requests: dict[str, RequestState] = {}
         # block id -> hash of the tokens it holds, as the scheduler announced it, for as long as
@@ -126,11 +129,25 @@ class Worker:
         out, stats = self.runner.execute(scheduled)
         self._counts.decoded += stats.decode_tokens
         self._counts.steps += 1
-        sampled = tuple(SampledToken(s.request_id, s.token_id, s.logprobs) for s in out)
-        self._decoding = self._go_on(sampled, stats.errors) \
-            if sub_step + 1 < plan.num_steps else []
-        return StepResult(plan.step_id, sampled, tuple(stats.errors), self.counters,
+        sampled, errors, _ = self._outcome(out, stats)
+        self._decoding = self._go_on(sampled, errors) if sub_step + 1 < plan.num_steps else []
+        return StepResult(plan.step_id, tuple(sampled), tuple(errors), self.counters,
                           more=bool(self._decoding))
+
+    def _outcome(self, out, stats) -> Outcome:
+        """A step's sampled tokens, errors and prompt logprobs; in a pipeline group the last
+        stage's, whose tokens the other stages' ranks append to their requests here."""
+        sampled = [SampledToken(s.request_id, s.token_id, s.logprobs) for s in out]
+        if self.pipeline is None:
+            return sampled, stats.errors, stats.prompt_logprobs
+        sampled, errors, prompt_logprobs = self.pipeline.share(sampled, stats.errors,
+                                                               stats.prompt_logprobs)
+        if not self.pipeline.samples:
+            for s in sampled:  # its own requests that reached their last token (not forks)
+                r = self.requests.get(s.request_id)
+                if r is not None and r.num_computed_tokens == len(r.token_ids):
+                    r.token_ids.append(s.token_id)
+        return sampled, errors, prompt_logprobs
 
     def _go_on(self, sampled, errors) -> list[str]:
         """The requests that decode again in a plan's next decode step: those that sampled a
@@ -206,9 +223,8 @@ class Worker:
                 if self._streamer is not None:
                     self._streamer.abort()
                 raise
-            sampled = [SampledToken(s.request_id, s.token_id, s.logprobs) for s in out]
-            prompt_logprobs = stats.prompt_logprobs
-            errors.extend(stats.errors)
+            sampled, step_errors, prompt_logprobs = self._outcome(out, stats)
+            errors.extend(step_errors)
             self._counts.prompt_tokens += stats.prompt_tokens
             self._counts.decoded += stats.decode_tokens
             self._count_speculation(stats)

@@ -43,6 +43,6 @@ def test_the_tensor_parallel_benchmark_writes_its_files(tiny_llama, tmp_path):
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "tensor_parallel.json").read_text())
-    assert set(result["steps"]) == {"1", "2"}
+    assert set(result["steps"]) == {"T=1 P=1", "T=2 P=1", "T=1 P=2 x1 micro", "T=1 P=2 x2 micro"}
     assert set(result["transfers"]) == {"T=1 -> T=1", "T=2 -> T=2", "T=2 -> T=1", "T=1 -> T=2"}
     assert (tmp_path / "tensor_parallel.png").stat().st_size > 0

@@ -1,6 +1,7 @@
-"""Worker groups (--tensor-parallel-size 2) through the four real processes: a group exchanges KV
-with a single worker in either direction, and with a group like it, each rank sending its own KV
-heads straight to the caches that hold them; greedy tokens equal transformers'. A rank killed
+"""Worker groups (--tensor-parallel-size 2, --pipeline-parallel-size 2) through the four real
+processes: a group exchanges KV with a single worker in either direction, and with a group like
+it, each rank sending its own layers and KV heads straight to the caches that hold them; greedy
+tokens equal transformers'. A rank killed
 mid-stream takes its group out, its requests finish elsewhere with the same tokens, and
 `pdserve up` restarts the group."""
 import asyncio
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.kv_layout import KVLayout
 from tests.e2e.conftest import Stack, stream_completion
 from tests.e2e.test_serve import _body, _greedy, _prompt, hf  # noqa: F401 (a fixture)
 
@@ -46,7 +48,10 @@ def _greedy_all(stack: Stack, prompts: list[list[int]]) -> list[list[int]]:
     ("--prefill-worker-args=--tensor-parallel-size 2",),
     ("--decode-worker-args=--tensor-parallel-size 2",),
     ("--tensor-parallel-size", "2"),
-], ids=["prefill_tp2-decode_tp1", "prefill_tp1-decode_tp2", "both_tp2"])
+    ("--prefill-worker-args=--pipeline-parallel-size 2",),
+    ("--mode", "colocated", "-tp", "2", "-pp", "2"),
+], ids=["prefill_tp2-decode_tp1", "prefill_tp1-decode_tp2", "both_tp2", "prefill_pp2-decode_pp1",
+        "colocated_tp2xpp2"])
 def test_groups_of_any_shape_serve_hf_greedy_tokens(tiny_llama, tmp_path, hf, shape):  # noqa: F811
     stack = Stack(tiny_llama, tmp_path, *shape)
     try:
@@ -62,21 +67,28 @@ def test_groups_of_any_shape_serve_hf_greedy_tokens(tiny_llama, tmp_path, hf, sh
         by_role = {w["role"]: w for w in s["workers"]}
         for role, w in by_role.items():
             assert w["num_free_blocks"] == w["num_blocks"], w
-            tp = w.get("tensor_parallel_size", 1)
-            # a group's leader started its follower; its endpoint names both ranks' caches,
-            # each holding one of the model's two KV heads
-            assert len(_children(groups[f"{role}-worker"])) >= tp - 1
-            parts = w["kv_endpoint"].split(",")
-            assert [p.split("heads=")[1] for p in parts] == \
-                (["0-1", "1-2"] if tp == 2 else ["0-2"]), w["kv_endpoint"]
+            t, p = w.get("tensor_parallel_size", 1), w.get("pipeline_parallel_size", 1)
+            # a group's leader started its followers; its endpoint names every rank's cache
+            # and the layers and KV heads it holds (the tiny model: 4 layers, 2 KV heads)
+            assert len(_children(groups[f"{role}-worker"])) >= t * p - 1
+            layout = KVLayout(4, 2, 32, 16, "float32", t, p)
+            want = [layout.shard(r % t, r // t) for r in range(t * p)]
+            parts = [dict(kv.split("=") for kv in ep.split("?")[1].split("&"))
+                     for ep in w["kv_endpoint"].split(",")]
+            assert [(q["layers"], q["heads"]) for q in parts] == [
+                (f"{x.layer_start}-{x.layer_end}", f"{x.head_start}-{x.head_end}")
+                for x in want], w["kv_endpoint"]
+        if "prefill" not in by_role:  # colocated: no KV moves
+            return
         prefill, decode = by_role["prefill"], by_role["decode"]
         assert prefill["kv_blocks_sent"] > 0
         assert decode["kv_blocks_received"] == prefill["kv_blocks_sent"]
         # (under the concurrent batch the decode worker may take a short prompt itself)
         assert prefill["prompt_tokens_computed"] >= sum(LENGTHS)
         per_rank = [int(b) for b in prefill["kv_bytes_sent_per_rank"]]
-        # every rank sent its own heads, none gathered the other's: equal halves
-        assert len(per_rank) == prefill.get("tensor_parallel_size", 1)
+        # every rank sent its own layers and heads, none gathered another's: equal shares
+        assert len(per_rank) == prefill.get("tensor_parallel_size", 1) * \
+            prefill.get("pipeline_parallel_size", 1)
         assert min(per_rank) > 0 and len(set(per_rank)) == 1, per_rank
     finally:
         stack.stop()

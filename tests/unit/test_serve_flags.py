@@ -102,9 +102,8 @@ def test_the_positional_model_wins_over_model_and_defaults_to_it():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline-parallel worker "
-                                        "groups are not built yet"),
-    (["-tp", "0"], "--tensor-parallel-size must be >= 1"),
+    (["-pp", "0"], "--tensor-parallel-size and --pipeline-parallel-size must be >= 1"),
+    (["-tp", "0"], "--tensor-parallel-size and --pipeline-parallel-size must be >= 1"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
      "--speculative-config: num_speculative_tokens must be >= 1"),
     (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'],

@@ -137,6 +137,7 @@ def _stage(rank: int, world: int, tp_size: int, port: int,
                 seq.append(tok)
                 steps.append(_forward(model, cache,
                                             decodes=[(tok, len(seq) - 1, BLOCKS)]))
+            pp.flush()  # an earlier stage's sends leave in the background
             if pp.is_last:
                 logits = torch.stack([model.compute_logits(h)[-1] for h in steps])
                 torch.save(logits, Path(out) / f"{arch}-rank{rank}.pt")
