@@ -198,9 +198,9 @@ def plot(result: dict, path: Path) -> None:
         total = [s[k]["step_ms"] for k in kinds]
         coll = [s[k]["collectives_ms"] for k in kinds]
         x = [j + i * width for j in range(len(kinds))]
-        bars = a.bar(x, total, width * 0.95, label=name)
-        a.bar(x, coll, width * 0.95, hatch="//", fill=False,
-              edgecolor=bars[0].get_facecolor(), label=f"{name}: collectives")
+        a.bar(x, total, width * 0.95, label=name)
+        a.bar(x, coll, width * 0.95, hatch="//", fill=False, edgecolor="black", linewidth=0.5,
+              label="waiting in collectives" if i == 0 else None)
     a.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], [
         f"prefill {result['prompt']} tokens", f"decode x{result['batch']}"])
     a.set_ylabel("ms (median)")
