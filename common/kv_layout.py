@@ -102,6 +102,20 @@ class KVShard:
         return KVShard(l0, l1, h0, h1) if l0 < l1 and h0 < h1 else None
 
 
+def shard_of(query: str) -> KVShard:
+    """The shard an endpoint's query names: `layers=A-B&heads=C-D` (ValueError if it does
+    not)."""
+    fields = dict(kv.partition("=")[::2] for kv in query.split("&"))
+    ranges = []
+    for key in ("layers", "heads"):
+        lo, _, hi = fields[key].partition("-") if key in fields else ("", "", "")
+        start, end = int(lo), int(hi)
+        if not 0 <= start < end:
+            raise ValueError(f"empty {key} range")
+        ranges += [start, end]
+    return KVShard(ranges[0], ranges[1], ranges[2], ranges[3])
+
+
 def layer_split(num_layers: int, size: int, stage: int) -> tuple[int, int]:
     """[start, end) of pipeline stage `stage` of `size`: an even split, the first stages one
     more."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/kv_transfer.proto\x12\x13pdserve.kv_transfer\"\xd0\x01\n\rKVFrameHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x15\n\rdst_block_ids\x18\x02 \x03(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\x12\x0c\n\x04last\x18\x08 \x01(\x08\x12\x10\n\x08\x61uth_tag\x18\t \x01(\x0c\x12\x16\n\x0epayload_digest\x18\n \x01(\x0c\"3\n\rKVTransferAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/kv_transfer.proto\x12\x13pdserve.kv_transfer\"\xd4\x02\n\rKVFrameHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x15\n\rdst_block_ids\x18\x02 \x03(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\x12\x0c\n\x04last\x18\x08 \x01(\x08\x12\x10\n\x08\x61uth_tag\x18\t \x01(\x0c\x12\x16\n\x0epayload_digest\x18\n \x01(\x0c\x12\x12\n\nhead_start\x18\x0b \x01(\x05\x12\x10\n\x08head_end\x18\x0c \x01(\x05\x12\x17\n\x0fsrc_layer_start\x18\r \x01(\x05\x12\x15\n\rsrc_layer_end\x18\x0e \x01(\x05\x12\x16\n\x0esrc_head_start\x18\x0f \x01(\x05\x12\x14\n\x0csrc_head_end\x18\x10 \x01(\x05\"3\n\rKVTransferAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kv_transfer_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVFRAMEHEADER']._serialized_start=50
-  _globals['_KVFRAMEHEADER']._serialized_end=258
-  _globals['_KVTRANSFERACK']._serialized_start=260
-  _globals['_KVTRANSFERACK']._serialized_end=311
+  _globals['_KVFRAMEHEADER']._serialized_end=390
+  _globals['_KVTRANSFERACK']._serialized_start=392
+  _globals['_KVTRANSFERACK']._serialized_end=443
 # @@protoc_insertion_point(module_scope)

@@ -17,15 +17,15 @@ def _unknown(transport: str) -> ValueError:
 
 
 def create_sender(transport: str, layout: KVLayout, cfg: TransferConfig,
-                  shard: KVShard | None = None) -> KVSender:
+                  shard: KVShard | None = None, model: KVShard | None = None) -> KVSender:
     """`shard`: the part of the model's KV the sending cache holds (a worker group's rank);
-    None: all of it."""
+    None: all of it. `model`: all of the model's KV (what a receiver naming no shard holds)."""
     if transport == "shm":
         from common.kv_transfer.shm import ShmSender
         return ShmSender(layout, shard)
     if transport == "tcp":
         from common.kv_transfer.tcp import TcpSender
-        return TcpSender(layout, cfg)
+        return TcpSender(layout, cfg, shard, model)
     if transport == "nccl":
         from common.kv_transfer.nccl import NcclSender
         return NcclSender(layout, cfg)
@@ -42,7 +42,7 @@ def create_listener(transport: str, cache: PagedKVCache, receiver: KVReceiver,
         return ShmListener(cache, shard)
     if transport == "tcp":
         from common.kv_transfer.tcp import TcpListener
-        return TcpListener(cache, receiver, cfg)
+        return TcpListener(cache, receiver, cfg, shard)
     if transport == "nccl":
         from common.kv_transfer.nccl import NcclListener
         return NcclListener(cache, receiver, cfg)

@@ -11,18 +11,10 @@ from urllib.parse import parse_qs
 import torch
 
 from common.kv_cache import SHM_DIR, PagedKVCache, map_shared
-from common.kv_layout import KVShard
+from common.kv_layout import KVShard, shard_of
 from common.kv_transfer.base import DirectWriteSender, KVListener, KVTransferError
 
 SCHEME = "shm://"
-
-
-def _range(query: dict[str, list[str]], key: str) -> tuple[int, int]:
-    lo, _, hi = query[key][0].partition("-")
-    start, end = int(lo), int(hi)
-    if not 0 <= start < end:
-        raise ValueError(f"empty {key} range")
-    return start, end
 
 
 class ShmSender(DirectWriteSender):
@@ -37,7 +29,7 @@ class ShmSender(DirectWriteSender):
         try:
             q = parse_qs(query, strict_parsing=True)
             blocks = int(q["num_blocks"][0])
-            shard = KVShard(*_range(q, "layers"), *_range(q, "heads"))
+            shard = shard_of(query)
             if "/" in name or not name or blocks < 1:
                 raise ValueError("bad segment name or block count")
         except (KeyError, ValueError) as e:

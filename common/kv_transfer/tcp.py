@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from common.kv_cache import PagedKVCache, copy_blocks
-from common.kv_layout import KVLayout
+from common.kv_layout import KVLayout, KVShard, shard_of
 from common.kv_transfer.base import (
     KVListener,
     KVReceiver,
@@ -83,15 +83,38 @@ def tune(sock: socket.socket) -> None:
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     if not endpoint.startswith(SCHEME):
         raise KVTransferError(f"not a tcp endpoint: {endpoint}")
-    host, _, port = endpoint[len(SCHEME):].rpartition(":")
+    host, _, port = endpoint[len(SCHEME):].partition("?")[0].rpartition(":")
     if not host or not port.isdigit():
         raise KVTransferError(f"malformed tcp endpoint {endpoint}")
     return host.strip("[]"), int(port)
 
 
+def parse_parts(endpoint: str, whole: KVShard) -> list[tuple[str, KVShard]]:
+    """A receiver's caches: (address, the layers and heads it holds) per rank of a group, comma
+    separated; an address without them holds `whole`."""
+    parts = []
+    for part in endpoint.split(","):
+        address, _, query = part.partition("?")
+        parse_endpoint(address)
+        try:
+            parts.append((address, shard_of(query) if query else whole))
+        except ValueError as e:
+            raise KVTransferError(f"malformed tcp endpoint {part} ({e})") from None
+    return parts
+
+
 class TcpSender(KVSender):
-    def __init__(self, layout: KVLayout, cfg: TransferConfig):
+    """Sends the layers and heads of its shard (a worker group's rank; default the whole
+    cache) to every receiving cache that holds any of them, frames to each; a head replicated on
+    several ranks of its group goes from the first only (shard.sends)."""
+
+    def __init__(self, layout: KVLayout, cfg: TransferConfig, shard: KVShard | None = None,
+                 model: KVShard | None = None):
+        """`model`: the model's whole KV, which a receiver whose endpoint names no shard
+        holds (default: this sender's cache's)."""
         self.layout = layout
+        self.shard = shard or KVShard.whole(layout)
+        self.model = model or KVShard.whole(layout)
         self.cfg = cfg
         self._conns: dict[str, socket.socket] = {}
         self._buf: torch.Tensor | None = None
@@ -105,39 +128,58 @@ class TcpSender(KVSender):
                                   f"{len(dst_block_ids)} destination blocks")
         # one deadline for the whole transfer, however many calls its layers take
         deadline = self._deadlines.setdefault(transfer_id, time.monotonic() + self.cfg.timeout_s)
-        try:
-            sock = self._connect(dst_endpoint, deadline)
-            moved = self._send_frames(sock, transfer_id, cache, src_block_ids, dst_block_ids,
-                                      deadline, layer_start, layer_end, last)
-            if not last:
-                return moved
+        if last:
             del self._deadlines[transfer_id]
-            acked, error = decode_ack(_recv_msg(sock, deadline))
-        except (OSError, ValueError, KVTransferError) as e:
-            self._deadlines.pop(transfer_id, None)
-            self._drop(dst_endpoint)
-            raise KVTransferError(f"transfer {transfer_id} to {dst_endpoint}: {e}") from e
-        if acked != transfer_id or error:
-            self._drop(dst_endpoint)
-            raise KVTransferError(f"transfer {transfer_id} refused: {error or 'wrong ack'}")
+        mine = self.shard
+        parts = parse_parts(dst_endpoint, self.model)
+        if not mine.sends:
+            return 0
+        sending = KVShard(mine.layer_start + layer_start, mine.layer_start + layer_end,
+                          mine.head_start, mine.head_end)
+        moved = 0
+        for address, theirs in parts:
+            part, now = mine.overlap(theirs), sending.overlap(theirs)
+            if part is None or now is None:
+                continue
+            try:
+                sock = self._connect(address, deadline)
+                done = now.layer_end == part.layer_end  # this rank's last layer they hold
+                moved += self._send_frames(sock, transfer_id, cache, src_block_ids,
+                                           dst_block_ids, deadline, now, done)
+                if not done:
+                    continue
+                acked, error = decode_ack(_recv_msg(sock, deadline))
+            except (OSError, ValueError, KVTransferError) as e:
+                self._drop(address)
+                raise KVTransferError(f"transfer {transfer_id} to {address}: {e}") from e
+            if acked != transfer_id or error:
+                self._drop(address)
+                raise KVTransferError(f"transfer {transfer_id} refused: {error or 'wrong ack'}")
         return moved
 
     def _send_frames(self, sock, transfer_id, cache, src_block_ids, dst_block_ids, deadline,
-                     layer_start, layer_end, last) -> int:
-        per_layer = self.layout.block_bytes // self.layout.num_layers * len(src_block_ids)
+                     now: KVShard, last: bool) -> int:
+        """Frames of the model's layers and heads `now` (in this sender's shard)."""
+        mine = self.shard
+        heads = cache.tensor[:, :, :, :, now.head_start - mine.head_start:
+                             now.head_end - mine.head_start]
+        per_layer = heads[0, :, :len(src_block_ids)].numel() * heads.element_size()
         step = max(1, MAX_FRAME_BYTES // max(1, per_layer))
         moved = 0
-        for l0 in range(layer_start, layer_end, step):
-            l1 = min(layer_end, l0 + step)
-            layers = cache.tensor[l0:l1]
+        for l0 in range(now.layer_start, now.layer_end, step):
+            l1 = min(now.layer_end, l0 + step)
+            layers = heads[l0 - mine.layer_start:l1 - mine.layer_start]
             payload = self._staging(layers.shape[:2] + (len(src_block_ids),) + layers.shape[3:])
             copy_blocks(payload, range(len(src_block_ids)), layers, src_block_ids)
             data = payload.view(torch.uint8).numpy().data  # raw bytes, no copy
             raw = encode_header(FrameHeader(
                 transfer_id=transfer_id, dst_block_ids=tuple(dst_block_ids), layer_start=l0,
                 layer_end=l1, dtype=self.layout.dtype, shape=tuple(payload.shape),
-                payload_bytes=data.nbytes, last=last and l1 == layer_end,
-                payload_digest=payload_digest(self.cfg.secret, data)), self.cfg.secret)
+                payload_bytes=data.nbytes, last=last and l1 == now.layer_end,
+                payload_digest=payload_digest(self.cfg.secret, data),
+                head_start=now.head_start, head_end=now.head_end,
+                src=KVShard(mine.layer_start, mine.layer_end, mine.head_start, mine.head_end)),
+                self.cfg.secret)
             _settimeout(sock, deadline)
             sock.sendall(LEN.pack(len(raw)) + raw)
             _settimeout(sock, deadline)
@@ -216,6 +258,11 @@ def _recv_msg(sock: socket.socket, deadline: float) -> bytes:
     if n > MAX_HEADER_BYTES:
         raise KVTransferError(f"ack of {n} bytes")
     return _recv_exact(sock, n, deadline)
+
+
+def _cells(s: KVShard) -> set[tuple[int, int]]:
+    return {(layer, head) for layer in range(s.layer_start, s.layer_end)
+            for head in range(s.head_start, s.head_end)}
 
 
 class FrameRejected(Exception):
@@ -340,16 +387,26 @@ class _TlsConn(_Conn):
 
 
 class TcpListener(KVListener):
-    def __init__(self, cache: PagedKVCache, receiver: KVReceiver, cfg: TransferConfig):
+    """Frames into its cache, which holds `shard` of the model's KV (a worker group's rank;
+    default all of it). A transfer has landed once frames covered every layer and head of the
+    shard: from one sender, or from each rank of a sending group, each of which covers its part
+    before its last frame."""
+
+    def __init__(self, cache: PagedKVCache, receiver: KVReceiver, cfg: TransferConfig,
+                 shard: KVShard | None = None):
         self.cache = cache
         self.receiver = receiver
         self.cfg = cfg
         self.layout = cache.layout
+        self.shard = shard or KVShard.whole(cache.layout)
+        self._names_shard = shard is not None  # a group's rank: its endpoint says what it holds
         self._sock: socket.socket | None = None
         self._tls = kv_server_context(cfg.tls) if cfg.tls is not None else None
         self._tls_conns: set[_TlsConn] = set()
         self._tasks: set[asyncio.Task] = set()
-        self._covered: dict[str, set[int]] = {}  # transfer -> layers written so far
+        # transfer -> the (layer, head) cells of its shard written so far, in all and per sender
+        self._covered: dict[str, set[tuple[int, int]]] = {}
+        self._sent: dict[tuple[str, KVShard | None], set[tuple[int, int]]] = {}
 
     async def start(self) -> None:
         info = socket.getaddrinfo(self.cfg.tcp_host, self.cfg.tcp_port, type=socket.SOCK_STREAM)
@@ -371,7 +428,11 @@ class TcpListener(KVListener):
         assert self._sock is not None, "start() the listener first"
         host = self.cfg.advertise_host or self.cfg.tcp_host
         port = self.cfg.advertise_port or self._sock.getsockname()[1]
-        return f"{SCHEME}{host}:{port}"
+        s = self.shard
+        if not self._names_shard:
+            return f"{SCHEME}{host}:{port}"
+        return (f"{SCHEME}{host}:{port}?layers={s.layer_start}-{s.layer_end}"
+                f"&heads={s.head_start}-{s.head_end}")
 
     async def close(self) -> None:
         for conn in list(self._tls_conns):
@@ -450,14 +511,22 @@ class TcpListener(KVListener):
         payload = await conn.read(header.payload_bytes)
         if not await asyncio.to_thread(self._land, header, payload, shape):
             raise await self._refuse(conn, header.transfer_id, "payload digest mismatch")
-        layers = self._covered.setdefault(header.transfer_id, set())
-        layers.update(range(header.layer_start, header.layer_end))
+        tid = header.transfer_id
+        cells = _cells(KVShard(header.layer_start, header.layer_end, *header.heads(self.shard)))
+        sent = self._sent.setdefault((tid, header.src), set())
+        sent |= cells
         if header.last:
-            del self._covered[header.transfer_id]
-            if len(layers) != self.layout.num_layers:
-                raise await self._refuse(conn, header.transfer_id, "not every layer was sent")
-            self.receiver.mark_received(header.transfer_id)
-            await self._ack(conn, header.transfer_id, "")
+            del self._sent[(tid, header.src)]
+            part = header.src.overlap(self.shard) if header.src else self.shard
+            if part is None or not _cells(part) <= sent:
+                self._covered.pop(tid, None)
+                raise await self._refuse(conn, tid, "not every layer was sent")
+            covered = self._covered.setdefault(tid, set())
+            covered |= sent
+            if covered >= _cells(self.shard):  # every rank of the sender's group is done
+                del self._covered[tid]
+                self.receiver.mark_received(tid)
+            await self._ack(conn, tid, "")
 
     async def _refuse(self, conn: _Conn, transfer_id: str, why: str) -> FrameRejected:
         """Counts a refused frame and tells its sender; returns what the caller raises."""
@@ -470,15 +539,18 @@ class TcpListener(KVListener):
         if not intact(self.cfg.secret, h, payload):
             return False
         tensor = torch.frombuffer(payload, dtype=self.layout.torch_dtype).view(shape)
-        copy_blocks(self.cache.tensor[h.layer_start:h.layer_end], list(h.dst_block_ids), tensor,
-                    range(len(h.dst_block_ids)))
+        s = self.shard
+        h0, h1 = h.heads(s)
+        copy_blocks(self.cache.tensor[h.layer_start - s.layer_start:h.layer_end - s.layer_start,
+                                      :, :, :, h0 - s.head_start:h1 - s.head_start],
+                    list(h.dst_block_ids), tensor, range(len(h.dst_block_ids)))
         return True
 
     async def _check(self, h: FrameHeader) -> tuple[tuple[int, ...], tuple]:
         if not authentic(self.cfg.secret, h):
             raise FrameRejected("bad authentication tag")
         blocks = await self._wait_expected(h.transfer_id)
-        refusal, shape = check_frame(h, self.layout, blocks)
+        refusal, shape = check_frame(h, self.layout, blocks, self.shard)
         if refusal:
             raise FrameRejected(refusal)
         return blocks, shape

@@ -117,12 +117,10 @@ class WorkerConfig:
             raise ValueError("worker groups (--tensor-parallel-size, --pipeline-parallel-size "
                              "> 1) run on CPU workers so far (gloo); GPU groups over NCCL are "
                              "not built yet")
-        if self.kv_transports == ("shm", "tcp"):
-            object.__setattr__(self, "kv_transports", ("shm",))
-        if self.kv_transports != ("shm",):
-            raise ValueError("a worker group (--tensor-parallel-size > 1) exchanges KV over shm "
-                             "only so far: every rank writes its heads straight into its peers' "
-                             "caches on the same host")
+        if not set(self.kv_transports) <= {"shm", "tcp"}:
+            raise ValueError("a worker group exchanges KV over shm and tcp only so far (each "
+                             "rank sends its layers and heads straight to the caches that hold "
+                             "them); nccl between groups is not built yet")
         spec = self.speculative()
         if spec is not None and spec.method == "draft_model":
             raise ValueError("a draft model does not run in a worker group yet; ngram "

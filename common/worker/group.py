@@ -29,6 +29,7 @@ leader: their pipe closes, and the kernel kills them if it dies first (PR_SET_PD
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import hashlib
 import json
@@ -37,6 +38,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -265,6 +267,13 @@ def follower_main(cfg: WorkerConfig, rank: int, port: int, conn: Connection) -> 
     worker = None
     try:
         worker, reg = build_worker(cfg, connect(cfg, rank, port))
+        # its tcp listener takes frames on an event loop of its own (the leader's run on its
+        # service's loop)
+        listening = asyncio.new_event_loop()
+        threading.Thread(target=listening.run_forever, name="kv-listeners", daemon=True).start()
+        for listener in worker.listeners.values():
+            asyncio.run_coroutine_threadsafe(listener.start(), listening).result(
+                cfg.connect_timeout_s)
         endpoints = {name: listener.endpoint() for name, listener in worker.listeners.items()}
         conn.send_bytes(json.dumps({"num_blocks": reg.num_blocks,
                                     "endpoints": endpoints}).encode())

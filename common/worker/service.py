@@ -37,7 +37,7 @@ from common.kv_cache import (
     on_device,
     sweep_stale_segments,
 )
-from common.kv_layout import KVLayout
+from common.kv_layout import KVLayout, KVShard
 from common.kv_transfer.base import KVReceiver, TransferConfig
 from common.kv_transfer.registry import create_listener, create_sender
 from common.models.attention import cpu_kernels, create_attention_backend
@@ -146,9 +146,10 @@ def build_worker(cfg: WorkerConfig, place: RankPlace | None = None
                             sampler)
     runner = ModelRunner(model, cache, sampler, graphs, grammars, speculative, draft)
     worker = Worker(runner, cache,
-                    {t: create_sender(t, layout, tcfg, shard) for t in cfg.kv_transports},
+                    {t: create_sender(t, layout, tcfg, shard, KVShard.whole(group_layout))
+                     for t in cfg.kv_transports},
                     receiver,
-                    {t: create_listener(t, cache, receiver, tcfg, shard)
+                    {t: create_listener(t, cache, receiver, tcfg, shard if size > 1 else None)
                      for t in cfg.kv_transports},
                     tier, group_size=size, pipeline=place.last_stage if place else None)
     reg = Registration(

@@ -50,8 +50,10 @@ def _greedy_all(stack: Stack, prompts: list[list[int]]) -> list[list[int]]:
     ("--tensor-parallel-size", "2"),
     ("--prefill-worker-args=--pipeline-parallel-size 2",),
     ("--mode", "colocated", "-tp", "2", "-pp", "2"),
+    ("--prefill-worker-args=--tensor-parallel-size 2 --kv-transports tcp",
+     "--decode-worker-args=--pipeline-parallel-size 2 --kv-transports tcp"),
 ], ids=["prefill_tp2-decode_tp1", "prefill_tp1-decode_tp2", "both_tp2", "prefill_pp2-decode_pp1",
-        "colocated_tp2xpp2"])
+        "colocated_tp2xpp2", "tcp-prefill_tp2-decode_pp2"])
 def test_groups_of_any_shape_serve_hf_greedy_tokens(tiny_llama, tmp_path, hf, shape):  # noqa: F811
     stack = Stack(tiny_llama, tmp_path, *shape)
     try:

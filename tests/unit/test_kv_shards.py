@@ -1,16 +1,24 @@
-"""KV between worker groups of different shapes over shm: each rank of the sending group writes
-its layers and heads straight into every cache of the receiving group that holds any of them;
-a head replicated on several sending ranks goes once. Checked against the whole model's KV."""
+"""KV between worker groups of different shapes over shm and tcp: each rank of the sending group
+writes (shm) or sends (tcp frames) its layers and heads straight to every cache of the receiving
+group that holds any of them; a head replicated on several sending ranks goes once. Checked
+against the whole model's KV."""
+import asyncio
 import itertools
 import os
+import socket
+import struct
+import threading
 
 import pytest
 import torch
 
 from common.kv_cache import PagedKVCache
 from common.kv_layout import KVLayout, KVShard, kv_head_split, layer_split
-from common.kv_transfer.base import KVTransferError
+from common.kv_transfer.base import KVReceiver, KVTransferError, TransferConfig
+from common.kv_transfer.frames import FrameHeader, encode_header, payload_digest
 from common.kv_transfer.shm import ShmListener, ShmSender
+from common.kv_transfer.tcp import TcpListener, TcpSender
+from protos import kv_transfer_pb2
 
 MODEL = KVLayout(num_layers=4, num_kv_heads=4, head_dim=8, block_size=4, dtype="float32")
 BLOCKS = 12
@@ -120,3 +128,91 @@ def test_a_part_whose_segment_size_disagrees_is_refused():
             ShmSender(MODEL).send("t", PagedKVCache(MODEL, BLOCKS), [0], bad, [0])
     finally:
         dst.close()
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(5)
+
+
+def _run(loop, coro):
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+
+@pytest.mark.parametrize("src_shape,dst_shape", [
+    ((1, 1), (2, 1)), ((2, 1), (1, 1)), ((2, 1), (2, 1)), ((8, 1), (2, 2)), ((1, 2), (4, 1)),
+    ((2, 2), (1, 4)), ((4, 1), (8, 1)), ((1, 4), (1, 2))], ids=str)
+def test_tcp_frames_go_from_every_rank_to_the_ranks_that_hold_their_heads(loop, src_shape,
+                                                                           dst_shape):
+    src_layout, dst_layout = _group(*src_shape), _group(*dst_shape)
+    whole = torch.randn(MODEL.cache_shape(BLOCKS))
+    src = _ranks(src_layout, "tsrc", whole)
+    dst = _ranks(dst_layout, "tdst", None)
+    cfg = TransferConfig(timeout_s=10)
+    receivers = [KVReceiver() for _ in dst]
+    listeners = [TcpListener(c, r, cfg, s) for (c, s), r in zip(dst, receivers)]
+    try:
+        for listener, receiver in zip(listeners, receivers):
+            _run(loop, listener.start())
+            receiver.expect("t", "req", DST_IDS, "tcp")
+        endpoint = ",".join(listener.endpoint() for listener in listeners)
+        moved = 0
+        for i, (cache, shard) in enumerate(src):
+            sender = TcpSender(cache.layout, cfg, shard, KVShard.whole(MODEL))
+            half = cache.layout.num_layers // 2  # streamed in two calls, as layer by layer
+            for l0, l1 in ((0, half), (half, cache.layout.num_layers)):
+                if l0 < l1:
+                    moved += sender.send_layers("t", cache, SRC_IDS, endpoint, DST_IDS, l0, l1,
+                                                last=l1 == cache.layout.num_layers)
+            sender.close()
+            if i < len(src) - 1:  # a receiving cache some other rank still sends to waits
+                waiting = [r for (_, s), r in zip(dst, receivers)
+                           if any(x.overlap(s) and x.sends for _, x in src[i + 1:])]
+                assert all(r.expected_blocks("t") is not None for r in waiting)
+        assert all(r.complete("t", DST_IDS) == len(DST_IDS) for r in receivers)
+        want = torch.zeros(MODEL.cache_shape(BLOCKS))
+        want[:, :, DST_IDS] = whole[:, :, SRC_IDS]
+        assert torch.equal(_assemble(dst), want)
+        copies = max(1, dst_shape[0] // MODEL.num_kv_heads)
+        assert moved == len(SRC_IDS) * MODEL.block_bytes * copies
+    finally:
+        for listener in listeners:
+            _run(loop, listener.close())
+        for cache, _ in src + dst:
+            cache.close()
+
+
+def test_a_rank_that_stops_short_of_its_part_is_refused(loop):
+    """A sending rank's last frame to a cache must come after frames covering every layer and
+    head of that cache its shard holds; the transfer then never counts as received."""
+    dst = _ranks(_group(1, 1), "short", None)
+    receiver = KVReceiver()
+    listener = TcpListener(dst[0][0], receiver, TransferConfig(timeout_s=10), dst[0][1])
+    try:
+        _run(loop, listener.start())
+        receiver.expect("t", "req", [1], "tcp")
+        # rank 0 of a T=2 group holds layers 0-4 and heads 0-2 but sends only layers 0-2
+        shape = [2, 2, 1, MODEL.block_size, 2, MODEL.head_dim]
+        payload = torch.randn(shape).view(torch.uint8).numpy().tobytes()
+        raw = encode_header(FrameHeader(
+            "t", (1,), 0, 2, "float32", tuple(shape), len(payload), True,
+            payload_digest=payload_digest(b"", payload), head_start=0, head_end=2,
+            src=KVShard(0, 4, 0, 2)), b"")
+        host, port = listener.endpoint().partition("?")[0][len("tcp://"):].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(struct.pack("!I", len(raw)) + raw + payload)
+            n = struct.unpack("!I", sock.recv(4))[0]
+            ack = kv_transfer_pb2.KVTransferAck.FromString(sock.recv(n))
+        assert ack.error == "not every layer was sent"
+        assert receiver.frames_rejected == 1
+        with pytest.raises(KVTransferError, match="never arrived"):
+            receiver.complete("t", [1])
+    finally:
+        _run(loop, listener.close())
+        for cache, _ in dst:
+            cache.close()

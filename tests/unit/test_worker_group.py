@@ -11,20 +11,19 @@ def _cfg(**kw) -> WorkerConfig:
     return WorkerConfig(role="decode", model="m", dtype="float32", **kw)
 
 
-def test_a_group_exchanges_kv_over_shm_by_default():
-    assert _cfg(tensor_parallel_size=2).kv_transports == ("shm",)
-    assert _cfg(pipeline_parallel_size=2).kv_transports == ("shm",)
-    assert _cfg().kv_transports == ("shm", "tcp")
+def test_a_group_exchanges_kv_over_shm_and_tcp():
+    assert _cfg(tensor_parallel_size=2).kv_transports == ("shm", "tcp")
+    assert _cfg(pipeline_parallel_size=2, kv_transports=("tcp",)).kv_transports == ("tcp",)
 
 
 @pytest.mark.parametrize("kw, message", [
     ({"pipeline_parallel_size": 0}, "must be >= 1"),
     ({"tensor_parallel_size": 0}, "must be >= 1"),
-    ({"pipeline_parallel_size": 2, "kv_transports": ("shm", "nccl")}, "over shm only"),
+    ({"pipeline_parallel_size": 2, "kv_transports": ("shm", "nccl")}, "nccl between groups"),
     ({"pipeline_parallel_size": 2, "speculative_config": '{"method": "ngram", '
                                                          '"num_speculative_tokens": 2}'},
      "does not speculate"),
-    ({"tensor_parallel_size": 2, "kv_transports": ("tcp",)}, "over shm only"),
+    ({"tensor_parallel_size": 2, "kv_transports": ("nccl",)}, "nccl between groups"),
     ({"tensor_parallel_size": 2, "device": "cuda"}, "CPU workers so far"),
     ({"tensor_parallel_size": 2, "kv_offloading_blocks": 8, "kv_offloading_backend": "host"},
      "use native"),
