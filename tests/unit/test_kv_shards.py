@@ -2,12 +2,10 @@
 writes (shm) or sends (tcp frames) its layers and heads straight to every cache of the receiving
 group that holds any of them; a head replicated on several sending ranks goes once. Checked
 against the whole model's KV."""
-import asyncio
 import itertools
 import os
 import socket
 import struct
-import threading
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from common.kv_transfer.frames import FrameHeader, encode_header, payload_digest
 from common.kv_transfer.shm import ShmListener, ShmSender
 from common.kv_transfer.tcp import TcpListener, TcpSender
 from protos import kv_transfer_pb2
+from tests.unit.test_kv_transfer import loop, run  # noqa: F401 (a fixture)
 
 MODEL = KVLayout(num_layers=4, num_kv_heads=4, head_dim=8, block_size=4, dtype="float32")
 BLOCKS = 12
@@ -46,6 +45,16 @@ def _ranks(layout: KVLayout, name: str, whole: torch.Tensor | None):
     return out
 
 
+def _stream(sender, cache: PagedKVCache, endpoint: str) -> int:
+    """One rank's send, in two calls as layer by layer; the bytes it moved."""
+    half, end = cache.layout.num_layers // 2, cache.layout.num_layers
+    moved = sum(sender.send_layers("t", cache, SRC_IDS, endpoint, DST_IDS, l0, l1,
+                                   last=l1 == end)
+                for l0, l1 in ((0, half), (half, end)) if l0 < l1)
+    sender.close()
+    return moved
+
+
 def _assemble(ranks) -> torch.Tensor:
     whole = torch.full(MODEL.cache_shape(BLOCKS), float("nan"))
     for cache, s in ranks:
@@ -67,13 +76,7 @@ def test_every_rank_sends_its_shard_to_the_ranks_that_hold_it(src_shape, dst_sha
         endpoint = ",".join(ShmListener(c, s).endpoint() for c, s in dst)
         moved = 0
         for cache, shard in src:
-            sender = ShmSender(cache.layout, shard)
-            half = cache.layout.num_layers // 2  # streamed in two calls, as layer by layer
-            for l0, l1 in ((0, half), (half, cache.layout.num_layers)):
-                if l0 < l1:
-                    moved += sender.send_layers("t", cache, SRC_IDS, endpoint, DST_IDS, l0, l1,
-                                                last=l1 == cache.layout.num_layers)
-            sender.close()
+            moved += _stream(ShmSender(cache.layout, shard), cache, endpoint)
         got = _assemble(dst)
         want = torch.zeros(MODEL.cache_shape(BLOCKS))
         want[:, :, DST_IDS] = whole[:, :, SRC_IDS]
@@ -130,24 +133,10 @@ def test_a_part_whose_segment_size_disagrees_is_refused():
         dst.close()
 
 
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
-
-
-def _run(loop, coro):
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
-
-
 @pytest.mark.parametrize("src_shape,dst_shape", [
     ((1, 1), (2, 1)), ((2, 1), (1, 1)), ((2, 1), (2, 1)), ((8, 1), (2, 2)), ((1, 2), (4, 1)),
     ((2, 2), (1, 4)), ((4, 1), (8, 1)), ((1, 4), (1, 2))], ids=str)
-def test_tcp_frames_go_from_every_rank_to_the_ranks_that_hold_their_heads(loop, src_shape,
+def test_tcp_frames_go_from_every_rank_to_the_ranks_that_hold_their_heads(loop, src_shape,  # noqa: F811
                                                                            dst_shape):
     src_layout, dst_layout = _group(*src_shape), _group(*dst_shape)
     whole = torch.randn(MODEL.cache_shape(BLOCKS))
@@ -158,18 +147,13 @@ def test_tcp_frames_go_from_every_rank_to_the_ranks_that_hold_their_heads(loop, 
     listeners = [TcpListener(c, r, cfg, s) for (c, s), r in zip(dst, receivers)]
     try:
         for listener, receiver in zip(listeners, receivers):
-            _run(loop, listener.start())
+            run(loop, listener.start())
             receiver.expect("t", "req", DST_IDS, "tcp")
         endpoint = ",".join(listener.endpoint() for listener in listeners)
         moved = 0
         for i, (cache, shard) in enumerate(src):
-            sender = TcpSender(cache.layout, cfg, shard, KVShard.whole(MODEL))
-            half = cache.layout.num_layers // 2  # streamed in two calls, as layer by layer
-            for l0, l1 in ((0, half), (half, cache.layout.num_layers)):
-                if l0 < l1:
-                    moved += sender.send_layers("t", cache, SRC_IDS, endpoint, DST_IDS, l0, l1,
-                                                last=l1 == cache.layout.num_layers)
-            sender.close()
+            moved += _stream(TcpSender(cache.layout, cfg, shard, KVShard.whole(MODEL)), cache,
+                             endpoint)
             if i < len(src) - 1:  # a receiving cache some other rank still sends to waits
                 waiting = [r for (_, s), r in zip(dst, receivers)
                            if any(x.overlap(s) and x.sends for _, x in src[i + 1:])]
@@ -182,19 +166,19 @@ def test_tcp_frames_go_from_every_rank_to_the_ranks_that_hold_their_heads(loop, 
         assert moved == len(SRC_IDS) * MODEL.block_bytes * copies
     finally:
         for listener in listeners:
-            _run(loop, listener.close())
+            run(loop, listener.close())
         for cache, _ in src + dst:
             cache.close()
 
 
-def test_a_rank_that_stops_short_of_its_part_is_refused(loop):
+def test_a_rank_that_stops_short_of_its_part_is_refused(loop):  # noqa: F811
     """A sending rank's last frame to a cache must come after frames covering every layer and
     head of that cache its shard holds; the transfer then never counts as received."""
     dst = _ranks(_group(1, 1), "short", None)
     receiver = KVReceiver()
     listener = TcpListener(dst[0][0], receiver, TransferConfig(timeout_s=10), dst[0][1])
     try:
-        _run(loop, listener.start())
+        run(loop, listener.start())
         receiver.expect("t", "req", [1], "tcp")
         # rank 0 of a T=2 group holds layers 0-4 and heads 0-2 but sends only layers 0-2
         shape = [2, 2, 1, MODEL.block_size, 2, MODEL.head_dim]
@@ -213,6 +197,6 @@ def test_a_rank_that_stops_short_of_its_part_is_refused(loop):
         with pytest.raises(KVTransferError, match="never arrived"):
             receiver.complete("t", [1])
     finally:
-        _run(loop, listener.close())
+        run(loop, listener.close())
         for cache, _ in dst:
             cache.close()
