@@ -11,9 +11,10 @@ decode steps of `--batch` sequences at that context; the median of `--reps`, tim
 rank (the last stage ends the step). "collectives": the time that rank spent in all-reduces,
 all-gathers and receives from the stage before (over gloo), waiting included.
 
-Transfers: `--blocks` blocks of the model's KV over shm from a sending group to a receiving one
-(common/kv_transfer: every sending rank writes its heads straight into each receiving cache that
-holds them), the sending ranks each on a thread of their own as their processes would be.
+Transfers: `--blocks` blocks of the model's KV over shm and tcp (loopback) from a sending group to
+a receiving one (common/kv_transfer: every sending rank writes or sends its heads straight to each
+receiving cache that holds them), the sending ranks each on a thread of their own as their
+processes would be.
 
 Prints a table, writes JSON and a PNG (matplotlib) to --out. Two CPU cores make a small group:
 the figures say what the split costs and gains here, not on a GPU host.
@@ -21,6 +22,7 @@ the figures say what the split costs and gains here, not on a GPU host.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -35,8 +37,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.kv_cache import PagedKVCache  # noqa: E402
-from common.kv_layout import KVLayout  # noqa: E402
-from common.kv_transfer.shm import ShmListener, ShmSender  # noqa: E402
+from common.kv_layout import KVLayout, KVShard  # noqa: E402
+from common.kv_transfer.base import KVReceiver, TransferConfig  # noqa: E402
+from common.kv_transfer.registry import create_listener, create_sender  # noqa: E402
 from common.models.attention import create_attention_backend  # noqa: E402
 from common.models.config import ModelConfig  # noqa: E402
 from common.models.llama import load_model  # noqa: E402
@@ -153,27 +156,43 @@ def _group(model: KVLayout, t: int) -> KVLayout:
                     tensor_parallel_size=t)
 
 
-def transfer(model: KVLayout, src_t: int, dst_t: int, blocks: int, reps: int) -> float:
-    """Median seconds to move `blocks` blocks from a group of src_t ranks to one of dst_t."""
+def transfer(model: KVLayout, src_t: int, dst_t: int, blocks: int, reps: int,
+             transport: str) -> float:
+    """Median seconds to move `blocks` blocks from a group of src_t ranks to one of dst_t over
+    `transport` (shm, or tcp over loopback: each receiving rank's listener on an event loop of
+    its own, as in its process)."""
     src_group, dst_group = _group(model, src_t), _group(model, dst_t)
     ids = list(range(blocks))
+    cfg = TransferConfig(timeout_s=120)
     src = []
     for r in range(src_t):
         shard = src_group.shard(r)
         cache = PagedKVCache(src_group.shard_layout(shard), blocks)
         cache.tensor.normal_()
-        src.append((cache, ShmSender(cache.layout, shard)))
-    dst = []
+        src.append((cache, create_sender(transport, cache.layout, cfg, shard,
+                                         KVShard.whole(model))))
+    dst, loops, listeners = [], [], []
     for r in range(dst_t):
         shard = dst_group.shard(r)
-        dst.append((PagedKVCache(dst_group.shard_layout(shard), blocks,
-                                 shm_name=f"pdserve-kv-bench-tp-{os.getpid()}-{r}"), shard))
-    endpoint = ",".join(ShmListener(c, s).endpoint() for c, s in dst)
+        cache = PagedKVCache(dst_group.shard_layout(shard), blocks,
+                             shm_name=f"pdserve-kv-bench-tp-{os.getpid()}-{r}")
+        receiver = KVReceiver()
+        listener = create_listener(transport, cache, receiver, cfg, shard)
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(listener.start(), loop).result(30)
+        dst.append((cache, receiver))
+        loops.append(loop)
+        listeners.append(listener)
+    endpoint = ",".join(listener.endpoint() for listener in listeners)
     times = []
     try:
-        for _ in range(reps + 1):  # the first maps the segments
+        for rep in range(reps + 1):  # the first maps the segments, opens the connections
+            tid = f"t{rep}"
+            for _, receiver in dst:
+                receiver.expect(tid, "bench", ids, transport)
             threads = [threading.Thread(target=sender.send,
-                                        args=("t", cache, ids, endpoint, ids))
+                                        args=(tid, cache, ids, endpoint, ids))
                        for cache, sender in src]
             start = time.perf_counter()
             for th in threads:
@@ -181,7 +200,14 @@ def transfer(model: KVLayout, src_t: int, dst_t: int, blocks: int, reps: int) ->
             for th in threads:
                 th.join()
             times.append(time.perf_counter() - start)
+            for _, receiver in dst:
+                receiver.complete(tid, ids)  # raises if it did not all land
     finally:
+        for _, sender in src:
+            sender.close()
+        for listener, loop in zip(listeners, loops):
+            asyncio.run_coroutine_threadsafe(listener.close(), loop).result(30)
+            loop.call_soon_threadsafe(loop.stop)
         for cache, _ in dst:
             cache.close()
     return statistics.median(times[1:])
@@ -209,7 +235,8 @@ def plot(result: dict, path: Path) -> None:
     names = list(result["transfers"])
     b.bar(names, [result["transfers"][n]["gb_s"] for n in names])
     b.set_ylabel("GB/s")
-    b.set_title(f"KV over shm, {result['blocks']} blocks, by group shapes")
+    b.set_title(f"KV transfer, {result['blocks']} blocks, by transport and group shapes")
+    b.tick_params(axis="x", labelrotation=45, labelsize=7)
     fig.suptitle(result["machine"], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -238,9 +265,11 @@ def main() -> int:
     c = ModelConfig.from_pretrained(args.model)
     model = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, args.dtype)
     nbytes = model.block_bytes * args.blocks
-    for src_t, dst_t in ((1, 1), (2, 2), (2, 1), (1, 2)):
-        s = transfer(model, src_t, dst_t, args.blocks, args.reps)
-        result["transfers"][f"T={src_t} -> T={dst_t}"] = {"ms": s * 1e3, "gb_s": nbytes / s / 1e9}
+    for transport in ("shm", "tcp"):
+        for src_t, dst_t in ((1, 1), (2, 2), (2, 1), (1, 2)):
+            t = transfer(model, src_t, dst_t, args.blocks, args.reps, transport)
+            result["transfers"][f"{transport} T={src_t}->{dst_t}"] = {
+                "ms": t * 1e3, "gb_s": nbytes / t / 1e9}
 
     print(f"{result['machine']}; model {args.model}")
     print(f"{'step':<16}{'group':>20}{'ms median':>11}{'[min-max]':>18}{'collectives ms':>16}"
@@ -251,7 +280,7 @@ def main() -> int:
             spread = f"[{v['step_ms_min']:.1f}-{v['step_ms_max']:.1f}]"
             print(f"{label:<16}{name:>20}{v['step_ms']:>11.2f}{spread:>18}"
                   f"{v['collectives_ms']:>16.2f}{v['collectives_ms'] / v['step_ms']:>7.0%}")
-    print(f"\nKV transfer over shm, {args.blocks} blocks ({nbytes / 1e6:.1f} MB):")
+    print(f"\nKV transfer, {args.blocks} blocks ({nbytes / 1e6:.1f} MB):")
     for name, v in result["transfers"].items():
         print(f"  {name:<14}{v['ms']:>9.2f} ms {v['gb_s']:>7.2f} GB/s")
     out = Path(args.out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import traceback
 
 from common.worker import config, group, service
 
@@ -25,7 +26,12 @@ def run(args) -> int:
     except ValueError as e:
         print(f"pdserve {args.command}: {e}", file=sys.stderr)
         return 2
-    status = asyncio.run(service.serve(cfg))
-    if cfg.group_size > 1:
+    if cfg.group_size == 1:
+        return asyncio.run(service.serve(cfg))
+    status = 1
+    try:
+        status = asyncio.run(service.serve(cfg))
+    except Exception:
+        traceback.print_exc()
+    finally:
         group.leave(status)  # no interpreter teardown beside gloo's threads
-    return status

@@ -150,9 +150,11 @@ class TcpSender(KVSender):
                     continue
                 acked, error = decode_ack(_recv_msg(sock, deadline))
             except (OSError, ValueError, KVTransferError) as e:
+                self._deadlines.pop(transfer_id, None)
                 self._drop(address)
                 raise KVTransferError(f"transfer {transfer_id} to {address}: {e}") from e
             if acked != transfer_id or error:
+                self._deadlines.pop(transfer_id, None)
                 self._drop(address)
                 raise KVTransferError(f"transfer {transfer_id} refused: {error or 'wrong ack'}")
         return moved
@@ -512,6 +514,7 @@ class TcpListener(KVListener):
         if not await asyncio.to_thread(self._land, header, payload, shape):
             raise await self._refuse(conn, header.transfer_id, "payload digest mismatch")
         tid = header.transfer_id
+        self._forget_done()
         cells = _cells(KVShard(header.layer_start, header.layer_end, *header.heads(self.shard)))
         sent = self._sent.setdefault((tid, header.src), set())
         sent |= cells
@@ -527,6 +530,14 @@ class TcpListener(KVListener):
                 del self._covered[tid]
                 self.receiver.mark_received(tid)
             await self._ack(conn, tid, "")
+
+    def _forget_done(self) -> None:
+        """Drops what it counted of transfers no longer expected (landed, failed, cancelled):
+        a sender that broke off before its last frame leaves its count behind."""
+        for tid in [t for t in self._covered if self.receiver.expected_blocks(t) is None]:
+            del self._covered[tid]
+        for key in [k for k in self._sent if self.receiver.expected_blocks(k[0]) is None]:
+            del self._sent[key]
 
     async def _refuse(self, conn: _Conn, transfer_id: str, why: str) -> FrameRejected:
         """Counts a refused frame and tells its sender; returns what the caller raises."""

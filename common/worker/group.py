@@ -40,11 +40,13 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import NoReturn
 
+import torch
 import torch.distributed as dist
 
 from common.models.parallel import PipelineParallel, TensorParallel
@@ -172,8 +174,10 @@ class GroupLeader:
         errors = {d.transfer_id: d.error for d in done.done}
         bytes_sent = []
         for rank, conn in enumerate(self._conns, 1):
-            theirs = json.loads(self._recv(rank, conn, self.cfg.kv_transfer_timeout_s + 30,
-                                           SENT))
+            # one after another, each within the transfer timeout
+            theirs = json.loads(self._recv(
+                rank, conn, (self.cfg.kv_transfer_timeout_s + 30) * max(1, len(done.done)),
+                SENT))
             for tid, error in theirs["done"].items():
                 if error and not errors.get(tid):
                     errors[tid] = f"rank {rank}: {error}"
@@ -260,7 +264,8 @@ def follower_main(cfg: WorkerConfig, rank: int, port: int, conn: Connection) -> 
     from protos import worker_pb2
     from protos.worker_codec import plan_from_pb
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the leader decides when the group stops
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the leader decides when the group stops
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     status = 1
@@ -270,6 +275,9 @@ def follower_main(cfg: WorkerConfig, rank: int, port: int, conn: Connection) -> 
         # its tcp listener takes frames on an event loop of its own (the leader's run on its
         # service's loop)
         listening = asyncio.new_event_loop()
+        # (frames land on threads of its own, one torch thread each: no second OpenMP team)
+        listening.set_default_executor(ThreadPoolExecutor(
+            initializer=torch.set_num_threads, initargs=(1,), thread_name_prefix="kv-land"))
         threading.Thread(target=listening.run_forever, name="kv-listeners", daemon=True).start()
         for listener in worker.listeners.values():
             asyncio.run_coroutine_threadsafe(listener.start(), listening).result(

@@ -108,19 +108,26 @@ def build_worker(cfg: WorkerConfig, place: RankPlace | None = None
                             pipeline_parallel_size=cfg.pipeline_parallel_size)
     shard = group_layout.shard(place.tp_rank, place.stage) if place else group_layout.shard()
     layout = group_layout.shard_layout(shard)  # this rank's cache
+    # every rank of a group as many blocks (the same block ids), as many as the rank holding
+    # the most layers and heads can afford from the memory each rank is given
+    largest = max((group_layout.shard_layout(group_layout.shard(t, p))
+                   for t in range(cfg.tensor_parallel_size)
+                   for p in range(cfg.pipeline_parallel_size)), key=lambda x: x.block_bytes)
     num_blocks = num_kv_blocks(cfg.num_kv_blocks, cfg.kv_cache_memory_mib,
                                cfg.gpu_memory_utilization, cfg.max_num_batched_tokens, model,
-                               layout, device)
+                               largest, device)
     # on a GPU the cache is device memory: peers reach it over tcp or nccl, not shm
     shm_name = f"{SEGMENT_PREFIX}{cfg.worker_id}{f'-rank{rank}' if rank else ''}" \
         if device.type == "cpu" else None
     cache = PagedKVCache(layout, num_blocks, shm_name=shm_name, device=device)
     host_id = cfg.host_id or default_host_id()
     tier = second_tier(cfg, layout, host_id, mc.fingerprint, device)
+    # a group's ranks each listen: on consecutive ports from a fixed one
     tcfg = TransferConfig(timeout_s=cfg.kv_transfer_timeout_s, secret=cfg.kv_secret.encode(),
-                          tcp_host=cfg.kv_host, tcp_port=cfg.kv_port,
+                          tcp_host=cfg.kv_host, tcp_port=cfg.kv_port + rank if cfg.kv_port else 0,
                           advertise_host=cfg.kv_advertise_host,
-                          advertise_port=cfg.kv_advertise_port, tls=cfg.tls)
+                          advertise_port=cfg.kv_advertise_port + rank
+                          if cfg.kv_advertise_port else 0, tls=cfg.tls)
     if "tcp" in cfg.kv_transports:
         warn_if_exposed(cfg.kv_host, cfg.tls, "the tcp KV listener",
                         "read the KV it receives" + ("" if cfg.kv_secret else
@@ -294,8 +301,22 @@ async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
     """Every step and send on one thread: torch's thread count and OpenMP's thread team belong
     to the thread that runs them, and a second team would spin beside the first. A group's
     followers make the same calls on the same plan (group.follow); the leader answers each
-    once they agree."""
+    once they agree. Once a group's followers have a plan, the leader makes every call of it
+    even if the stream breaks on the way (answering nothing more), so that the group is at the
+    same point when it re-attaches; the break is raised after the plan."""
     loop = asyncio.get_running_loop()
+    broken: list[BaseException] = []  # the first answer that failed to go out, this plan
+
+    async def answer(msg: worker_pb2.WorkerMessage) -> None:
+        if broken:
+            return
+        try:
+            async with writes:
+                await call.write(msg)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, OSError) as e:
+            if group is None:
+                raise
+            broken.append(e)
 
     def execute(plan, sub_step: int) -> StepResult:
         if group is None:
@@ -317,13 +338,12 @@ async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
         if msg is grpc.aio.EOF:
             return
         plan = plan_from_pb(msg.plan)
-        if group is not None:
-            group.plan(msg.plan.SerializeToString())
+        if group is not None:  # from the step thread: the pipe may hold the loop up
+            await loop.run_in_executor(steps, group.plan, msg.plan.SerializeToString())
         ready = worker.ready_sends(plan)
         if ready:  # KV computed by earlier steps leaves now, not after this step's forward
             done = await loop.run_in_executor(steps, send_kv, ready)
-            async with writes:
-                await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
+            await answer(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
         sub_step, more = 0, True
         while more:  # a plan of several decode steps answers after each
             if traced is not None:
@@ -331,13 +351,13 @@ async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
             result = await loop.run_in_executor(steps, execute, plan, sub_step)
             if traced is not None:
                 traced.after_step(plan, result)
-            async with writes:
-                await call.write(worker_pb2.WorkerMessage(result=result_to_pb(result)))
+            await answer(worker_pb2.WorkerMessage(result=result_to_pb(result)))
             sub_step, more = sub_step + 1, result.more
         if plan.sends:
             done = await loop.run_in_executor(steps, send_kv, plan.sends)
-            async with writes:
-                await call.write(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
+            await answer(worker_pb2.WorkerMessage(transfers=transfers_done_to_pb(done)))
+        if broken:
+            raise broken[0]
 
 
 async def _first(task: asyncio.Task, other: Awaitable, timeout: float | None = None) -> None:

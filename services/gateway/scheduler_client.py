@@ -133,6 +133,11 @@ class SchedulerClient:
         await self._channel.close()
 
 
+# how a call ends when its scheduler is gone: the connection failed, or a scheduler that stops
+# (a rolling restart) cancelled the streams still running after its grace period
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
 class SampleStreams:
     """One Generate call for a prompt's samples (n > 1; n = 1 is one sample), split into one
     response stream per sample. The call starts with the first stream iterated (whose span
@@ -171,10 +176,10 @@ class SampleStreams:
                 self._pump_task.cancel()
 
     async def _pump(self, span) -> None:
-        """Forwards the call's responses; when the scheduler is lost (the call fails
-        UNAVAILABLE), waits until the client's recovery_s has passed since the loss for one
-        that serves, and resubmits what had not finished (nor been closed by its reader), each
-        sample with the tokens it had streamed, and goes on."""
+        """Forwards the call's responses; when the scheduler is lost (the call fails LOST),
+        waits until the client's recovery_s has passed since the loss for one that serves, and
+        resubmits what had not finished (nor been closed by its reader), each sample with the
+        tokens it had streamed, and goes on."""
         tokens: list[list[int]] = [[] for _ in self._queues]
         finished = [False] * len(self._queues)
         request, deadline = self.request, None
@@ -193,7 +198,7 @@ class SampleStreams:
                                 deadline = None
                     return
                 except grpc.aio.AioRpcError as err:
-                    if deadline is None and err.code() is grpc.StatusCode.UNAVAILABLE:
+                    if deadline is None and err.code() in LOST:
                         deadline = time.monotonic() + self.client.recovery_s
                         logger.warning("request %s: scheduler lost (%s); resubmitting once one "
                                        "serves (up to %.0f s)", self.request.request_id,
@@ -219,7 +224,7 @@ class SampleStreams:
         scheduler that still holds the request's ids (it has not noticed the lost stream, or it
         never died: the connection did) is told to abort the samples first, so that they run
         once, from the tokens this side saw."""
-        if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS):
+        if err.code() not in (*LOST, grpc.StatusCode.ALREADY_EXISTS):
             return False
         left = deadline - time.monotonic()
         if left <= 0:

@@ -44,5 +44,6 @@ def test_the_tensor_parallel_benchmark_writes_its_files(tiny_llama, tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "tensor_parallel.json").read_text())
     assert set(result["steps"]) == {"T=1 P=1", "T=2 P=1", "T=1 P=2 x1 micro", "T=1 P=2 x2 micro"}
-    assert set(result["transfers"]) == {"T=1 -> T=1", "T=2 -> T=2", "T=2 -> T=1", "T=1 -> T=2"}
+    assert set(result["transfers"]) == {f"{t} T={a}->{b}" for t in ("shm", "tcp")
+                                        for a, b in ((1, 1), (2, 2), (2, 1), (1, 2))}
     assert (tmp_path / "tensor_parallel.png").stat().st_size > 0

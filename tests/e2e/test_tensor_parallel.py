@@ -135,3 +135,38 @@ def test_a_rank_killed_mid_stream_takes_its_group_out_and_nothing_is_lost(tiny_l
         assert all(w["num_free_blocks"] == w["num_blocks"] for w in s["workers"])
     finally:
         stack.stop()
+
+
+@pytest.mark.parametrize("shape", [("-tp", "2"), ()], ids=["tp2", "single"])
+def test_groups_ride_through_a_scheduler_killed_mid_stream(tiny_llama, tmp_path, hf,  # noqa: F811
+                                                           shape):
+    """SIGKILL of the scheduler while 8 streams decode on T=2 groups (prefill and decode,
+    multi-step plans; and single workers alike): each leader finishes the plan its followers
+    have, re-attaches to the restarted scheduler with its group in step, and the streams end
+    with the tokens of an undisturbed run; no group is restarted."""
+    stack = Stack(tiny_llama, tmp_path, *shape, "--num-scheduler-steps", "4")
+    try:
+        prompts = [_prompt(20 + 7 * i, 400 + i) for i in range(8)]
+        under_way = threading.Event()
+        body = {"max_tokens": 64, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(8) as pool:
+            # (greedy past an eos token, which transformers' min_new_tokens would mask)
+            want = [ids for ids, _ in pool.map(
+                lambda p: stream_completion(stack.url, {**body, "prompt": p}), prompts)]
+            assert want[0] == _greedy(hf, prompts[0], 64)
+            running = [pool.submit(stream_completion, stack.url, {**body, "prompt": p},
+                                   0, lambda n: n >= 8 and under_way.set()) for p in prompts]
+            assert under_way.wait(120), "no stream got under way"
+            scheduler = [pid for pid, cmd in stack.children().items() if " scheduler " in cmd]
+            os.kill(scheduler[0], signal.SIGKILL)
+            got = [f.result()[0] for f in running]
+        assert got == want
+        again = [_prompt(33, 500 + i) for i in range(4)]
+        assert _greedy_all(stack, again) == [_greedy(hf, p) for p in again]
+        log = stack.log.read_text()
+        assert "scheduler` exited with -9; restarting it" in log
+        assert "worker group broken" not in log and "-worker` exited" not in log
+        s = stack.wait_idle()
+        assert all(w["num_free_blocks"] == w["num_blocks"] for w in s["workers"])
+    finally:
+        stack.stop()

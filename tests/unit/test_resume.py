@@ -114,9 +114,12 @@ REQUEST = scheduler_pb2.GenerateRequest(request_id="r0", sample_ids=["r1"],
                                         prompt_token_ids=[1, 2, 3])
 
 
-def test_a_lost_scheduler_is_resubmitted_with_the_tokens_streamed_and_the_stream_goes_on():
+@pytest.mark.parametrize("lost", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+def test_a_lost_scheduler_is_resubmitted_with_the_tokens_streamed_and_the_stream_goes_on(lost):
+    """Lost: the connection failed, or a scheduler that stops cancelled the stream after its
+    grace period."""
     client = Scripted([
-        ([out(0, 5), out(1, 7), out(1, 8, finish="stop")], grpc.StatusCode.UNAVAILABLE),
+        ([out(0, 5), out(1, 7), out(1, 8, finish="stop")], lost),
         ([], grpc.StatusCode.ALREADY_EXISTS),  # the old scheduler still holds the ids
         ([out(0, 6, finish="length")], None)])
     assert read_all(client, REQUEST, 2) == [[5, 6], [7, 8]]
