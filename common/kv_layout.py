@@ -95,6 +95,17 @@ class KVShard:
     def whole(layout: KVLayout) -> KVShard:
         return KVShard(0, layout.num_layers, 0, layout.num_kv_heads)
 
+    def layers(self, start: int, end: int) -> KVShard:
+        """Its cache's layers [start, end), in the model's numbering."""
+        return KVShard(self.layer_start + start, self.layer_start + end, self.head_start,
+                       self.head_end)
+
+    def part(self, cache, region: KVShard):
+        """The view of `cache` (a tensor `[layers, 2, blocks, block_size, heads, head_dim]`
+        holding this shard) at the model's layers and heads `region`, which it holds."""
+        return cache[region.layer_start - self.layer_start:region.layer_end - self.layer_start,
+                     :, :, :, region.head_start - self.head_start:region.head_end - self.head_start]
+
     def overlap(self, other: KVShard) -> KVShard | None:
         """The layers and heads both hold; None if none."""
         l0, l1 = max(self.layer_start, other.layer_start), min(self.layer_end, other.layer_end)

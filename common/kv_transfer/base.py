@@ -98,21 +98,14 @@ class DirectWriteSender(KVSender):
             raise KVTransferError(f"transfer {transfer_id}: destination block out of range")
         if not self.shard.sends:
             return 0
-        mine = self.shard
-        sending = KVShard(mine.layer_start + layer_start, mine.layer_start + layer_end,
-                          mine.head_start, mine.head_end)
+        sending = self.shard.layers(layer_start, layer_end)
         moved = 0
         for peer, theirs in peers:
             both = sending.overlap(theirs)
             if both is None:
                 continue
-            dst = peer[both.layer_start - theirs.layer_start:both.layer_end - theirs.layer_start,
-                       :, :, :, both.head_start - theirs.head_start:
-                       both.head_end - theirs.head_start]
-            src = cache.tensor[both.layer_start - mine.layer_start:
-                               both.layer_end - mine.layer_start, :, :, :,
-                               both.head_start - mine.head_start:both.head_end - mine.head_start]
-            self._copy(dst, dst_block_ids, src, src_block_ids)
+            src = self.shard.part(cache.tensor, both)
+            self._copy(theirs.part(peer, both), dst_block_ids, src, src_block_ids)
             moved += src[:, :, :len(src_block_ids)].numel() * src.element_size()
         return moved
 

@@ -134,8 +134,7 @@ class TcpSender(KVSender):
         parts = parse_parts(dst_endpoint, self.model)
         if not mine.sends:
             return 0
-        sending = KVShard(mine.layer_start + layer_start, mine.layer_start + layer_end,
-                          mine.head_start, mine.head_end)
+        sending = mine.layers(layer_start, layer_end)
         moved = 0
         for address, theirs in parts:
             part, now = mine.overlap(theirs), sending.overlap(theirs)
@@ -163,14 +162,13 @@ class TcpSender(KVSender):
                      now: KVShard, last: bool) -> int:
         """Frames of the model's layers and heads `now` (in this sender's shard)."""
         mine = self.shard
-        heads = cache.tensor[:, :, :, :, now.head_start - mine.head_start:
-                             now.head_end - mine.head_start]
+        heads = mine.part(cache.tensor, now)
         per_layer = heads[0, :, :len(src_block_ids)].numel() * heads.element_size()
         step = max(1, MAX_FRAME_BYTES // max(1, per_layer))
         moved = 0
         for l0 in range(now.layer_start, now.layer_end, step):
             l1 = min(now.layer_end, l0 + step)
-            layers = heads[l0 - mine.layer_start:l1 - mine.layer_start]
+            layers = mine.part(cache.tensor, KVShard(l0, l1, now.head_start, now.head_end))
             payload = self._staging(layers.shape[:2] + (len(src_block_ids),) + layers.shape[3:])
             copy_blocks(payload, range(len(src_block_ids)), layers, src_block_ids)
             data = payload.view(torch.uint8).numpy().data  # raw bytes, no copy
@@ -180,7 +178,7 @@ class TcpSender(KVSender):
                 payload_bytes=data.nbytes, last=last and l1 == now.layer_end,
                 payload_digest=payload_digest(self.cfg.secret, data),
                 head_start=now.head_start, head_end=now.head_end,
-                src=KVShard(mine.layer_start, mine.layer_end, mine.head_start, mine.head_end)),
+                src=mine),  # (one that sends: its `sends` is the default)
                 self.cfg.secret)
             _settimeout(sock, deadline)
             sock.sendall(LEN.pack(len(raw)) + raw)
@@ -550,11 +548,9 @@ class TcpListener(KVListener):
         if not intact(self.cfg.secret, h, payload):
             return False
         tensor = torch.frombuffer(payload, dtype=self.layout.torch_dtype).view(shape)
-        s = self.shard
-        h0, h1 = h.heads(s)
-        copy_blocks(self.cache.tensor[h.layer_start - s.layer_start:h.layer_end - s.layer_start,
-                                      :, :, :, h0 - s.head_start:h1 - s.head_start],
-                    list(h.dst_block_ids), tensor, range(len(h.dst_block_ids)))
+        region = KVShard(h.layer_start, h.layer_end, *h.heads(self.shard))
+        copy_blocks(self.shard.part(self.cache.tensor, region), list(h.dst_block_ids), tensor,
+                    range(len(h.dst_block_ids)))
         return True
 
     async def _check(self, h: FrameHeader) -> tuple[tuple[int, ...], tuple]:

@@ -227,9 +227,6 @@ class GroupLeader:
                 return f"rank {rank} exited with status {proc.exitcode}"
         return None
 
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
-
 
 def leave(status: int) -> NoReturn:
     """Ends a rank's process (the leader's too) without the interpreter's teardown: gloo's
@@ -296,7 +293,9 @@ def follower_main(cfg: WorkerConfig, rank: int, port: int, conn: Connection) -> 
                 continue
             plan = plan_from_pb(worker_pb2.StepPlan.FromString(msg[1:]))
             _follow(worker, plan, conn)
-    except Exception:
+    except Exception:  # noqa: BLE001 - the process's last frame: whatever ends the rank (a
+        # failed collective, a bad plan, its build) is logged here, since leave() below exits
+        # without the interpreter's traceback; the leader sees the exit and breaks the group
         log.exception("rank %d failed", rank)
     finally:
         if worker is not None:

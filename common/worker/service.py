@@ -300,7 +300,7 @@ async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
                      group: GroupLeader | None = None) -> None:
     """Every step and send on one thread: torch's thread count and OpenMP's thread team belong
     to the thread that runs them, and a second team would spin beside the first. A group's
-    followers make the same calls on the same plan (group.follow); the leader answers each
+    followers make the same calls on the same plan (group._follow); the leader answers each
     once they agree. Once a group's followers have a plan, the leader makes every call of it
     even if the stream breaks on the way (answering nothing more), so that the group is at the
     same point when it re-attaches; the break is raised after the plan."""
