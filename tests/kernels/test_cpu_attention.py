@@ -62,14 +62,16 @@ def test_decode_of_a_sequence_is_the_same_in_any_batch_on_any_threads(ops, dtype
 
 
 # 128 (compiled for), 32 (the tiny model, run-time loop), 40 and 36 (not whole AVX-512 / AVX2
-# vectors: the scalar tails)
+# vectors: the scalar tails); bfloat16 at 128 and 32 takes the pairwise bf16 dot products where
+# the CPU has AVX512-BF16 (head dims of whole 32-value vectors)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 @pytest.mark.parametrize("head_dim", [128, 32, 40, 36])
-def test_decode_head_dims(ops, head_dim):
-    q, cache, tables, lens = _decode_case([1, 70, 700], torch.float32, head_dim, 4, 16, seed=1)
+def test_decode_head_dims(ops, head_dim, dtype):
+    q, cache, tables, lens = _decode_case([1, 70, 700], dtype, head_dim, 4, 16, seed=1)
     scale = head_dim ** -0.5
     out = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
-    ref = reference.decode_attention(q, cache, tables, lens, scale)
-    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+    ref = reference.decode_attention(q.float(), cache.float(), tables, lens, scale)
+    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
 
 
 def _prefill_case(specs, dtype, head_dim, gqa, block_size, seed=0):
