@@ -318,6 +318,8 @@ PDSERVE_DP inline void group_parts_dp(const BFloat16* q, const BFloat16* k, int6
   for (int g = 0; g < kG; ++g) _mm512_storeu_ps(part + (g * kVec + p) * kVec, acc[g]);
 }
 
+// chunk_parts's loop, compiled under the bf16 target itself: a shared template would be built
+// without it, and group_parts_dp could then not be inlined (a call per position and head).
 PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, int64_t m,
                                int64_t kv_heads, int64_t G, int64_t D, float* part,
                                const BFloat16* const* pre, int64_t pm, int64_t row_bytes) {
