@@ -106,13 +106,15 @@ inline void prefetch(const void* p, int64_t bytes) {
 // Lane i of the result: the sum of the lanes of vector i of v (kVec vectors of kVec floats,
 // one after the other): the scores of kVec positions at once, instead of one horizontal
 // reduction per position.
-#if PDSERVE_ISA == 2
+#if PDSERVE_ISA != 0
 inline __m256 lane_sums8(const __m256* h) {
   const __m256 t0 = _mm256_hadd_ps(h[0], h[1]), t1 = _mm256_hadd_ps(h[2], h[3]);
   const __m256 t2 = _mm256_hadd_ps(h[4], h[5]), t3 = _mm256_hadd_ps(h[6], h[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
+#endif
+#if PDSERVE_ISA == 2
 inline fVec lane_sums(const float* v) {
   __m256 h[16];
   for (int i = 0; i < 16; ++i) {  // halves first: 16 vectors of 8
@@ -127,10 +129,7 @@ inline fVec lane_sums(const float* v) {
 inline fVec lane_sums(const float* v) {
   __m256 h[8];
   for (int i = 0; i < 8; ++i) h[i] = _mm256_loadu_ps(v + 8 * i);
-  const __m256 t0 = _mm256_hadd_ps(h[0], h[1]), t1 = _mm256_hadd_ps(h[2], h[3]);
-  const __m256 t2 = _mm256_hadd_ps(h[4], h[5]), t3 = _mm256_hadd_ps(h[6], h[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  return lane_sums8(h);
 }
 #else
 inline fVec lane_sums(const float* v) {
@@ -293,12 +292,13 @@ inline int64_t block_at(const int64_t* table, int64_t p, const Cache& c) {
 
 #if PDSERVE_ISA == 2
 // Kernels that multiply pairs of bfloat16 into float lanes (vdpbf16ps), for CPUs with
-// AVX512-BF16; called only where decode_dp_runs / prefill_dp_runs say the CPU has it.
+// AVX512-BF16; called only where dp_runs says the CPU has it.
 #define PDSERVE_DP __attribute__((target( \
     "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi,bmi2")))
 
-// Whether this CPU and head dim take the decode's bfloat16 dot products.
-bool decode_dp_runs(int64_t head_dim) {
+// Whether this CPU and head dim take the bfloat16 dot-product kernels (chunk_parts_dp for
+// decode, prefill_kernel_dp): rows of whole 32-value vectors.
+bool dp_runs(int64_t head_dim) {
   static const bool cpu = __builtin_cpu_supports("avx512bf16");
   return cpu && head_dim % 32 == 0;
 }
@@ -401,7 +401,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 #if PDSERVE_ISA == 2
   // bfloat16 keys multiplied as pairs against the unscaled bfloat16 query (exact products,
   // float sums), the scale applied to the scores
-  const bool dp = std::is_same_v<T, BFloat16> && decode_dp_runs(D);
+  const bool dp = std::is_same_v<T, BFloat16> && dp_runs(D);
 #else
   constexpr bool dp = false;
 #endif
@@ -436,21 +436,19 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         const int64_t m = std::min(kVec, n - j0);
         const int64_t pm = std::clamp<int64_t>(n - j0 - ahead, 0, m);
         const T* const* pre = rows.data() + std::min(n, j0 + ahead);
-        float s_scale = 1.f;  // q is scaled already
 #if PDSERVE_ISA == 2
-        if (dp) {
+        if (dp)
           chunk_parts_dp(reinterpret_cast<const BFloat16*>(q_row),
                          reinterpret_cast<const BFloat16* const*>(rows.data() + j0), m,
                          c.num_kv_heads, G, D, part.data(),
                          reinterpret_cast<const BFloat16* const*>(pre), pm, row_bytes);
-          s_scale = static_cast<float>(scale);
-        } else
+        else
 #endif
           chunk_parts<kD>(qf.data(), rows.data() + j0, m, c.num_kv_heads, G, D, part.data(),
                           pre, pm, row_bytes);
         for (int64_t h = 0; h < H; ++h) {
           fVec sums = lane_sums(part.data() + h * kVec * kVec);
-          if (s_scale != 1.f) sums = sums * fVec(s_scale);
+          if (dp) sums = sums * fVec(static_cast<float>(scale));  // the query was not scaled
           sums.store(scores.data() + h * P + j0, m);
         }
       }
@@ -922,11 +920,6 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
   });
 }
 
-// Whether this CPU and head dim take prefill_kernel_dp.
-bool prefill_dp_runs(int64_t head_dim) {
-  static const bool cpu = __builtin_cpu_supports("avx512bf16");
-  return cpu && head_dim % 32 == 0;
-}
 #endif
 
 }  // namespace
@@ -997,7 +990,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 expected");
 #if PDSERVE_ISA == 2
-    if (gemm == 2 && prefill_dp_runs(q.size(2)))
+    if (gemm == 2 && dp_runs(q.size(2)))
       return prefill_kernel_dp(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
                                out);
 #endif
