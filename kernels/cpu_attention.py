@@ -79,9 +79,9 @@ def _build_lock(build: Path, wait_s: float):
 def load(isa: str | None = None, verbose: bool = False, wait_s: float = BUILD_WAIT_S):
     """The ops of the build for `isa` (default: this CPU's), compiling it on first use.
     Returns the `torch.ops` namespace holding paged_decode_attention, paged_prefill_attention,
-    exponential_race and the decoder's fused element-wise ops (silu_mul, rms_norm, rope). A
-    build that failed raises the same error on every later call (the attention backend and the
-    sampler both ask for it at a worker's start). Waits at most `wait_s` for another process's
+    write_kv, exponential_race and the decoder's fused element-wise ops (silu_mul, rms_norm,
+    rope). A build that failed raises the same error on every later call (the attention
+    backend and the sampler both ask for it at a worker's start). Waits at most `wait_s` for another process's
     build of the same kernels (TimeoutError, not cached: a later call waits again)."""
     isa = isa or cpu_isa()
     if isa not in ISA_FLAGS:
@@ -159,6 +159,19 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     (ops or load()).paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, out)
     return out
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, ops=None) -> None:
+    """key/value: [num_tokens, kv_heads, head_dim] -> their slots in the paged cache
+    (reference.write_kv), each row copied once from where it lies (rows made contiguous
+    first where they are not)."""
+    key, value = _rows(key), _rows(value)
+    (ops or load()).write_kv(key, value, kv_cache, slot_mapping)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.size(-1) else t.contiguous()
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

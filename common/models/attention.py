@@ -186,7 +186,7 @@ class CpuAttentionBackend(AttentionBackend):
         self.ops = CpuOps(self.library)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        reference.write_kv(k, v, kv_cache, meta.slot_mapping)
+        self._kernels.write_kv(k, v, kv_cache, meta.slot_mapping, ops=self.library)
         q = q.contiguous()
         out = torch.empty_like(q)
         n = meta.num_decodes

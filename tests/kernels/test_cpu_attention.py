@@ -163,6 +163,40 @@ def test_a_bad_plan_raises_instead_of_reading_outside_the_cache(ops):
         cpu_attention.paged_decode_attention(q.bfloat16(), cache, tables, lens, 0.125, ops=ops)
 
 
+@pytest.mark.parametrize("tokens", [1, 60, 700])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_write_kv_equals_the_reference(ops, threads, dtype, tokens):
+    """Every row lands in its slot bit for bit, from rows that are views of one projection
+    (as a step's k and v are) or contiguous; nothing else of the cache changes."""
+    gen = torch.Generator().manual_seed(tokens)
+    kv_heads, dim, block = 4, 64, 16
+    cache = random_cache(64, block, kv_heads, dim, dtype, gen)
+    slots = torch.randperm(64 * block, generator=gen)[:tokens]
+    qkv = torch.randn((tokens, (8 + 2 * kv_heads) * dim), generator=gen).to(dtype)
+    _, k, v = qkv.split([8 * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    for key, value in ((k, v), (k.contiguous(), v.contiguous()),
+                       (k.transpose(1, 2).contiguous().transpose(1, 2), v)):
+        ref, out = cache.clone(), cache.clone()
+        reference.write_kv(key, value, ref, slots)
+        cpu_attention.write_kv(key, value, out, slots, ops=ops)
+        assert torch.equal(out, ref)
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(ops):
+    gen = torch.Generator().manual_seed(9)
+    cache = random_cache(4, 16, 2, 64, torch.float32, gen)
+    before = cache.clone()
+    k = torch.randn((3, 2, 64), generator=gen)
+    for bad in (4 * 16, -1):
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            cpu_attention.write_kv(k, k, cache, torch.tensor([0, bad, 5]), ops=ops)
+        assert torch.equal(cache, before)
+    with pytest.raises(RuntimeError, match="the cache's dtype"):
+        cpu_attention.write_kv(k.bfloat16(), k.bfloat16(), cache, torch.tensor([0, 1, 2]),
+                               ops=ops)
+
+
 def test_backend_writes_the_step_and_attends_like_the_reference():
     """CpuAttentionBackend over a mixed step (decodes, a chunk over a prefix, a fresh prompt)
     equals TorchAttentionBackend, the readable reference."""
