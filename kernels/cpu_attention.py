@@ -81,8 +81,9 @@ def load(isa: str | None = None, verbose: bool = False, wait_s: float = BUILD_WA
     Returns the `torch.ops` namespace holding paged_decode_attention, paged_prefill_attention,
     write_kv, exponential_race and the decoder's fused element-wise ops (silu_mul, rms_norm,
     rope). A build that failed raises the same error on every later call (the attention
-    backend and the sampler both ask for it at a worker's start). Waits at most `wait_s` for another process's
-    build of the same kernels (TimeoutError, not cached: a later call waits again)."""
+    backend and the sampler both ask for it at a worker's start). Waits at most `wait_s` for
+    another process's build of the same kernels (TimeoutError, not cached: a later call waits
+    again)."""
     isa = isa or cpu_isa()
     if isa not in ISA_FLAGS:
         raise ValueError(f"unknown instruction set {isa!r}; known: {', '.join(ISA_FLAGS)}")
