@@ -930,10 +930,15 @@ PDSERVE_ISA_END
 
 namespace {
 
-void check_common(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& out) {
-  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
+void check_cache(const at::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache: a contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
+}
+
+void check_common(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& out) {
+  TORCH_CHECK(q.device().is_cpu(), "CPU tensors expected");
+  check_cache(kv_cache);
   TORCH_CHECK(q.dim() == 3 && q.size(2) == kv_cache.size(4) && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "q: [tokens, heads, head_dim] with contiguous heads");
@@ -1009,12 +1014,10 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
 // Every slot is checked first: a bad plan writes nothing.
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
               const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache: a contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
+  check_cache(kv_cache);
   const int64_t tokens = slot_mapping.size(0);
   for (const at::Tensor* t : {&key, &value})
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(1) == kv_cache.size(3) &&
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->size(0) == tokens && t->size(1) == kv_cache.size(3) &&
                     t->size(2) == kv_cache.size(4) && t->stride(2) == 1 &&
                     t->stride(1) == t->size(2) && t->scalar_type() == kv_cache.scalar_type(),
                 "key, value: [tokens, kv_heads, head_dim] rows of the cache's dtype, each row "
@@ -1032,7 +1035,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
   auto* cache = static_cast<char*>(kv_cache.data_ptr());
   const auto* k = static_cast<const char*>(key.data_ptr());
   const auto* v = static_cast<const char*>(value.data_ptr());
-  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  const int64_t ks = key.stride(0) * key.element_size();
+  const int64_t vs = value.stride(0) * value.element_size();
   const int64_t v_off = c.value_offset * kv_cache.element_size();
   at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
