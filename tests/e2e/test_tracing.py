@@ -82,15 +82,20 @@ def _attrs(span: Span) -> dict:
 
 
 def _wait_for(receiver: Receiver, names: set[str], timeout: float = 60.0):
-    """Spans once every name was seen from some service and the request's span from both ends
-    (the gateway's client span ends first: the scheduler's server span is exported later)."""
+    """Spans once every name was seen from some service, the request's span from both ends
+    (the gateway's client span ends first: the scheduler's server span is exported later) and
+    the gateway's HTTP server span of the request's trace, its root (it ends after the
+    response, so it may be exported after everything inside it)."""
     deadline = time.monotonic() + timeout
     while True:
         spans = receiver.snapshot()
         seen = {s.name for _, s in spans}
         services = {svc for svc, _ in spans}
         request_ends = {svc for svc, s in spans if s.name == REQUEST_SPAN}
-        if (names <= seen and SERVICES <= services and
+        traces = {s.trace_id for _, s in spans if s.name == REQUEST_SPAN}
+        root = any(svc == "pdserve-gateway" and not s.parent_span_id and s.trace_id in traces
+                   for svc, s in spans)
+        if (names <= seen and SERVICES <= services and root and
                 {"pdserve-gateway", "pdserve-scheduler"} <= request_ends) \
                 or time.monotonic() > deadline:
             return spans
