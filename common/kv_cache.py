@@ -19,52 +19,7 @@ from pathlib import Path
 import torch
 
 from common.kv_layout import KVLayout
-
-SHM_DIR = Path("/dev/shm")
-
-
-SEGMENT_PREFIX = "pdserve-kv-"
-
-
-def create_segment(path: Path, nbytes: int) -> int:
-    """Creates a shared segment and returns an fd holding a shared flock on it for as long as
-    the owner lives: a segment nobody holds locked belongs to a dead worker (see
-    sweep_stale_segments). The file gets its final name only once locked."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        os.ftruncate(fd, nbytes)
-        if path.exists():
-            raise FileExistsError(f"{path} exists: another worker uses this id")
-        os.rename(tmp, path)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    return fd
-
-
-def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Removes the KV segments of workers that died without cleaning up (a crash, SIGKILL);
-    works across containers sharing /dev/shm, where process ids mean nothing."""
-    return [path.name for path in shm_dir.glob(f"{SEGMENT_PREFIX}*") if _remove_if_unheld(path)]
-
-
-def _remove_if_unheld(path: Path) -> bool:
-    """Removes a segment nobody holds a lock on (its owners are gone); whether it did."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return False  # gone already
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        path.unlink(missing_ok=True)  # under the lock: nobody maps it in between
-        return True
-    except BlockingIOError:
-        return False  # an owner is alive
-    finally:
-        os.close(fd)  # also drops the lock if we took it
+from common.shm_segments import SEGMENT_PREFIX, SHM_DIR, create_segment, remove_if_unheld
 
 
 def map_shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype,
@@ -167,7 +122,7 @@ class SharedTier:
             return
         os.close(self._fd)
         self._fd = None
-        _remove_if_unheld(self.path)
+        remove_if_unheld(self.path)
 
 
 def _lock_shared(path: Path) -> int | None:

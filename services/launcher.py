@@ -405,12 +405,12 @@ def run(args) -> int:
                 restarts += 1
                 print(f"pdserve {args.command}: `{role}` exited with {p.returncode}; restarting it "
                       f"({restarts}/{args.max_restarts})", file=sys.stderr, flush=True)
-                from common.kv_cache import sweep_stale_segments
+                from common.shm_segments import sweep_stale_segments
                 sweep_stale_segments()
                 procs[i] = subprocess.Popen(c, env=environment(c))
             time.sleep(0.5)
         return 0
     finally:
         _stop(procs)
-        from common.kv_cache import sweep_stale_segments
+        from common.shm_segments import sweep_stale_segments
         sweep_stale_segments()  # of a worker that crashed and could not clean up

@@ -10,9 +10,10 @@ from urllib.parse import parse_qs
 
 import torch
 
-from common.kv_cache import SHM_DIR, PagedKVCache, map_shared
+from common.kv_cache import PagedKVCache, map_shared
 from common.kv_layout import KVShard, shard_of
 from common.kv_transfer.base import DirectWriteSender, KVListener, KVTransferError
+from common.shm_segments import SHM_DIR
 
 SCHEME = "shm://"
 

@@ -119,7 +119,11 @@ class LlamaForCausalLM(nn.Module):
         self.first_layer, last_layer = pp.layers(cfg.num_layers) if pp else (0, cfg.num_layers)
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding | None = None
         if pp is None or pp.is_first:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None \
+            # given its weight, nn.Embedding skips its random init (normal_ on the meta device
+            # imports torch._dynamo)
+            self.embed_tokens = nn.Embedding(
+                cfg.vocab_size, cfg.hidden_size,
+                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)) if tp is None \
                 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp)
                                     for _ in range(last_layer - self.first_layer))
@@ -284,11 +288,13 @@ def per_rank(n: int, tp: TensorParallel | None) -> int:
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, [max_position_embeddings, head_dim] each."""
-    inv_freq = reference.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    if cfg.rope_freq_factors:
-        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=inv_freq.dtype)
-    return reference.rope_cos_sin(inv_freq, cfg.max_position_embeddings)
+    """cos and sin, [max_position_embeddings, head_dim] each, computed on the CPU even inside a
+    meta-device context (arithmetic on meta tensors imports torch._dynamo: seconds of start-up)."""
+    with torch.device("cpu"):
+        inv_freq = reference.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        if cfg.rope_freq_factors:
+            inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=inv_freq.dtype)
+        return reference.rope_cos_sin(inv_freq, cfg.max_position_embeddings)
 
 
 def load_model(model_dir: str | Path, backend: AttentionBackend,

@@ -29,14 +29,7 @@ import torch
 from common import tracing
 from common.grpc_options import channel_options
 from common.health import Health
-from common.kv_cache import (
-    SEGMENT_PREFIX,
-    LocalTier,
-    PagedKVCache,
-    SharedTier,
-    on_device,
-    sweep_stale_segments,
-)
+from common.kv_cache import LocalTier, PagedKVCache, SharedTier, on_device
 from common.kv_layout import KVLayout, KVShard
 from common.kv_transfer.base import KVReceiver, TransferConfig
 from common.kv_transfer.registry import create_listener, create_sender
@@ -44,6 +37,7 @@ from common.models.attention import cpu_kernels, create_attention_backend
 from common.models.llama import load_model
 from common.plans import Registration, StepResult, TransfersDone
 from common.ports import free_port
+from common.shm_segments import SEGMENT_PREFIX, sweep_stale_segments
 from common.tls import grpc_channel_credentials, scheduler_channel_options, warn_if_exposed
 from common.worker.config import WorkerConfig
 from common.worker.cuda_graphs import DecodeGraphs

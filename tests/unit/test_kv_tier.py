@@ -223,8 +223,9 @@ def test_workers_of_a_host_map_one_shared_tier_and_the_last_one_removes_it(tmp_p
 
     import torch
 
-    from common.kv_cache import SharedTier, sweep_stale_segments
+    from common.kv_cache import SharedTier
     from common.kv_layout import KVLayout
+    from common.shm_segments import sweep_stale_segments
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
     x = SharedTier(layout, 6, "host-a|model", shm_dir=tmp_path)
     y = SharedTier(layout, 10, "host-a|model", shm_dir=tmp_path)  # maps x's, at x's size

@@ -283,10 +283,10 @@ def test_segments_of_dead_workers_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from common.kv_cache import create_segment, sweep_stale_segments
+    from common.shm_segments import create_segment, sweep_stale_segments
     live_fd = create_segment(tmp_path / "pdserve-kv-live", 4096)
     code = ("import os, sys; sys.path.insert(0, %r); from pathlib import Path;"
-            "from common.kv_cache import create_segment;"
+            "from common.shm_segments import create_segment;"
             "create_segment(Path(%r), 4096); os._exit(9)")  # dies without cleaning up
     subprocess.run([sys.executable, "-c", code % (str(Path(__file__).parents[2]),
                                                   str(tmp_path / "pdserve-kv-dead"))], check=False)
