@@ -322,7 +322,9 @@ def load_model(model_dir: str | Path, backend: AttentionBackend,
                        unit="tensor", disable=None, dynamic_ncols=True)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, tp, pp)
-    model = model.to_empty(device="cpu")
+    # (to_empty's empty_like of a meta tensor runs torch's Python reference, which imports
+    # sympy: half a second of every start-up)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
     # rope buffers are not in the checkpoint: recompute them off the meta device
     model.rope_cos, model.rope_sin = rope_tables(cfg)
     model.tie_weights()
