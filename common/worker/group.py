@@ -49,6 +49,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from common.heap import freeze_startup_heap
 from common.models.parallel import PipelineParallel, TensorParallel
 from common.plans import StepPlan, StepResult, TransferDone, TransfersDone
 from common.worker.config import WorkerConfig
@@ -269,6 +270,7 @@ def follower_main(cfg: WorkerConfig, rank: int, port: int, conn: Connection) -> 
     worker = None
     try:
         worker, reg = build_worker(cfg, connect(cfg, rank, port))
+        freeze_startup_heap()
         # its tcp listener takes frames on an event loop of its own (the leader's run on its
         # service's loop)
         listening = asyncio.new_event_loop()

@@ -29,6 +29,7 @@ import torch
 from common import tracing
 from common.grpc_options import channel_options
 from common.health import Health
+from common.heap import freeze_startup_heap
 from common.kv_cache import LocalTier, PagedKVCache, SharedTier, on_device
 from common.kv_layout import KVLayout, KVShard
 from common.kv_transfer.base import KVReceiver, TransferConfig
@@ -431,6 +432,7 @@ async def _serve(cfg: WorkerConfig, steps: ThreadPoolExecutor,
     # torch op takes the thread count last set on any thread, and the step thread has had its
     # own by now.
     torch.set_num_threads(1)
+    log.info("%d objects of start-up frozen out of garbage collection", freeze_startup_heap())
     await start_listeners(worker, reg)
     if group is not None:  # every rank's cache in the endpoints, once all are built
         reg.kv_endpoints.update(await asyncio.get_running_loop().run_in_executor(

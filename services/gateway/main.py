@@ -13,6 +13,7 @@ import sys
 import uvicorn
 
 from common import tracing
+from common.heap import freeze_startup_heap
 from common.tls import add_tls_args, is_loopback, tls_from_args
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
@@ -249,7 +250,8 @@ async def serve(
             logger.warning(
                 "scheduler %s not reachable yet; /ready answers 503 until it is", config.scheduler
             )
-        app = create_app(config, client)
+        app = create_app(config, client)  # the tokenizer and the templates loaded
+        freeze_startup_heap()
         server = uvicorn.Server(
             uvicorn.Config(
                 app,
