@@ -322,11 +322,10 @@ def load_model(model_dir: str | Path, backend: AttentionBackend,
                        unit="tensor", disable=None, dynamic_ncols=True)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, tp, pp)
-    # (to_empty's empty_like of a meta tensor runs torch's Python reference, which imports
-    # sympy: half a second of every start-up)
-    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
-    # rope buffers are not in the checkpoint: recompute them off the meta device
-    model.rope_cos, model.rope_sin = rope_tables(cfg)
+    # the weights get CPU memory to load into; the rope tables, not in the checkpoint, were
+    # computed on the CPU already and stay (to_empty's empty_like of a meta tensor would run
+    # torch's Python reference, which imports sympy: half a second of every start-up)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu") if t.is_meta else t)
     model.tie_weights()
     model.load_weights(tensors, str(model_dir))
     model = model.to(device=device, dtype=dtype).train(False)  # inference mode for every module

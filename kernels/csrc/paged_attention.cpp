@@ -1017,8 +1017,9 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
   check_cache(kv_cache);
   const int64_t tokens = slot_mapping.size(0);
   for (const at::Tensor* t : {&key, &value})
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->size(0) == tokens && t->size(1) == kv_cache.size(3) &&
-                    t->size(2) == kv_cache.size(4) && t->stride(2) == 1 &&
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->size(0) == tokens &&
+                    t->size(1) == kv_cache.size(3) && t->size(2) == kv_cache.size(4) &&
+                    t->stride(2) == 1 &&
                     t->stride(1) == t->size(2) && t->scalar_type() == kv_cache.scalar_type(),
                 "key, value: [tokens, kv_heads, head_dim] rows of the cache's dtype, each row "
                 "contiguous");
