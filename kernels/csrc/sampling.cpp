@@ -7,10 +7,11 @@
 // the thread count; builds for other instruction sets round E and exp differently in the last
 // bits, which changes a draw only on a near-tie. E = -log(U), U uniform on (0, 1) on a grid of
 // 2^23 points (each exact in float), its log by range reduction to [sqrt(1/2), sqrt(2)) and a
-// series (error about 1e-10, so E stays accurate as U -> 1); a row is walked in chunks that
-// stay in L1: the noise of a chunk first (a plain loop the compiler vectorises), then p / E and
-// a running argmax in vectors. Ties go to the lowest index, as torch.argmax. Rows run in
-// parallel.
+// series (error about 1e-10, so E stays accurate as U -> 1). A row is walked a vector at a
+// time: the hash, E, p / E and a running argmax all in vector registers (integer lanes for the
+// hash, written with at::vec so that every build vectorises it; GCC does not vectorise the
+// scalar form for AVX2), the scalar form only for the tail past the last whole vector. Ties go
+// to the lowest index, as torch.argmax. Rows run in parallel.
 //
 // kernels/reference.py: exponential_race computes the same draw with torch ops.
 #include <algorithm>
@@ -26,7 +27,6 @@ namespace {
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = fVec::size();
-constexpr int64_t kChunk = 1024;  // noise drawn per pass
 
 // lowbias32 (a 32-bit integer hash with near-ideal avalanche)
 inline uint32_t mix32(uint32_t x) {
@@ -62,37 +62,87 @@ inline float neg_log(float u) {
   return -(e * 0.6931471805599453f + log_m);
 }
 
-// E for elements [begin, begin + n) of the row keyed by `key`
-inline void exponential_noise(uint64_t key, int64_t begin, int64_t n, float* out) {
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t bits = random_bits(key, static_cast<uint32_t>(begin + j));
-    // the top 23 bits, centred in their interval: k + 0.5 < 2^23 is exact in float, so u is in
-    // (0, 1), never 0 or 1
-    const float u = (static_cast<float>(static_cast<int32_t>(bits >> 9)) + 0.5f) *
-                    (1.f / 8388608.f);
-    out[j] = neg_log(u);
-  }
+using iVec = at::vec::Vectorized<int32_t>;
+static_assert(iVec::size() == kVec, "as many int32 lanes as float lanes");
+
+// x >> k on unsigned 32-bit lanes (at::vec's >> on int32 shifts in the sign)
+inline iVec shift_right(const iVec& x, int k) {
+  return (x >> iVec(k)) & iVec(static_cast<int32_t>(0xffffffffU >> k));
+}
+
+inline iVec mix32(iVec x) {
+  x = x ^ shift_right(x, 16);
+  x = x * iVec(0x7feb352d);
+  x = x ^ shift_right(x, 15);
+  x = x * iVec(static_cast<int32_t>(0x846ca68bU));
+  return x ^ shift_right(x, 16);
+}
+
+inline iVec float_bits(const fVec& v) {
+#if PDSERVE_ISA == 2
+  return _mm512_castps_si512(v);
+#elif PDSERVE_ISA == 1
+  return _mm256_castps_si256(v);
+#else
+  return at::vec::cast<int32_t>(v);
+#endif
+}
+
+// neg_log on every lane, the scalar form's operations in its order
+inline fVec neg_log(const fVec& u) {
+  iVec bits = float_bits(u);
+  fVec e = at::vec::convert_to_fp_of_same_size<float>(shift_right(bits, 23) - iVec(127));
+  bits = (bits & iVec(0x007fffff)) | iVec(0x3f800000);
+  fVec m = at::vec::cast<float>(bits);
+  const fVec high = m > fVec(1.41421356f);
+  m = fVec::blendv(m, m * fVec(0.5f), high);
+  e = fVec::blendv(e, e + fVec(1.f), high);
+  const fVec s = (m - fVec(1.f)) / (m + fVec(1.f)), s2 = s * s;
+  const fVec log_m =
+      s * (fVec(2.f) +
+           s2 * (fVec(2.f / 3) +
+                 s2 * (fVec(2.f / 5) +
+                       s2 * (fVec(2.f / 7) + s2 * (fVec(2.f / 9) + s2 * fVec(2.f / 11))))));
+  return (e * fVec(0.6931471805599453f) + log_m).neg();
+}
+
+// E for element i of the row keyed by `key`: U from the top 23 bits, centred in their
+// interval (k + 0.5 < 2^23 is exact in float, so U is in (0, 1), never 0 or 1)
+inline float exponential_noise(uint64_t key, uint32_t i) {
+  const uint32_t bits = random_bits(key, i);
+  return neg_log((static_cast<float>(static_cast<int32_t>(bits >> 9)) + 0.5f) *
+                 (1.f / 8388608.f));
+}
+
+// the same for elements [begin, begin + kVec) of the row whose key halves are low, high
+inline fVec exponential_noise(const iVec& low, const iVec& high, int32_t begin) {
+  const iVec bits = mix32(mix32(iVec::arange(begin, 1) ^ low) + high);
+  const fVec u = (at::vec::convert_to_fp_of_same_size<float>(shift_right(bits, 9)) + fVec(0.5f)) *
+                 fVec(1.f / 8388608.f);
+  return neg_log(u);
 }
 
 // With `logits`, p holds log-weights: the weights are exp(p - max p), computed in passing.
 int64_t race_row(const float* p, int64_t vocab, uint64_t key, bool logits) {
-  float noise[kChunk];
   const float shift = logits ? row_max(p, vocab) : 0.f;
   if (logits && !std::isfinite(shift))  // a +inf logit is certain; a row all -inf gives 0
     return std::find(p, p + vocab, shift) - p;
   const fVec shift_v(shift);
+  const iVec low(static_cast<int32_t>(static_cast<uint32_t>(key)));
+  const iVec high(static_cast<int32_t>(static_cast<uint32_t>(key >> 32)));
+  // lanes keep their first maximum; indices travel as floats (exact below 2^24, and a row
+  // longer than that is split into spans below it)
   float best_value = -1.f;
   int64_t best_index = 0;
-  for (int64_t begin = 0; begin < vocab; begin += kChunk) {
-    const int64_t n = std::min(kChunk, vocab - begin);
-    exponential_noise(key, begin, n, noise);
-    // lanes keep their first maximum; indices travel as floats (exact below 2^24)
+  constexpr int64_t kSpan = int64_t{1} << 24;
+  int64_t j = 0;
+  for (int64_t span = 0; span + kVec <= vocab; span += kSpan) {
+    const int64_t span_end = std::min(vocab, span + kSpan);
     fVec best(-1.f), best_at(0.f), at_lane = fVec::arange(0.f, 1.f);
-    int64_t j = 0;
-    for (; j + kVec <= n; j += kVec, at_lane = at_lane + fVec(static_cast<float>(kVec))) {
-      fVec w = fVec::loadu(p + begin + j);
+    for (j = span; j + kVec <= span_end; j += kVec, at_lane = at_lane + fVec(float(kVec))) {
+      fVec w = fVec::loadu(p + j);
       if (logits) w = (w - shift_v).exp_u20();
-      const fVec score = w / fVec::loadu(noise + j);
+      const fVec score = w / exponential_noise(low, high, static_cast<int32_t>(j));
       const fVec better = score > best;
       best = fVec::blendv(best, score, better);
       best_at = fVec::blendv(best_at, at_lane, better);
@@ -101,19 +151,19 @@ int64_t race_row(const float* p, int64_t vocab, uint64_t key, bool logits) {
     best.store(lane_value);
     best_at.store(lane_at);
     for (int64_t l = 0; l < kVec; ++l) {
-      const int64_t at = begin + static_cast<int64_t>(lane_at[l]);
+      const int64_t at = span + static_cast<int64_t>(lane_at[l]);
       if (lane_value[l] > best_value || (lane_value[l] == best_value && at < best_index)) {
         best_value = lane_value[l];
         best_index = at;
       }
     }
-    for (; j < n; ++j) {  // the chunk's tail, after every vector of it
-      const float w = logits ? std::exp(p[begin + j] - shift) : p[begin + j];
-      const float score = w / noise[j];
-      if (score > best_value) {
-        best_value = score;
-        best_index = begin + j;
-      }
+  }
+  for (; j < vocab; ++j) {  // the tail, after every whole vector
+    const float w = logits ? std::exp(p[j] - shift) : p[j];
+    const float score = w / exponential_noise(key, static_cast<uint32_t>(j));
+    if (score > best_value) {
+      best_value = score;
+      best_index = j;
     }
   }
   return best_index;
