@@ -79,8 +79,8 @@ def _build_lock(build: Path, wait_s: float):
 def load(isa: str | None = None, verbose: bool = False, wait_s: float = BUILD_WAIT_S):
     """The ops of the build for `isa` (default: this CPU's), compiling it on first use.
     Returns the `torch.ops` namespace holding paged_decode_attention, paged_prefill_attention,
-    write_kv, exponential_race and the decoder's fused element-wise ops (silu_mul, rms_norm,
-    rope). A build that failed raises the same error on every later call (the attention
+    write_kv, exponential_race, argmax_rows and the decoder's fused element-wise ops (silu_mul,
+    rms_norm, rope). A build that failed raises the same error on every later call (the attention
     backend and the sampler both ask for it at a worker's start). Waits at most `wait_s` for
     another process's build of the same kernels (TimeoutError, not cached: a later call waits
     again)."""
@@ -202,4 +202,12 @@ def exponential_race(probs: torch.Tensor, keys: list[int], logits: bool = False,
                           dtype=torch.long)  # the kernel reads the 64 bits back unsigned
     out = torch.empty(probs.shape[0], dtype=torch.long)
     (ops or load()).exponential_race(probs.float().contiguous(), signed, logits, out)
+    return out
+
+
+def argmax_rows(x: torch.Tensor, ops=None) -> torch.Tensor:
+    """[rows] torch.argmax(x, dim=-1) of a float32 [rows, n > 0] CPU tensor (ties to the lowest
+    index, a NaN as the largest), in the race kernel's file (csrc/sampling.cpp)."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    (ops or load()).argmax_rows(x.float().contiguous(), out)
     return out

@@ -1,6 +1,7 @@
 """The sampler's exponential race on the CPU (kernels/csrc/sampling.cpp) against
 kernels.reference.exponential_race, on the build this CPU takes and the portable one, 1 and 2
-threads; and the draws it makes follow the distribution."""
+threads; and the draws it makes follow the distribution. argmax_rows (the greedy rows' token)
+against torch.argmax."""
 import pytest
 import torch
 
@@ -79,3 +80,36 @@ def test_rows_without_finite_logits(ops, fill):
     logits[1, 9] = logits[1, 30] = fill
     out = cpu_attention.exponential_race(logits, [5, 6], True, ops=ops).tolist()
     assert out == [0, 9 if fill > 0 else 0]
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 17, 1003, 32000])
+def test_argmax_rows_equals_torch(ops, threads, n):
+    """Random rows, rows of ties (the first maximum wins, in the vector part and the tail), rows
+    masked whole (-inf: token 0), an +inf among finite values, and NaNs (torch counts a NaN as
+    the largest: its first one wins, wherever it lies)."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn((24, n), generator=gen)
+    x[1] = 0.0  # every token ties
+    x[2] = torch.randint(0, 3, (n,), generator=gen).float()  # ties among the largest
+    x[3] = float("-inf")
+    x[4, n // 2] = float("inf")
+    x[5, n - 1] = float("nan")  # in the tail where there is one
+    x[6, n // 3] = float("nan")
+    x[6, n - 1] = float("nan")
+    x[7, :] = float("nan")
+    x[8, n // 2] = x[8].max() + 1.0
+    x[8, n - 1] = x[8, n // 2]  # the maximum twice: the first
+    x[9, 0] = x[9].max() + 1.0
+    x[10, n - 1] = x[10].max() + 1.0
+    out = cpu_attention.argmax_rows(x, ops=ops)
+    assert out.tolist() == x.argmax(dim=-1).tolist()
+
+
+def test_argmax_rows_refuses_bad_input(ops):
+    out = torch.empty(2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(torch.rand((2, 10)).double(), out)
+    with pytest.raises(RuntimeError, match="n > 0"):
+        ops.argmax_rows(torch.rand((2, 0)), out)
+    with pytest.raises(RuntimeError, match="out"):
+        ops.argmax_rows(torch.rand((3, 10)), out)
