@@ -11,7 +11,7 @@ import asyncio
 import sys
 import traceback
 
-from common.worker import config, group, service
+from common.worker import config
 
 ROLES = {"prefill-worker": "prefill", "decode-worker": "decode"}  # subcommand -> role
 
@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    # torch and the model code (~5 s of imports) load here, not with the argument parser:
+    # `pdserve decode-worker --help` needs none of them
+    from common.worker import group, service
     try:
         cfg = config.config_from_args(ROLES[args.command], args)
     except ValueError as e:

@@ -1,4 +1,5 @@
-"""The KV transports by name: the known names and the factories of their senders and listeners.
+"""The KV transports by name: the factories of their senders and listeners (the known names are
+in the package, torch-free).
 
 The one module that knows every transport. Each is imported only when asked for, so a worker
 offering shm and tcp never loads torch.distributed (nccl) or the CUDA IPC code.
@@ -7,9 +8,8 @@ from __future__ import annotations
 
 from common.kv_cache import PagedKVCache
 from common.kv_layout import KVLayout, KVShard
+from common.kv_transfer import KNOWN_TRANSPORTS
 from common.kv_transfer.base import KVListener, KVReceiver, KVSender, TransferConfig
-
-KNOWN_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
 
 
 def _unknown(transport: str) -> ValueError:

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from common import metrics, tracing
-from common.kv_transfer.registry import KNOWN_TRANSPORTS
+from common.kv_transfer import KNOWN_TRANSPORTS
 from common.models import dtype as dtypes
 from common.tls import TLSFiles, add_tls_args, tls_from_args
 from common.worker.speculative import SpeculativeConfig

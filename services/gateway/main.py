@@ -9,18 +9,18 @@ import math
 import os
 import socket
 import sys
-
-import uvicorn
+from typing import TYPE_CHECKING
 
 from common import tracing
-from common.heap import freeze_startup_heap
 from common.tls import add_tls_args, is_loopback, tls_from_args
-from services.gateway.app import create_app
-from services.gateway.config import GatewayConfig
-from services.gateway.processes import run_processes
-from services.gateway.scheduler_client import SchedulerClient
-from services.gateway.structured_outputs import StructuredOutputsConfig
 from services.gateway.tools import PARSERS
+
+if TYPE_CHECKING:
+    from services.gateway.config import GatewayConfig
+
+# The serving modules (transformers, xgrammar, torch under them: ~6 s) are imported by
+# config_from_args and serve, before the gateway listens, not here: `pdserve gateway --help`
+# and the argument parser need none of them.
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    from services.gateway.config import GatewayConfig
+    from services.gateway.structured_outputs import StructuredOutputsConfig
     return GatewayConfig(
         model=args.model,
         host=args.host,
@@ -224,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         print("pdserve gateway: --workers must be >= 1", file=sys.stderr)
         return 2
     if args.workers > 1:
+        from services.gateway.processes import run_processes
         return run_processes(config, args.workers, args.uvicorn_log_level,
                              args.otlp_traces_endpoint)
     tracing.setup_tracing("pdserve-gateway", args.otlp_traces_endpoint)
@@ -237,6 +240,11 @@ async def serve(
     config: GatewayConfig, log_level: str = "info", sock: socket.socket | None = None
 ) -> int:
     """Run the gateway in the current event loop (on `sock` if given, else host:port)."""
+    import uvicorn
+
+    from common.heap import freeze_startup_heap
+    from services.gateway.app import create_app
+    from services.gateway.scheduler_client import SchedulerClient
     client = SchedulerClient.connect(
         config.scheduler, config.request_timeout_s, config.connect_timeout_s,
         config.scheduler_recovery_s, config.tls,

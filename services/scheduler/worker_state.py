@@ -10,7 +10,6 @@ from common.plans import BlockCopy, Fork, KVRecv, NewRequest, StepPlan, WorkerCo
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
 
-KNOWN_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")  # common/kv_transfer/registry.py's
 SAME_HOST_TRANSPORTS = ("shm", "cuda_ipc")
 SPEED_SMOOTHING = 0.2  # weight of the newest step in a worker's measured prefill speed
 MIN_TIMED_PREFILL = 16  # prompt tokens a step computes for its time to measure its worker's

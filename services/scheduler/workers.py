@@ -6,11 +6,12 @@ import logging
 from collections.abc import Iterator, Mapping
 
 from common.kv_layout import DTYPE_BYTES
+from common.kv_transfer import KNOWN_TRANSPORTS
 from common.plans import Registration
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.tier import TierPool
-from services.scheduler.worker_state import KNOWN_TRANSPORTS, WorkerState, transport_between
+from services.scheduler.worker_state import WorkerState, transport_between
 
 log = logging.getLogger(__name__)
 

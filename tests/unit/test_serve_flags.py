@@ -128,6 +128,18 @@ def test_each_services_help_shows_its_flags():
                 f"`pdserve {service} --help` lacks {flag}"
 
 
+def test_a_services_parser_loads_no_serving_module():
+    """`pdserve SERVICE --help` answers at once: building any service's parser imports neither
+    torch nor transformers nor xgrammar (those load when the service starts)."""
+    heavy = ("torch", "transformers", "xgrammar")
+    code = ("import sys; from services import cli\n"
+            f"for name in {sorted(cli.SERVICES)!r}: cli.build_parser([name])\n"
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True, cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.strip() == "[]"
+
+
 @pytest.mark.parametrize("flag", ["--keepalive-time", "--keepalive-timeout"])
 def test_scheduler_keepalive_flags_refuse_non_positive_values(flag):
     import argparse
