@@ -70,8 +70,10 @@ def stream_completion(url: str, body: dict, connection_retries: int = 0,
 
 
 class Stack:
-    def __init__(self, model_dir: Path, tmp: Path, *extra: str, command: str = "up"):
-        """`pdserve up --model DIR`, or `pdserve serve DIR` with command="serve"."""
+    def __init__(self, model_dir: Path, tmp: Path, *extra: str, command: str = "up",
+                 wait: bool = True):
+        """`pdserve up --model DIR`, or `pdserve serve DIR` with command="serve"; up when it
+        returns, or with wait=False started only (wait_up later: work can overlap the start)."""
         self.port, self.sched_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "stack.log"
@@ -84,7 +86,13 @@ class Stack:
                "--dtype", "float32", *extra]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      cwd=ROOT, start_new_session=True)
-        deadline = time.monotonic() + 240
+        if wait:
+            self.wait_up()
+
+    def wait_up(self, timeout: float = 240.0) -> None:
+        """Until the launcher says it is up; stops the stack and raises if it exits or the
+        timeout passes first."""
+        deadline = time.monotonic() + timeout
         while "pdserve is up" not in self.log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()

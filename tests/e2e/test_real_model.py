@@ -44,9 +44,18 @@ def smollm2(request) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2, tmp_path_factory):
+def starting(smollm2, tmp_path_factory):
+    """The stack, started: its workers read the GGUF while transformers reads it too (hf)."""
+    s = Stack(smollm2, tmp_path_factory.mktemp("stack"), "--num-kv-blocks", "128", wait=False)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2, starting, tmp_path_factory):
     """transformers on the GGUF alone (its own tokenizer conversion and weight reading), not
-    on the tokenizer files that fetch-model wrote beside it."""
+    on the tokenizer files that fetch-model wrote beside it; built while the stack starts (each
+    takes ~30 s here, mostly reading the file)."""
     gguf_file = find_gguf(smollm2)
     alone = tmp_path_factory.mktemp("gguf")
     (alone / gguf_file.name).symlink_to(gguf_file)
@@ -60,10 +69,9 @@ def hf(smollm2, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2, tmp_path_factory):
-    s = Stack(smollm2, tmp_path_factory.mktemp("stack"), "--num-kv-blocks", "128")
-    yield s
-    s.stop()
+def stack(starting, hf):
+    starting.wait_up()
+    return starting
 
 
 def _chat(stack, messages, **kw) -> dict:
