@@ -194,14 +194,17 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 
 
 def exponential_race(probs: torch.Tensor, keys: list[int], logits: bool = False,
-                     ops=None) -> torch.Tensor:
+                     ops=None, cut: torch.Tensor | None = None) -> torch.Tensor:
     """[rows] one token per row of probs [rows, vocab] (float32, rows need not sum to 1; with
     `logits`, log-weights, exponentiated in passing): the exponential race, its noise a function
-    of the row's 64-bit key (unsigned) and the token alone (reference.exponential_race)."""
+    of the row's 64-bit key (unsigned) and the token alone (reference.exponential_race). `cut`
+    [rows] (with `logits`): a row's logits below its cut weigh nothing, as if masked to -inf."""
     signed = torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys],
                           dtype=torch.long)  # the kernel reads the 64 bits back unsigned
     out = torch.empty(probs.shape[0], dtype=torch.long)
-    (ops or load()).exponential_race(probs.float().contiguous(), signed, logits, out)
+    if cut is not None:
+        cut = cut.float().contiguous()
+    (ops or load()).exponential_race(probs.float().contiguous(), signed, logits, cut, out)
     return out
 
 

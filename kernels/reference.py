@@ -148,11 +148,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def exponential_race(probs: torch.Tensor, keys: list[int], logits: bool = False) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, keys: list[int], logits: bool = False,
+                     cut: torch.Tensor | None = None) -> torch.Tensor:
     """[B] one draw per row of probs [B, V] (rows need not sum to 1; with `logits`, log-weights):
     argmax over i of probs[b, i] / E[b, i], E = -log U, U the top 23 bits of a hash of
-    (keys[b], i) centred in their interval; keys are 64-bit. The sampler's race on the CPU
+    (keys[b], i) centred in their interval; keys are 64-bit. With `cut` [B] (logits only), a
+    row's logits below its cut are -inf first. The sampler's race on the CPU
     (csrc/sampling.cpp)."""
+    if cut is not None:
+        probs = probs.masked_fill(probs < cut.unsqueeze(1), float("-inf"))
     if logits:
         probs = (probs.double() - probs.double().amax(dim=-1, keepdim=True)).exp()
     i = torch.arange(probs.shape[1], dtype=torch.int64, device=probs.device)

@@ -158,7 +158,19 @@ MAX_CANDIDATES = 1024
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                             top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask to -inf what top_k, then top_p, then min_p remove; returns a new tensor.
+    """Mask to -inf what top_k, then top_p, then min_p remove; returns a new tensor."""
+    return cut_below(logits, top_k_top_p_min_p_cut(logits, top_k, top_p, min_p))
+
+
+def cut_below(logits: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with each row's values below its cut [B] masked to -inf (a new tensor)."""
+    return logits.masked_fill(logits < cut.unsqueeze(1), float("-inf"))
+
+
+def top_k_top_p_min_p_cut(logits: torch.Tensor, top_k: torch.Tensor | None,
+                          top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """[B] each row's cut: the smallest logit that top_k, then top_p, then min_p keep (-inf
+    where none cuts); the tokens below it are what they remove.
 
     top_k: [B] long in [1, V]; top_p: [B] float in (0, 1]; min_p: [B] float in [0, 1]; None skips.
     At least the most likely token always survives. Each cut is a threshold on the row's logits
@@ -198,7 +210,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     if min_p is not None:  # p < min_p * p_max, in logits: l < l_max + log(min_p)
         floor = logits.amax(dim=-1) + min_p.log()
         cut = torch.maximum(cut, floor)
-    return logits.masked_fill(logits < cut.unsqueeze(1), float("-inf"))
+    return cut
 
 
 def _sorted_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -267,8 +279,8 @@ class Sampler:
         greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
         if all(greedy):
             return self._argmax(processed)
-        random_tokens = self.race(self._random_logits(processed, rows, greedy), rows, salt,
-                                  logits=True)  # [B]
+        tempered, cut = self._random_logits(processed, rows, greedy)
+        random_tokens = self.race(tempered, rows, salt, logits=True, cut=cut)  # [B]
         if not any(greedy):
             return random_tokens
         greedy_t = torch.tensor(greedy, device=logits.device)  # [B]
@@ -283,9 +295,11 @@ class Sampler:
         return logits.argmax(dim=-1)
 
     def _random_logits(self, logits: torch.Tensor, rows: list[SamplingRequest],
-                       greedy: list[bool]) -> torch.Tensor:
-        """[B, V]: processed logits / temperature, cut to -inf by top_k, top_p and min_p
-        (greedy rows at temperature 1); logits itself where nothing applies."""
+                       greedy: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([B, V] processed logits / temperature (greedy rows at temperature 1; logits
+        itself where no row has another), [B] the logit below which top_k, top_p and min_p cut
+        each row (None where no row has any)): the cut is applied by whoever samples, the CPU
+        kernel in passing."""
         device = logits.device
         vocab = logits.shape[1]
         temperatures = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
@@ -297,13 +311,13 @@ class Sampler:
         top_p = [r.params.top_p if 0 < r.params.top_p < 1 else 1.0 for r in rows]
         min_p = [r.params.min_p for r in rows]
         use_k, use_p, use_min_p = min(top_k) < vocab, min(top_p) < 1, max(min_p) > 0
-        if use_k or use_p or use_min_p:
-            logits = apply_top_k_top_p_min_p(
-                logits,
-                torch.tensor(top_k, dtype=torch.long, device=device) if use_k else None,
-                torch.tensor(top_p, dtype=logits.dtype, device=device) if use_p else None,
-                torch.tensor(min_p, dtype=logits.dtype, device=device) if use_min_p else None)
-        return logits
+        if not (use_k or use_p or use_min_p):
+            return logits, None
+        return logits, top_k_top_p_min_p_cut(
+            logits,
+            torch.tensor(top_k, dtype=torch.long, device=device) if use_k else None,
+            torch.tensor(top_p, dtype=logits.dtype, device=device) if use_p else None,
+            torch.tensor(min_p, dtype=logits.dtype, device=device) if use_min_p else None)
 
     def distribution(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> torch.Tensor:
         """[B, vocab_size]: the distribution each row samples from (what __call__ draws from),
@@ -311,24 +325,31 @@ class Sampler:
         logits = self._vocab(logits)
         processed = _processed(logits, rows)
         greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
-        probs = self._random_logits(processed, rows, greedy).softmax(dim=-1) \
-            if not all(greedy) else torch.zeros_like(processed)
+        if all(greedy):
+            probs = torch.zeros_like(processed)
+        else:
+            tempered, cut = self._random_logits(processed, rows, greedy)
+            probs = (tempered if cut is None else cut_below(tempered, cut)).softmax(dim=-1)
         hot = torch.tensor(greedy, device=logits.device)
         one_hot = torch.zeros_like(processed).scatter_(1, processed.argmax(-1, keepdim=True), 1.0)
         return torch.where(hot.unsqueeze(1), one_hot, probs)
 
     def race(self, probs: torch.Tensor, rows: list[SamplingRequest], salt: int = 0,
-             logits: bool = False) -> torch.Tensor:
+             logits: bool = False, cut: torch.Tensor | None = None) -> torch.Tensor:
         """[B] one token per row drawn from probs [B, V] (rows need not sum to 1; with `logits`,
         log-weights, softmaxed first or, in the CPU kernel, exponentiated in passing): the
         exponential race argmax(p / E), E ~ Exp(1) iid, drawn as -log(U) with U ~ U[0, 1)
         (on a CPU uniform_ and a vectorised log cost a quarter of exponential_). A seeded row's
         noise comes from (seed ^ salt, position) alone (its noise_seed where it has no seed);
         distinct salts give independent draws at one position; the other rows share the
-        sampler's generator."""
+        sampler's generator. `cut` [B] (with `logits`): each row's tokens below it take no
+        part (top_k, top_p, min_p), masked in passing by the CPU kernel."""
         seeds = [r.params.seed if r.params.seed is not None else r.noise_seed for r in rows]
+        assert cut is None or logits, "a cut applies to logits"
         if self._cpu_kernels is not None and probs.device.type == "cpu":
-            return self._cpu_race(probs, rows, seeds, salt, logits)
+            return self._cpu_race(probs, rows, seeds, salt, logits, cut)
+        if cut is not None:
+            probs = cut_below(probs, cut)
         if logits:
             probs = probs.softmax(dim=-1)
         noise = torch.empty_like(probs)
@@ -349,7 +370,8 @@ class Sampler:
         return torch.div(probs, noise, out=noise).argmax(dim=-1)
 
     def _cpu_race(self, probs: torch.Tensor, rows: list[SamplingRequest],
-                  seeds: list[int | None], salt: int, logits: bool) -> torch.Tensor:
+                  seeds: list[int | None], salt: int, logits: bool,
+                  cut: torch.Tensor | None) -> torch.Tensor:
         """The race in the CPU kernel: a seeded row's key from (seed ^ salt, position) alone, the
         other rows' from the sampler's generator."""
         from kernels import cpu_attention
@@ -357,7 +379,7 @@ class Sampler:
                                    generator=self._generator(probs.device)).tolist())
         keys = [next(fresh) if seed is None else row_seed(seed ^ salt, r.position)
                 for r, seed in zip(rows, seeds)]
-        return cpu_attention.exponential_race(probs, keys, logits, ops=self._cpu_kernels)
+        return cpu_attention.exponential_race(probs, keys, logits, ops=self._cpu_kernels, cut=cut)
 
     def new_seed(self) -> int:
         """A seed from the sampler's own generator: an unseeded request's noise seed."""

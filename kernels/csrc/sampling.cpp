@@ -1,6 +1,7 @@
 // The sampler's exponential race on the CPU: one token per row, argmax over i of p[i] / E[i]
 // with E[i] ~ Exp(1), which draws i with probability p[i] / sum(p). Given logits instead, the
-// weights are exp(x[i] - max x), made in passing: the softmax is never written out.
+// weights are exp(x[i] - max x), made in passing: the softmax is never written out, nor the
+// top_k / top_p / min_p mask (a row's cut: its logits below it weigh nothing).
 //
 // The noise is a function of the row's 64-bit key and i alone (a counter-based generator: two
 // rounds of a 32-bit integer hash), so a row's draw does not depend on the rows beside it or
@@ -125,12 +126,16 @@ inline fVec exponential_noise(const iVec& low, const iVec& high, int32_t begin) 
   return neg_log(u);
 }
 
-// With `logits`, p holds log-weights: the weights are exp(p - max p), computed in passing.
-int64_t race_row(const float* p, int64_t vocab, uint64_t key, bool logits) {
+// With `logits`, p holds log-weights: the weights are exp(p - max p), computed in passing, and
+// a log-weight below `cut` weighs nothing (as if it were -inf; -inf cuts nothing).
+int64_t race_row(const float* p, int64_t vocab, uint64_t key, bool logits, float cut) {
   const float shift = logits ? row_max(p, vocab) : 0.f;
+  if (logits && shift < cut)  // every logit cut: as a row all -inf
+    return 0;
   if (logits && !std::isfinite(shift))  // a +inf logit is certain; a row all -inf gives 0
     return std::find(p, p + vocab, shift) - p;
-  const fVec shift_v(shift);
+  const fVec shift_v(shift), cut_v(cut);
+  const bool cuts = cut > -std::numeric_limits<float>::infinity();
   const iVec low(static_cast<int32_t>(static_cast<uint32_t>(key)));
   const iVec high(static_cast<int32_t>(static_cast<uint32_t>(key >> 32)));
   // lanes keep their first maximum; indices travel as floats (exact below 2^24, and a row
@@ -144,7 +149,11 @@ int64_t race_row(const float* p, int64_t vocab, uint64_t key, bool logits) {
     fVec best(-1.f), best_at(0.f), at_lane = fVec::arange(0.f, 1.f);
     for (j = span; j + kVec <= span_end; j += kVec, at_lane = at_lane + fVec(float(kVec))) {
       fVec w = fVec::loadu(p + j);
-      if (logits) w = (w - shift_v).exp_u20();
+      if (logits) {
+        const fVec below = w < cut_v;
+        w = (w - shift_v).exp_u20();
+        if (cuts) w = fVec::blendv(w, fVec(0.f), below);
+      }
       const fVec score = w / exponential_noise(low, high, static_cast<int32_t>(j));
       const fVec better = score > best;
       best = fVec::blendv(best, score, better);
@@ -162,7 +171,7 @@ int64_t race_row(const float* p, int64_t vocab, uint64_t key, bool logits) {
     }
   }
   for (; j < vocab; ++j) {  // the tail, after every whole vector
-    const float w = logits ? std::exp(p[j] - shift) : p[j];
+    const float w = !logits ? p[j] : p[j] < cut ? 0.f : std::exp(p[j] - shift);
     const float score = w / exponential_noise(key, static_cast<uint32_t>(j));
     if (score > best_value) {
       best_value = score;
@@ -222,9 +231,10 @@ PDSERVE_ISA_END
 namespace {
 
 // probs: [rows, vocab] float32 (rows need not sum to 1), or with `logits` log-weights;
-// keys: [rows] int64; out: [rows] int64
+// keys: [rows] int64; cut (with `logits` only): [rows] float32, each row's logits below it
+// weigh nothing; out: [rows] int64
 void exponential_race(const at::Tensor& probs, const at::Tensor& keys, bool logits,
-                      at::Tensor out) {
+                      const c10::optional<at::Tensor>& cut, at::Tensor out) {
   TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat && probs.dim() == 2 &&
                   probs.stride(1) == 1,
               "probs: a float32 [rows, vocab] CPU tensor with contiguous rows");
@@ -235,13 +245,19 @@ void exponential_race(const at::Tensor& probs, const at::Tensor& keys, bool logi
   TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.is_contiguous() &&
                   out.size(0) == probs.size(0),
               "out: int64 [rows]");
+  TORCH_CHECK(!cut.has_value() ||
+                  (logits && cut->scalar_type() == at::kFloat && cut->dim() == 1 &&
+                   cut->is_contiguous() && cut->size(0) == probs.size(0)),
+              "cut: float32 [rows], with logits only");
   const float* p = probs.data_ptr<float>();
   const int64_t* k = keys.data_ptr<int64_t>();
+  const float* c = cut.has_value() ? cut->data_ptr<float>() : nullptr;
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t vocab = probs.size(1), stride = probs.stride(0);
   at::parallel_for(0, probs.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      o[r] = race_row(p + r * stride, vocab, static_cast<uint64_t>(k[r]), logits);
+      o[r] = race_row(p + r * stride, vocab, static_cast<uint64_t>(k[r]), logits,
+                      c ? c[r] : -std::numeric_limits<float>::infinity());
   });
 }
 
@@ -264,7 +280,8 @@ void argmax_rows(const at::Tensor& x, at::Tensor out) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PDSERVE_OPS, m) {
-  m.def("exponential_race(Tensor probs, Tensor keys, bool logits, Tensor(a!) out) -> ()");
+  m.def("exponential_race(Tensor probs, Tensor keys, bool logits, Tensor? cut, Tensor(a!) out) "
+        "-> ()");
   m.impl("exponential_race", c10::DispatchKey::CPU, &exponential_race);
   m.def("argmax_rows(Tensor x, Tensor(a!) out) -> ()");
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);

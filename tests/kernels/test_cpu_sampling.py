@@ -32,6 +32,28 @@ def test_equals_reference(ops, threads, vocab):
     assert out.tolist() == reference.exponential_race(logits + 3.0, keys, True).tolist()
 
 
+@pytest.mark.parametrize("vocab", [15, 1003, 32000])
+def test_a_cut_draws_as_logits_masked_below_it(ops, threads, vocab):
+    """top_k / top_p / min_p cuts passed to the kernel: the draws of the logits masked to -inf
+    below each row's cut, and the reference's; rows cut to their top token, cut nowhere (-inf),
+    and cut whole (a cut above the maximum: token 0, as a row all -inf)."""
+    gen = torch.Generator().manual_seed(vocab + 1)
+    rows = 40
+    logits = torch.randn((rows, vocab), generator=gen) * 3
+    keys = _keys(rows, vocab + 1)
+    kth = logits.sort(dim=-1, descending=True).values
+    cut = kth[torch.arange(rows), torch.randint(0, vocab, (rows,), generator=gen)]
+    cut[0] = kth[0, 0]  # only the top token survives
+    cut[1] = float("-inf")
+    cut[2] = kth[2, 0] + 1.0
+    out = cpu_attention.exponential_race(logits, keys, True, ops=ops, cut=cut).tolist()
+    masked = logits.masked_fill(logits < cut.unsqueeze(1), float("-inf"))
+    assert out == cpu_attention.exponential_race(masked, keys, True, ops=ops).tolist()
+    assert out == reference.exponential_race(logits, keys, True, cut=cut).tolist()
+    assert out[0] == int(logits[0].argmax()) and out[2] == 0
+    assert all(logits[i, t] >= cut[i] for i, t in enumerate(out) if i != 2)
+
+
 def test_a_row_draws_the_same_whatever_shares_its_batch(ops):
     gen = torch.Generator().manual_seed(1)
     probs = torch.rand((16, 500), generator=gen)
@@ -68,9 +90,13 @@ def test_bad_input_is_refused(ops):
     probs = torch.rand((2, 10))
     out = torch.empty(2, dtype=torch.long)
     with pytest.raises(RuntimeError, match="keys"):
-        ops.exponential_race(probs, torch.zeros(3, dtype=torch.long), False, out)
+        ops.exponential_race(probs, torch.zeros(3, dtype=torch.long), False, None, out)
     with pytest.raises(RuntimeError, match="float32"):
-        ops.exponential_race(probs.double(), torch.zeros(2, dtype=torch.long), False, out)
+        ops.exponential_race(probs.double(), torch.zeros(2, dtype=torch.long), False, None,
+                             out)
+    with pytest.raises(RuntimeError, match="cut"):
+        ops.exponential_race(probs, torch.zeros(2, dtype=torch.long), False, torch.zeros(2),
+                             out)
 
 
 @pytest.mark.parametrize("fill", [float("-inf"), float("inf")])

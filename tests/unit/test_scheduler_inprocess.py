@@ -881,9 +881,3 @@ def test_malformed_registrations_are_refused_and_nothing_else_changes(cluster, h
     for rid, p in prompts.items():
         assert c.tokens(rid) == _greedy(hf, p, 10), rid
     c.assert_all_free()
-
-
-def test_the_scheduler_knows_every_kv_transport():
-    from common.kv_transfer.registry import KNOWN_TRANSPORTS as BUILT
-    from services.scheduler.worker_state import KNOWN_TRANSPORTS
-    assert KNOWN_TRANSPORTS == BUILT
