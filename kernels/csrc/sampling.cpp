@@ -126,6 +126,22 @@ inline fVec exponential_noise(const iVec& low, const iVec& high, int32_t begin) 
   return neg_log(u);
 }
 
+// Folds a span's lanes (each its largest value and that value's index from `span`, as a
+// float) into (best_value, best_index): a larger value wins, an equal one at a lower index too.
+inline void fold_lanes(const fVec& best, const fVec& best_at, int64_t span, float& best_value,
+                       int64_t& best_index) {
+  float lane_value[kVec], lane_at[kVec];
+  best.store(lane_value);
+  best_at.store(lane_at);
+  for (int64_t l = 0; l < kVec; ++l) {
+    const int64_t at = span + static_cast<int64_t>(lane_at[l]);
+    if (lane_value[l] > best_value || (lane_value[l] == best_value && at < best_index)) {
+      best_value = lane_value[l];
+      best_index = at;
+    }
+  }
+}
+
 // With `logits`, p holds log-weights: the weights are exp(p - max p), computed in passing, and
 // a log-weight below `cut` weighs nothing (as if it were -inf; -inf cuts nothing).
 int64_t race_row(const float* p, int64_t vocab, uint64_t key, bool logits, float cut) {
@@ -159,16 +175,7 @@ int64_t race_row(const float* p, int64_t vocab, uint64_t key, bool logits, float
       best = fVec::blendv(best, score, better);
       best_at = fVec::blendv(best_at, at_lane, better);
     }
-    float lane_value[kVec], lane_at[kVec];
-    best.store(lane_value);
-    best_at.store(lane_at);
-    for (int64_t l = 0; l < kVec; ++l) {
-      const int64_t at = span + static_cast<int64_t>(lane_at[l]);
-      if (lane_value[l] > best_value || (lane_value[l] == best_value && at < best_index)) {
-        best_value = lane_value[l];
-        best_index = at;
-      }
-    }
+    fold_lanes(best, best_at, span, best_value, best_index);
   }
   for (; j < vocab; ++j) {  // the tail, after every whole vector
     const float w = !logits ? p[j] : p[j] < cut ? 0.f : std::exp(p[j] - shift);
@@ -200,16 +207,7 @@ int64_t argmax_row(const float* x, int64_t n) {
       best_at = fVec::blendv(best_at, at_lane, better);
       nan_seen = nan_seen | v.isnan();
     }
-    float lane_value[kVec], lane_at[kVec];
-    best.store(lane_value);
-    best_at.store(lane_at);
-    for (int64_t l = 0; l < kVec; ++l) {
-      const int64_t at = span + static_cast<int64_t>(lane_at[l]);
-      if (lane_value[l] > best_value || (lane_value[l] == best_value && at < best_index)) {
-        best_value = lane_value[l];
-        best_index = at;
-      }
-    }
+    fold_lanes(best, best_at, span, best_value, best_index);
   }
   bool nan = nan_seen.zero_mask() != (1 << kVec) - 1;
   for (; j < n && !nan; ++j) {  // the tail, after every whole vector
