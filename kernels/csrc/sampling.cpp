@@ -66,6 +66,9 @@ inline float neg_log(float u) {
   return -(e * 0.6931471805599453f + log_m);
 }
 
+// a row's vector lanes carry indices as floats, exact below 2^24: longer rows go in spans of it
+constexpr int64_t kSpan = int64_t{1} << 24;
+
 using iVec = at::vec::Vectorized<int32_t>;
 static_assert(iVec::size() == kVec, "as many int32 lanes as float lanes");
 
@@ -154,11 +157,9 @@ int64_t race_row(const float* p, int64_t vocab, uint64_t key, bool logits, float
   const bool cuts = cut > -std::numeric_limits<float>::infinity();
   const iVec low(static_cast<int32_t>(static_cast<uint32_t>(key)));
   const iVec high(static_cast<int32_t>(static_cast<uint32_t>(key >> 32)));
-  // lanes keep their first maximum; indices travel as floats (exact below 2^24, and a row
-  // longer than that is split into spans below it)
+  // lanes keep their first maximum (spans of kSpan: indices travel as floats)
   float best_value = -1.f;
   int64_t best_index = 0;
-  constexpr int64_t kSpan = int64_t{1} << 24;
   int64_t j = 0;
   for (int64_t span = 0; span + kVec <= vocab; span += kSpan) {
     const int64_t span_end = std::min(vocab, span + kSpan);
@@ -195,7 +196,6 @@ int64_t argmax_row(const float* x, int64_t n) {
   float best_value = kLowest;
   int64_t best_index = 0;
   fVec nan_seen(0.f);
-  constexpr int64_t kSpan = int64_t{1} << 24;  // indices travel as floats, exact below 2^24
   int64_t j = 0;
   for (int64_t span = 0; span + kVec <= n; span += kSpan) {
     const int64_t span_end = std::min(n, span + kSpan);

@@ -11,7 +11,10 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
+import uvicorn
+
 from common import tracing
+from common.heap import freeze_startup_heap
 from common.tls import add_tls_args, is_loopback, tls_from_args
 from services.gateway.tools import PARSERS
 
@@ -240,9 +243,6 @@ async def serve(
     config: GatewayConfig, log_level: str = "info", sock: socket.socket | None = None
 ) -> int:
     """Run the gateway in the current event loop (on `sock` if given, else host:port)."""
-    import uvicorn
-
-    from common.heap import freeze_startup_heap
     from services.gateway.app import create_app
     from services.gateway.scheduler_client import SchedulerClient
     client = SchedulerClient.connect(
