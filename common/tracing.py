@@ -7,8 +7,12 @@ installed: `enabled()` is False, the helpers below return no-ops and callers ski
 
 How a request's context travels:
 
-    gateway   HTTP server span (FastAPI instrumentation) -> manual spans -> gRPC client span
-    scheduler gRPC server span of Generate = the request's span (metadata carries the context)
+    gateway   HTTP server span (FastAPI instrumentation) -> manual spans -> client span
+              REQUEST_SPAN
+    scheduler server span REQUEST_SPAN = the request's span. On the gateway's Session stream
+              (long-lived, one for all its requests) both are made here and the context
+              rides in GenerateRequest.trace_context; a Generate call's are the gRPC
+              instrumentation's, with the context in the call's metadata
     workers   the request's span context rides in NewRequest.trace_context (the Attach stream
               is long-lived, so per-request context must travel inside the messages)
 """
@@ -20,6 +24,7 @@ import os
 from collections.abc import Iterator, Mapping, MutableMapping
 
 SERVICE_PREFIX = "pdserve-"
+REQUEST_SPAN = "/pdserve.scheduler.Scheduler/Generate"  # as the gRPC instrumentation names it
 _enabled = False
 
 
@@ -78,14 +83,16 @@ def span(name: str, attributes: Mapping | None = None, context=None):
 
 
 def start_span(name: str, context=None, attributes: Mapping | None = None,
-               start_time_s: float | None = None):
+               start_time_s: float | None = None, kind: str = "internal"):
     """A span the caller ends (`end_span`), not made current: for phases that outlive one
     synchronous block. `start_time_s` is a time.time() value, for spans recorded after the
-    fact. None when tracing is off."""
+    fact; `kind`: internal, client or server. None when tracing is off."""
     if not _enabled:
         return None
+    from opentelemetry.trace import SpanKind
     start = None if start_time_s is None else int(start_time_s * 1e9)
-    return tracer().start_span(name, context=context, attributes=attributes, start_time=start)
+    return tracer().start_span(name, context=context, attributes=attributes, start_time=start,
+                               kind=SpanKind[kind.upper()])
 
 
 def end_span(span_, end_time_s: float | None = None) -> None:
@@ -111,10 +118,10 @@ def use_span(span_) -> Iterator[None]:
         yield
 
 
-def inject(carrier: MutableMapping[str, str]) -> None:
-    """Writes the current context (W3C traceparent/tracestate) into carrier."""
+def inject(carrier: MutableMapping[str, str], context=None) -> None:
+    """Writes the current context, or `context` (W3C traceparent/tracestate), into carrier."""
     from opentelemetry.propagate import inject as _inject
-    _inject(carrier)
+    _inject(carrier, context=context)
 
 
 def extract(carrier: Mapping[str, str]):
@@ -136,13 +143,15 @@ def context_of(span_):
     return trace.set_span_in_context(span_)
 
 
-def aio_client_interceptors() -> list:
-    """Every call but health checks (a gateway's Watch stream lives as long as it does)."""
+def aio_client_interceptors(untraced: tuple[str, ...] = ()) -> list:
+    """Every call but health checks and the `untraced` methods (streams as long-lived as the
+    caller: a gateway's health Watch, its Session)."""
     if not _enabled:
         return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors as make
     from opentelemetry.instrumentation.grpc import filters
-    return make(filter_=filters.negate(filters.health_check()))
+    skip = filters.any_of(filters.health_check(), *map(filters.method_name, untraced))
+    return make(filter_=filters.negate(skip))
 
 
 def aio_server_interceptors(methods: tuple[str, ...]) -> list:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x11pdserve.scheduler\"\xc7\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x0e \x01(\x05\x12\x44\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x30.pdserve.scheduler.SamplingParams.LogitBiasEntry\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xf8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.scheduler.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nsample_ids\x18\x07 \x03(\t\x12\x31\n\x07resumed\x18\x08 \x03(\x0b\x32 .pdserve.scheduler.ResumedSample\"K\n\rResumedSample\x12\x0e\n\x06sample\x18\x01 \x01(\x05\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.pdserve.scheduler.TopLogprob\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\x97\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x32\n\x08logprobs\x18\x02 \x03(\x0b\x32 .pdserve.scheduler.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rstop_token_id\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0e\n\x06sample\x18\x08 \x01(\x05\x12\x39\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32 .pdserve.scheduler.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd3\x05\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x1e\n\x16prompt_tokens_computed\x18\x07 \x01(\x03\x12\x16\n\x0etokens_decoded\x18\x08 \x01(\x03\x12\x16\n\x0ekv_blocks_sent\x18\t \x01(\x03\x12\x1a\n\x12kv_blocks_received\x18\n \x01(\x03\x12\r\n\x05steps\x18\x0b \x01(\x03\x12\x1e\n\x16num_speculative_tokens\x18\x0c \x01(\x05\x12\x1e\n\x16spec_decode_num_drafts\x18\r \x01(\x03\x12$\n\x1cspec_decode_num_draft_tokens\x18\x0e \x01(\x03\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x0f \x01(\x03\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18\x10 \x03(\x03\x12\x1a\n\x12kv_frames_rejected\x18\x11 \x01(\x03\x12\x17\n\x0fnum_tier_blocks\x18\x12 \x01(\x05\x12\x0f\n\x07tier_id\x18\x13 \x01(\t\x12\x1c\n\x14num_tier_used_blocks\x18\x14 \x01(\x05\x12\x17\n\x0ftier_hit_tokens\x18\x15 \x01(\x03\x12\x1a\n\x12tier_blocks_stored\x18\x16 \x01(\x03\x12\x1a\n\x12tier_blocks_loaded\x18\x17 \x01(\x03\x12\x1c\n\x14tensor_parallel_size\x18\x18 \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\x19 \x01(\x05\x12\x1e\n\x16kv_bytes_sent_per_rank\x18\x1a \x03(\x03\"\x99\x01\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x14\n\x0cnum_finished\x18\x03 \x01(\x03\x12/\n\x07workers\x18\x04 \x03(\x0b\x32\x1e.pdserve.scheduler.WorkerStats\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x03\x32\xfa\x01\n\tScheduler\x12U\n\x08Generate\x12\".pdserve.scheduler.GenerateRequest\x1a#.pdserve.scheduler.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.pdserve.scheduler.AbortRequest\x1a .pdserve.scheduler.AbortResponse\x12J\n\x05Stats\x12\x1f.pdserve.scheduler.StatsRequest\x1a .pdserve.scheduler.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x11pdserve.scheduler\"\xc7\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x0e \x01(\x05\x12\x44\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x30.pdserve.scheduler.SamplingParams.LogitBiasEntry\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xfa\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.scheduler.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nsample_ids\x18\x07 \x03(\t\x12\x31\n\x07resumed\x18\x08 \x03(\x0b\x32 .pdserve.scheduler.ResumedSample\x12K\n\rtrace_context\x18\t \x03(\x0b\x32\x34.pdserve.scheduler.GenerateRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"K\n\rResumedSample\x12\x0e\n\x06sample\x18\x01 \x01(\x05\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.pdserve.scheduler.TopLogprob\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\xab\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x32\n\x08logprobs\x18\x02 \x03(\x0b\x32 .pdserve.scheduler.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rstop_token_id\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0e\n\x06sample\x18\x08 \x01(\x05\x12\x39\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32 .pdserve.scheduler.TokenLogprobs\x12\x12\n\nrequest_id\x18\n \x01(\t\"a\n\x0eSessionRequest\x12\x36\n\x08generate\x18\x01 \x01(\x0b\x32\".pdserve.scheduler.GenerateRequestH\x00\x12\x0f\n\x05\x61\x62ort\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"<\n\x07Refusal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"t\n\x0fSessionResponse\x12\x34\n\x07outputs\x18\x01 \x03(\x0b\x32#.pdserve.scheduler.GenerateResponse\x12+\n\x07refused\x18\x02 \x03(\x0b\x32\x1a.pdserve.scheduler.Refusal\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd3\x05\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x1e\n\x16prompt_tokens_computed\x18\x07 \x01(\x03\x12\x16\n\x0etokens_decoded\x18\x08 \x01(\x03\x12\x16\n\x0ekv_blocks_sent\x18\t \x01(\x03\x12\x1a\n\x12kv_blocks_received\x18\n \x01(\x03\x12\r\n\x05steps\x18\x0b \x01(\x03\x12\x1e\n\x16num_speculative_tokens\x18\x0c \x01(\x05\x12\x1e\n\x16spec_decode_num_drafts\x18\r \x01(\x03\x12$\n\x1cspec_decode_num_draft_tokens\x18\x0e \x01(\x03\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x0f \x01(\x03\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18\x10 \x03(\x03\x12\x1a\n\x12kv_frames_rejected\x18\x11 \x01(\x03\x12\x17\n\x0fnum_tier_blocks\x18\x12 \x01(\x05\x12\x0f\n\x07tier_id\x18\x13 \x01(\t\x12\x1c\n\x14num_tier_used_blocks\x18\x14 \x01(\x05\x12\x17\n\x0ftier_hit_tokens\x18\x15 \x01(\x03\x12\x1a\n\x12tier_blocks_stored\x18\x16 \x01(\x03\x12\x1a\n\x12tier_blocks_loaded\x18\x17 \x01(\x03\x12\x1c\n\x14tensor_parallel_size\x18\x18 \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\x19 \x01(\x05\x12\x1e\n\x16kv_bytes_sent_per_rank\x18\x1a \x03(\x03\"\x99\x01\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x14\n\x0cnum_finished\x18\x03 \x01(\x03\x12/\n\x07workers\x18\x04 \x03(\x0b\x32\x1e.pdserve.scheduler.WorkerStats\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x03\x32\xd0\x02\n\tScheduler\x12U\n\x08Generate\x12\".pdserve.scheduler.GenerateRequest\x1a#.pdserve.scheduler.GenerateResponse0\x01\x12T\n\x07Session\x12!.pdserve.scheduler.SessionRequest\x1a\".pdserve.scheduler.SessionResponse(\x01\x30\x01\x12J\n\x05\x41\x62ort\x12\x1f.pdserve.scheduler.AbortRequest\x1a .pdserve.scheduler.AbortResponse\x12J\n\x05Stats\x12\x1f.pdserve.scheduler.StatsRequest\x1a .pdserve.scheduler.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=46
   _globals['_SAMPLINGPARAMS']._serialized_end=501
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=444
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=492
   _globals['_GENERATEREQUEST']._serialized_start=504
-  _globals['_GENERATEREQUEST']._serialized_end=752
-  _globals['_RESUMEDSAMPLE']._serialized_start=754
-  _globals['_RESUMEDSAMPLE']._serialized_end=829
-  _globals['_TOPLOGPROB']._serialized_start=831
-  _globals['_TOPLOGPROB']._serialized_end=878
-  _globals['_TOKENLOGPROBS']._serialized_start=880
-  _globals['_TOKENLOGPROBS']._serialized_end=970
-  _globals['_GENERATERESPONSE']._serialized_start=973
-  _globals['_GENERATERESPONSE']._serialized_end=1252
-  _globals['_ABORTREQUEST']._serialized_start=1254
-  _globals['_ABORTREQUEST']._serialized_end=1288
-  _globals['_ABORTRESPONSE']._serialized_start=1290
-  _globals['_ABORTRESPONSE']._serialized_end=1320
-  _globals['_STATSREQUEST']._serialized_start=1322
-  _globals['_STATSREQUEST']._serialized_end=1336
-  _globals['_WORKERSTATS']._serialized_start=1339
-  _globals['_WORKERSTATS']._serialized_end=2062
-  _globals['_STATSRESPONSE']._serialized_start=2065
-  _globals['_STATSRESPONSE']._serialized_end=2218
-  _globals['_SCHEDULER']._serialized_start=2221
-  _globals['_SCHEDULER']._serialized_end=2471
+  _globals['_GENERATEREQUEST']._serialized_end=882
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_start=831
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_end=882
+  _globals['_RESUMEDSAMPLE']._serialized_start=884
+  _globals['_RESUMEDSAMPLE']._serialized_end=959
+  _globals['_TOPLOGPROB']._serialized_start=961
+  _globals['_TOPLOGPROB']._serialized_end=1008
+  _globals['_TOKENLOGPROBS']._serialized_start=1010
+  _globals['_TOKENLOGPROBS']._serialized_end=1100
+  _globals['_GENERATERESPONSE']._serialized_start=1103
+  _globals['_GENERATERESPONSE']._serialized_end=1402
+  _globals['_SESSIONREQUEST']._serialized_start=1404
+  _globals['_SESSIONREQUEST']._serialized_end=1501
+  _globals['_REFUSAL']._serialized_start=1503
+  _globals['_REFUSAL']._serialized_end=1563
+  _globals['_SESSIONRESPONSE']._serialized_start=1565
+  _globals['_SESSIONRESPONSE']._serialized_end=1681
+  _globals['_ABORTREQUEST']._serialized_start=1683
+  _globals['_ABORTREQUEST']._serialized_end=1717
+  _globals['_ABORTRESPONSE']._serialized_start=1719
+  _globals['_ABORTRESPONSE']._serialized_end=1749
+  _globals['_STATSREQUEST']._serialized_start=1751
+  _globals['_STATSREQUEST']._serialized_end=1765
+  _globals['_WORKERSTATS']._serialized_start=1768
+  _globals['_WORKERSTATS']._serialized_end=2491
+  _globals['_STATSRESPONSE']._serialized_start=2494
+  _globals['_STATSRESPONSE']._serialized_end=2647
+  _globals['_SCHEDULER']._serialized_start=2650
+  _globals['_SCHEDULER']._serialized_end=2986
 # @@protoc_insertion_point(module_scope)

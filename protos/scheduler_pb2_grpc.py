@@ -39,6 +39,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/pdserve.scheduler.Scheduler/Session',
+                request_serializer=protos_dot_scheduler__pb2.SessionRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.scheduler.Scheduler/Abort',
                 request_serializer=protos_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -56,6 +61,15 @@ class SchedulerServicer:
 
     def Generate(self, request, context):
         """One request; the stream carries token deltas until a finish reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """A gateway's requests on one stream: each GenerateRequest goes up as it arrives, and the
+        outputs of a step for all of them come down in one message (one message per step instead
+        of one per request and token). Closing the stream aborts what it still runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,6 +94,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_scheduler__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=protos_dot_scheduler__pb2.SessionRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.SessionResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -119,6 +138,33 @@ class Scheduler:
             '/pdserve.scheduler.Scheduler/Generate',
             protos_dot_scheduler__pb2.GenerateRequest.SerializeToString,
             protos_dot_scheduler__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.scheduler.Scheduler/Session',
+            protos_dot_scheduler__pb2.SessionRequest.SerializeToString,
+            protos_dot_scheduler__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,10 @@
-"""A thin async wrapper around the Scheduler gRPC stub; every call carries a deadline.
+"""A thin async wrapper around the Scheduler gRPC stub; every call and request carries a
+deadline.
+
+Requests go over one Session stream (protos/scheduler.proto): the scheduler sends the outputs of
+a step for all of this gateway's requests in one message, which the session's reader hands to
+each request's queue. A scheduler without Session (an older one, during a rolling upgrade) gets
+one Generate call per request instead.
 
 It speaks protobuf; protos/scheduler_codec.py turns the messages into the dataclasses
 (common/sampling_params.py) the rest of the gateway uses.
@@ -23,6 +29,14 @@ logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 10.0
 RESUBMIT_PAUSE_S = 0.2  # between a lost stream and its resubmission, and between tries
+SESSION_WRITE_TIMEOUT_S = 30.0  # a scheduler that takes no request in time: the session fails
+SESSION_METHOD = "/pdserve.scheduler.Scheduler/Session"
+_STATUS = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a Generate call would have ended with."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 DRAIN_TIMEOUT_S = 1.0
@@ -57,6 +71,8 @@ class SchedulerClient:
         self.recovery_s = recovery_s
         self._background: set[asyncio.Task] = set()
         self.readiness = SchedulerReadiness(channel)
+        self._session: _Session | None = None
+        self.sessions = True  # False once the scheduler answered Session UNIMPLEMENTED
 
     @classmethod
     def connect(
@@ -65,7 +81,7 @@ class SchedulerClient:
     ) -> SchedulerClient:
         """Open a channel (lazily connected) in the running event loop; with `tls`, mutual TLS
         as the gateway role."""
-        interceptors = tracing.aio_client_interceptors() or None
+        interceptors = tracing.aio_client_interceptors(untraced=(SESSION_METHOD,)) or None
         if tls is None:
             channel = grpc.aio.insecure_channel(address, options=channel_options(),
                                                 interceptors=interceptors)
@@ -81,7 +97,62 @@ class SchedulerClient:
     async def generate(
         self, request: scheduler_pb2.GenerateRequest, span=None
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        """`span`: made current while the call starts, so that it parents the call's span."""
+        """The request's responses (its samples' interleaved) until each sample it runs has
+        finished; raises the AioRpcError a Generate call would (a refusal, a lost scheduler,
+        DEADLINE_EXCEEDED after request_timeout_s). Closed early, it aborts what still runs.
+        `span`: the parent of the request's client span."""
+        if self.sessions:
+            got = False
+            try:
+                async for response in self._in_session(request, span):
+                    got = True
+                    yield response
+                return
+            except grpc.aio.AioRpcError as err:
+                if got or err.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                logger.warning("the scheduler has no Session: one Generate call per request")
+                self.sessions = False
+        async for response in self._call(request, span):
+            yield response
+
+    async def _in_session(
+        self, request: scheduler_pb2.GenerateRequest, span
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        if self._session is None or self._session.ended:
+            self._session = _Session(self._stub)
+        session = self._session
+        ids = [request.request_id, *request.sample_ids]
+        done = {s.sample for s in request.resumed if s.finished}
+        running = {j for j in range(len(ids)) if j not in done}
+        client_span = None
+        if span is not None:
+            client_span = tracing.start_span(tracing.REQUEST_SPAN, tracing.context_of(span),
+                                             kind="client")
+            tracing.inject(request.trace_context, tracing.context_of(client_span))
+        queue = session.open(request)
+        timer = asyncio.get_running_loop().call_later(
+            self._request_timeout_s, queue.put_nowait,
+            rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        try:
+            while running:
+                item = await queue.get()
+                if isinstance(item, grpc.aio.AioRpcError):
+                    if client_span is not None:
+                        client_span.set_attribute("rpc.grpc.status_code", item.code().value[0])
+                    raise item
+                if item.finish_reason:
+                    running.discard(item.sample)
+                yield item
+        finally:
+            timer.cancel()
+            session.close(request.request_id, [ids[j] for j in running])
+            tracing.end_span(client_span)
+
+    async def _call(
+        self, request: scheduler_pb2.GenerateRequest, span
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        """One Generate call (a scheduler without Session)."""
         with tracing.use_span(span):
             call = self._stub.Generate(request, timeout=self._request_timeout_s)
         responses = call.__aiter__()
@@ -127,10 +198,78 @@ class SchedulerClient:
         return True
 
     async def close(self) -> None:
+        if self._session is not None:
+            self._session.end()
         await self.readiness.close()
         if self._background:
             await asyncio.wait(set(self._background), timeout=ABORT_TIMEOUT_S)
         await self._channel.close()
+
+
+class _Session:
+    """The gateway's Session stream: requests go up through one writer task (a stream takes
+    one write at a time), responses come down to one reader task that hands each output to its
+    request's queue. When the stream fails every open request gets the error (lost: they are
+    resubmitted on the next session); `ended` then, and the client opens a new one."""
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+        self._call = stub.Session()
+        self._routes: dict[str, asyncio.Queue] = {}
+        self._outbox: asyncio.Queue[scheduler_pb2.SessionRequest] = asyncio.Queue()
+        self.ended = False
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._write())]
+
+    def open(self, request: scheduler_pb2.GenerateRequest) -> asyncio.Queue:
+        """Sends the request; its responses, or the error that ends it, come to the queue."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._routes[request.request_id] = queue
+        self._outbox.put_nowait(scheduler_pb2.SessionRequest(generate=request))
+        return queue
+
+    def close(self, request_id: str, unfinished: list[str]) -> None:
+        """The request's reader is done; the samples in `unfinished` are aborted."""
+        self._routes.pop(request_id, None)
+        if not self.ended:
+            for i in unfinished:
+                self._outbox.put_nowait(scheduler_pb2.SessionRequest(abort=i))
+
+    def end(self) -> None:
+        self._call.cancel()
+
+    async def _write(self) -> None:
+        while True:
+            message = await self._outbox.get()
+            try:
+                await asyncio.wait_for(self._call.write(message), SESSION_WRITE_TIMEOUT_S)
+            except TimeoutError:
+                logger.error("the scheduler took no request in %.0f s: the session fails",
+                             SESSION_WRITE_TIMEOUT_S)
+                self._call.cancel()
+                return
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                return  # the call ended: the reader says how
+
+    async def _read(self) -> None:
+        err = rpc_error(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the session")
+        try:
+            async for message in self._call:
+                for out in message.outputs:
+                    queue = self._routes.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                for refusal in message.refused:
+                    queue = self._routes.get(refusal.request_id)
+                    if queue is not None:
+                        queue.put_nowait(rpc_error(
+                            _STATUS.get(refusal.code, grpc.StatusCode.UNKNOWN), refusal.message))
+        except grpc.aio.AioRpcError as e:
+            err = e
+        finally:
+            self.ended = True
+            self._tasks[1].cancel()
+            for queue in self._routes.values():
+                queue.put_nowait(err)
 
 
 # how a call ends when its scheduler is gone: the connection failed, or a scheduler that stops

@@ -4,7 +4,9 @@ and leave.
 
 All policy lives in scheduler.py; this file only moves messages. One task per attached worker
 loops: plan when the worker is idle and has work, send, await the result (with a deadline),
-apply it, fan the outputs out to the requests' streams.
+apply it, fan the outputs out to the requests' streams: a Generate call's own stream, or the
+Session stream of the gateway that sent the request, where the outputs of one step for all its
+requests go out as one message.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 
 import grpc
 
@@ -48,13 +51,23 @@ STATS_ROLES = ("gateway", "admin")
 WORKER_ROLES = ("worker",)
 
 
+class Refused(Exception):
+    """A request not started: the status a Generate call ends with, a Session's Refusal."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.WorkerControlServicer):
     def __init__(self, config: SchedulerConfig, health: Health):
         self.config = config
         self.scheduler = Scheduler(config)
         self.health = health
         self.telemetry = SchedulerTelemetry(self.scheduler)
-        self._streams: dict[str, asyncio.Queue[Output]] = {}
+        # where each running request's outputs go: a Generate call's queue, or its Session
+        self._streams: dict[str, asyncio.Queue[Output] | _SessionRequest] = {}
         self._wake: dict[str, asyncio.Event] = {}
 
     def _wake_all(self) -> None:
@@ -92,35 +105,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
     async def Generate(self, request: scheduler_pb2.GenerateRequest, context):
         """One stream for the request and its samples (n > 1), until each has finished."""
         await self._authorize(context, GATEWAY_ROLES)
-        gen = request_from_pb(request)
-        ids = [gen.request_id or uuid.uuid4().hex, *gen.sample_ids]
-        for i in ids:
-            if i in self._streams:
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {i} is in use")
-        samples = [Request(request_id=i, prompt_token_ids=list(gen.prompt_token_ids),
-                           sampling=gen.sampling.for_sample(j),
-                           eos_token_ids=list(gen.eos_token_ids), priority=gen.priority,
-                           cache_salt=gen.cache_salt)
-                   for j, i in enumerate(ids)]
-        index = {i: j for j, i in enumerate(ids)}
         try:
-            samples = resume(samples, gen.resumed)
-            ids = [s.request_id for s in samples]
-            if gen.resumed:  # each goes on from its own tokens, past the waiting limit
-                for s in samples:
-                    self.scheduler.add_request(s, resumed=True)
-            elif samples:
-                self.scheduler.add_request(samples[0], samples[1:])
-        except (ValueError, QueueFull) as e:
-            for s in samples:  # those added before the one refused
-                self.scheduler.abort(s.request_id)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError)
-                                else grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            samples, index = self._start(request, tracing.current_span)
+        except Refused as e:
+            await context.abort(e.code, e.message)
         queue: asyncio.Queue[Output] = asyncio.Queue()
         for req in samples:
             self._streams[req.request_id] = queue
-            self.telemetry.on_generate(req, index[req.request_id])
         self._wake_all()
+        ids = [req.request_id for req in samples]
         num_output_tokens = dict.fromkeys(ids, 0)
         running = set(ids)
         try:
@@ -133,11 +126,118 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 yield _to_response(out, index[out.request_id])
         finally:  # finished, or the caller went away (cancellation lands here too)
             for i in ids:
-                self._streams.pop(i, None)
-                self.telemetry.on_end(i)
-                if self.scheduler.abort(i) is not None:
-                    log.info("request %s aborted: its stream closed", i)
-                    self._wake_all()
+                self._end(i)
+
+    def _start(self, request: scheduler_pb2.GenerateRequest, span_of: Callable[[], object],
+               ) -> tuple[list[Request], dict[str, int]]:
+        """Adds the request's samples to the scheduler (those a resumption still runs);
+        returns them and each id's sample index. Refused: nothing of it is left running.
+        `span_of()`: the request's span, for telemetry (tracing on)."""
+        gen = request_from_pb(request)
+        ids = [gen.request_id or uuid.uuid4().hex, *gen.sample_ids]
+        for i in ids:
+            if i in self._streams:
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {i} is in use")
+        samples = [Request(request_id=i, prompt_token_ids=list(gen.prompt_token_ids),
+                           sampling=gen.sampling.for_sample(j),
+                           eos_token_ids=list(gen.eos_token_ids), priority=gen.priority,
+                           cache_salt=gen.cache_salt)
+                   for j, i in enumerate(ids)]
+        index = {i: j for j, i in enumerate(ids)}
+        try:
+            samples = resume(samples, gen.resumed)
+            if gen.resumed:  # each goes on from its own tokens, past the waiting limit
+                for s in samples:
+                    self.scheduler.add_request(s, resumed=True)
+            elif samples:
+                self.scheduler.add_request(samples[0], samples[1:])
+        except (ValueError, QueueFull) as e:
+            for s in samples:  # those added before the one refused
+                self.scheduler.abort(s.request_id)
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError)
+                          else grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        if self.telemetry.active:
+            span = span_of() if tracing.enabled() else None
+            for req in samples:
+                self.telemetry.on_generate(req, index[req.request_id], span)
+        return samples, index
+
+    def _end(self, request_id: str) -> None:
+        """A request's stream is done with it: finished, or closed early (then aborted)."""
+        self._streams.pop(request_id, None)
+        self.telemetry.on_end(request_id)
+        if self.scheduler.abort(request_id) is not None:
+            log.info("request %s aborted: its stream closed", request_id)
+            self._wake_all()
+
+    async def Session(self, request_iterator, context):
+        """A gateway's requests, on one stream both ways (protos/scheduler.proto). The writer
+        below sends what the requests' outputs and refusals gathered since its last message:
+        the outputs of a step for every request in one message. Ends when the gateway closes
+        its side; what still runs is aborted."""
+        await self._authorize(context, GATEWAY_ROLES)
+        session = _Session()
+        reader = asyncio.create_task(self._read_session(context, session))
+        try:
+            while True:
+                await session.ready.wait()
+                session.ready.clear()
+                message = session.take()
+                if message is not None:
+                    await context.write(message)
+                if session.closed:
+                    break
+        finally:
+            reader.cancel()
+            for r in list(session.requests.values()):
+                r.close()
+
+    async def _read_session(self, context, session: _Session) -> None:
+        try:
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    break
+                if msg.HasField("generate"):
+                    self._session_generate(session, msg.generate)
+                elif msg.HasField("abort"):
+                    r = session.of_id.get(msg.abort)
+                    if r is not None:
+                        r.drop(msg.abort)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        finally:
+            session.closed = True
+            session.ready.set()
+
+    def _session_generate(self, session: _Session, request: scheduler_pb2.GenerateRequest
+                          ) -> None:
+        rid = request.request_id
+        span = None
+        try:
+            if not rid:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              "a session's request needs a request_id")
+            if rid in session.requests:
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid} is in use")
+            span = tracing.start_span(tracing.REQUEST_SPAN,
+                                      tracing.extract(request.trace_context), kind="server")
+            samples, index = self._start(request, lambda: span)
+        except Refused as e:
+            if span is not None:
+                span.set_attribute("rpc.grpc.status_code", e.code.value[0])
+                tracing.end_span(span)
+            session.refuse(rid, e.code, e.message)
+            return
+        r = _SessionRequest(self, session, rid, index, span)
+        for req in samples:
+            self._streams[req.request_id] = r
+            session.of_id[req.request_id] = r
+            r.running.add(req.request_id)
+        session.requests[rid] = r
+        if not r.running:  # a resumption whose samples had all finished
+            r.close()
+        self._wake_all()
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context):
         await self._authorize(context, GATEWAY_ROLES)
@@ -312,6 +412,79 @@ class _WorkerLink:
         self.context = context
         self.steps: deque[tuple[int, asyncio.Future[bool]]] = deque()
         self.gone = False
+
+
+class _Session:
+    """One gateway's Session stream: its requests by id (and by each sample's id), and what
+    waits to be written."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, _SessionRequest] = {}
+        self.of_id: dict[str, _SessionRequest] = {}
+        self.pending: list[scheduler_pb2.GenerateResponse] = []
+        self.refused: list[scheduler_pb2.Refusal] = []
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    def send(self, response: scheduler_pb2.GenerateResponse) -> None:
+        self.pending.append(response)
+        self.ready.set()
+
+    def refuse(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        self.refused.append(scheduler_pb2.Refusal(request_id=request_id, code=code.value[0],
+                                                  message=message))
+        self.ready.set()
+
+    def take(self) -> scheduler_pb2.SessionResponse | None:
+        """What gathered since the last message, as one message; None: nothing."""
+        if not self.pending and not self.refused:
+            return None
+        message = scheduler_pb2.SessionResponse(outputs=self.pending, refused=self.refused)
+        self.pending, self.refused = [], []
+        return message
+
+
+class _SessionRequest:
+    """A request on a Session: its outputs go to the session's next message, named by its
+    request_id; it ends when every sample it runs has finished or was aborted by the gateway.
+    put_nowait: the same call as a Generate stream's queue, for SchedulerService._dispatch."""
+
+    def __init__(self, service: SchedulerService, session: _Session, request_id: str,
+                 index: dict[str, int], span) -> None:
+        self.service = service
+        self.session = session
+        self.request_id = request_id
+        self.index = index
+        self.span = span
+        self.running: set[str] = set()
+        self.num_output_tokens = dict.fromkeys(index, 0)
+
+    def put_nowait(self, out: Output) -> None:
+        self.num_output_tokens[out.request_id] += len(out.token_ids)
+        response = _to_response(out, self.index[out.request_id])
+        response.request_id = self.request_id
+        self.session.send(response)
+        if out.finish_reason:
+            self.service.telemetry.on_finish(out, self.num_output_tokens[out.request_id])
+            self.drop(out.request_id)
+
+    def drop(self, request_id: str) -> None:
+        """One sample is done: finished, or aborted by the gateway (nothing more is sent for
+        it)."""
+        if request_id not in self.running:
+            return
+        self.running.discard(request_id)
+        self.session.of_id.pop(request_id, None)
+        self.service._end(request_id)
+        if not self.running:
+            self.close()
+
+    def close(self) -> None:
+        """Ends it, aborting the samples still running (the session ended)."""
+        for i in list(self.running):
+            self.drop(i)
+        if self.session.requests.pop(self.request_id, None) is not None:
+            tracing.end_span(self.span)
 
 
 def _to_response(out: Output, sample: int) -> scheduler_pb2.GenerateResponse:

@@ -3,7 +3,8 @@
 Metrics: gauges and counters are read from the scheduler's state when /metrics is scraped (no
 per-step cost); request_queue_time_seconds is observed when a request is first admitted.
 
-Spans, under the request's span (the gRPC server span of Generate):
+Spans, under the request's span (tracing.REQUEST_SPAN: the gRPC server span of a Generate call,
+or the span server.py makes for a request on a Session):
 
     scheduler.queue      arrival -> first admission
     scheduler.placement  the planning call that admitted it; the chosen workers and transport
@@ -57,22 +58,21 @@ class SchedulerTelemetry:
     def active(self) -> bool:
         return self.metrics_on or tracing.enabled()
 
-    def on_generate(self, req: Request, sample: int = 0) -> None:
-        """In the Generate handler, with the request's span current; the span's attributes
-        describe sample 0."""
+    def on_generate(self, req: Request, sample: int = 0, span=None) -> None:
+        """When the request starts; `span`: its span (tracing on), whose attributes describe
+        sample 0."""
         if not self.active:
             return
         t = _Tracked(time.time(), time.monotonic(), sample=sample)
-        if tracing.enabled() and sample:
-            t.span = tracing.current_span()
-        elif tracing.enabled():
-            span = tracing.current_span()
+        if span is not None and sample:
+            t.span = span
+        elif span is not None:
             span.set_attributes({"pdserve.request_id": req.request_id,
                                  "pdserve.prompt_tokens": len(req.prompt_token_ids),
                                  "pdserve.max_tokens": req.max_tokens,
                                  "pdserve.priority": req.priority})
             t.span, t.context = span, tracing.context_of(span)
-            tracing.inject(t.carrier)
+            tracing.inject(t.carrier, t.context)
         self._tracked[req.request_id] = t
 
     def on_plan(self, worker_id: str, plan: StepPlan | None,

@@ -285,3 +285,99 @@ def test_best_of_returns_the_likeliest_of_its_samples(stack, client):
     r = client.post("/v1/completions", json=_body(prompt, model=_model_name(client), n=2,
                                                   best_of=1))
     assert r.status_code == 400
+
+
+# -- the scheduler's Session stream (what the gateway speaks) -----------------------------------
+
+def _session_request(rid, prompt, max_tokens=MAX_TOKENS):
+    from protos import scheduler_pb2
+    return scheduler_pb2.SessionRequest(generate=scheduler_pb2.GenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=scheduler_pb2.SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, logprobs=-1, prompt_logprobs=-1,
+            top_p=1.0, repetition_penalty=1.0)))
+
+
+async def _in_session(stack, run):
+    """run(call) on a Session call to the stack's scheduler; its result."""
+    import grpc
+
+    from protos import scheduler_pb2_grpc
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.sched_port}") as channel:
+        call = scheduler_pb2_grpc.SchedulerStub(channel).Session(timeout=120)
+        try:
+            return await run(call)
+        finally:
+            call.cancel()
+
+
+def test_a_session_sends_each_steps_outputs_in_one_message_and_matches_hf(stack, hf):
+    prompts = {f"s{i}": _prompt(9 + i, 300 + i) for i in range(4)}
+
+    async def run(call):
+        for rid, prompt in prompts.items():
+            await call.write(_session_request(rid, prompt))
+        tokens = {rid: [] for rid in prompts}
+        running, messages = set(prompts), []
+        while running:
+            message = await call.read()
+            messages.append([o.request_id for o in message.outputs])
+            for o in message.outputs:
+                tokens[o.request_id] += o.token_ids
+                if o.finish_reason:
+                    assert o.finish_reason == "length" and o.sample == 0
+                    running.discard(o.request_id)
+        return tokens, messages
+
+    tokens, messages = asyncio.run(_in_session(stack, run))
+    assert tokens == {rid: _greedy(hf, p) for rid, p in prompts.items()}
+    # the four decode together: one message carries a step's token for each of them
+    assert max(len(set(ids)) for ids in messages) == 4
+    assert len(messages) < sum(map(len, messages))
+    assert stack.wait_idle()["num_running"] == 0
+
+
+def test_a_session_refuses_bad_requests_alone_and_aborts_on_request_and_on_close(stack, hf):
+    import grpc
+
+    from protos import scheduler_pb2
+
+    async def run(call):
+        await call.write(_session_request("long", _prompt(5, 310), max_tokens=1000))
+        await call.write(_session_request("long", _prompt(5, 311)))  # its id is in use
+        await call.write(_session_request("", _prompt(5, 312)))
+        await call.write(_session_request("huge", _prompt(5, 313), max_tokens=1 << 30))
+        await call.write(_session_request("ok", _prompt(7, 314)))
+        refused, ok, ok_done, long_tokens = {}, [], False, 0
+        while len(refused) < 3 or not ok_done or long_tokens < 3:
+            message = await call.read()
+            refused.update({r.request_id: r.code for r in message.refused})
+            for o in message.outputs:
+                if o.request_id == "ok":
+                    ok += o.token_ids
+                    ok_done = bool(o.finish_reason)
+                else:
+                    assert o.request_id == "long" and not o.finish_reason
+                    long_tokens += len(o.token_ids)
+        codes = grpc.StatusCode
+        assert refused == {"long": codes.ALREADY_EXISTS.value[0],
+                           "": codes.INVALID_ARGUMENT.value[0],
+                           "huge": codes.INVALID_ARGUMENT.value[0]}
+        assert ok == _greedy(hf, _prompt(7, 314))
+        await call.write(scheduler_pb2.SessionRequest(abort="long"))
+        await asyncio.to_thread(lambda: _until(lambda: stack.stats()["num_running"] == 0))
+        # the session goes on: a new request, left running when the session closes
+        await call.write(_session_request("left", _prompt(6, 315), max_tokens=1000))
+        while not any(o.request_id == "left" for o in (await call.read()).outputs):
+            pass
+
+    asyncio.run(_in_session(stack, run))
+    s = stack.wait_idle()  # closing the session aborted "left"
+    assert s["num_running"] == 0 and s["num_waiting"] == 0
+    assert all(w["num_free_blocks"] == w["num_blocks"] for w in s["workers"])
+
+
+def _until(predicate, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)

@@ -95,12 +95,65 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def Generate(
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        """The request's samples (n > 1) interleaved, one message each per round, as the real
-        scheduler's batches do; self.requests records each sample as its own request."""
-        samples = [_sample(request, j) for j in range(1 + len(request.sample_ids))]
-        self.requests.extend(samples)
+        samples = self._start(request)
         if self.fail_with is not None:
             await context.abort(*self.fail_with)
+        async for response in self._rounds(samples):
+            yield response
+
+    async def Session(
+        self, request_iterator: AsyncIterator[scheduler_pb2.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[scheduler_pb2.SessionResponse]:
+        """The same requests on one stream: each runs as a Generate call would, its responses
+        named by its request_id (one message each), fail_with as a refusal; an abort message
+        stops a sample as Abort does and is recorded as a cancellation (the gateway closed
+        its stream early), as is every sample still running when the session ends."""
+        messages: asyncio.Queue[scheduler_pb2.SessionResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def run(request: scheduler_pb2.GenerateRequest) -> None:
+            samples = self._start(request)
+            if self.fail_with is not None:
+                code, message = self.fail_with
+                refusal = scheduler_pb2.Refusal(request_id=request.request_id,
+                                                code=code.value[0], message=message)
+                messages.put_nowait(scheduler_pb2.SessionResponse(refused=[refusal]))
+                return
+            async for response in self._rounds(samples):
+                response.request_id = request.request_id
+                messages.put_nowait(scheduler_pb2.SessionResponse(outputs=[response]))
+
+        async def read() -> None:
+            async for message in request_iterator:
+                if message.HasField("generate"):
+                    task = asyncio.get_running_loop().create_task(run(message.generate))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                elif message.HasField("abort"):
+                    self.cancelled.append(message.abort)
+                    self._aborting.add(message.abort)
+            messages.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while (item := await messages.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    def _start(self, request: scheduler_pb2.GenerateRequest) -> list[scheduler_pb2.GenerateRequest]:
+        samples = [_sample(request, j) for j in range(1 + len(request.sample_ids))]
+        self.requests.extend(samples)
+        return samples
+
+    async def _rounds(
+        self, samples: list[scheduler_pb2.GenerateRequest]
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        """The request's samples (n > 1) interleaved, one message each per round, as the real
+        scheduler's batches do; self.requests records each sample as its own request."""
         pending = {j: self._responses(request_from_pb(s)) for j, s in enumerate(samples)}
         try:
             while pending:
@@ -191,13 +244,13 @@ def fake_prompt_logprobs(prompt_ids: tuple[int, ...] | list[int],
 
 
 async def start_fake_scheduler(
-    servicer: FakeScheduler, host: str = "127.0.0.1"
+    servicer: FakeScheduler, host: str = "127.0.0.1", port: int = 0
 ) -> tuple[grpc.aio.Server, str]:
-    """Serve `servicer` on host:0; returns (server, "host:port")."""
+    """Serve `servicer` on host:port (0: any free one); returns (server, "host:port")."""
     server = grpc.aio.server(options=server_options())  # the real scheduler's keepalive policy
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     Health(server)  # "" SERVING: as a scheduler with workers attached
-    port = server.add_insecure_port(f"{host}:0")
+    port = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return server, f"{host}:{port}"
 

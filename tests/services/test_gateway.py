@@ -11,6 +11,7 @@ import contextlib
 import json
 import socket
 
+import grpc
 import httpx
 import pytest
 
@@ -424,3 +425,86 @@ async def test_negative_seeds_wrap_to_the_unsigned_field(model_dir: str,
             response = await http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert [r.sampling.seed for r in gw.scheduler.requests] == [2**64 - 1, 0]
+
+
+def _request(rid: str, max_tokens: int = 4) -> scheduler_pb2.GenerateRequest:
+    return scheduler_pb2.GenerateRequest(
+        request_id=rid, prompt_token_ids=[1, 2],
+        sampling=scheduler_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                              logprobs=-1))
+
+
+async def test_requests_share_one_session_and_a_scheduler_without_one_gets_generate_calls(
+) -> None:
+    """Against a scheduler that serves Session, every request goes on the one stream; one
+    that does not (UNIMPLEMENTED: a scheduler older than the gateway) gets a Generate call per
+    request, the same responses."""
+    fake = FakeScheduler(output_ids=[5, 6, 7])
+    server, address = await start_fake_scheduler(fake)
+    client = SchedulerClient.connect(address)
+    try:
+        tokens = [[t async for r in client.generate(_request(f"a{i}")) for t in r.token_ids]
+                  for i in range(2)]
+        assert tokens == [[5, 6, 7, 5]] * 2 and client.sessions
+    finally:
+        await client.close()
+        await server.stop(None)
+
+    old = FakeScheduler(output_ids=[5, 6, 7])
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "pdserve.scheduler.Scheduler", {"Generate": grpc.unary_stream_rpc_method_handler(
+            old.Generate, request_deserializer=scheduler_pb2.GenerateRequest.FromString,
+            response_serializer=scheduler_pb2.GenerateResponse.SerializeToString)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = SchedulerClient.connect(f"127.0.0.1:{port}")
+    try:
+        tokens = [[t async for r in client.generate(_request(f"b{i}")) for t in r.token_ids]
+                  for i in range(2)]
+        assert tokens == [[5, 6, 7, 5]] * 2 and not client.sessions
+        assert [r.request_id for r in old.requests] == ["b0", "b1"]
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+async def test_a_request_past_its_deadline_fails_and_is_aborted_its_session_goes_on() -> None:
+    fake = FakeScheduler(output_ids=[5], delay_s=0.3)
+    server, address = await start_fake_scheduler(fake)
+    client = SchedulerClient.connect(address, request_timeout_s=0.5)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in client.generate(_request("slow", max_tokens=100)):
+                pass
+        assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        await wait_for(lambda: fake.cancelled == ["slow"])
+        tokens = [t async for r in client.generate(_request("quick", max_tokens=1))
+                  for t in r.token_ids]
+        assert tokens == [5] and fake.finished == ["quick"]
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+async def test_a_lost_session_fails_each_open_request_and_the_next_opens_another() -> None:
+    fake = FakeScheduler(output_ids=[5], delay_s=0.05)
+    server, address = await start_fake_scheduler(fake)
+    client = SchedulerClient.connect(address)
+    try:
+        streams = [client.generate(_request(f"c{i}", max_tokens=1000)) for i in range(2)]
+        for stream in streams:
+            await anext(stream)
+        await server.stop(None)  # the scheduler goes: both are lost, as a Generate call was
+        for stream in streams:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stream:
+                    pass
+            assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        server, _ = await start_fake_scheduler(fake, port=int(address.rsplit(":", 1)[1]))
+        tokens = [t async for r in client.generate(_request("d", max_tokens=2))
+                  for t in r.token_ids]
+        assert tokens == [5, 5]
+    finally:
+        await client.close()
+        await server.stop(None)
