@@ -163,7 +163,7 @@ async def test_the_scheduler_under_tls_answers_each_role_its_methods_only(
         stats = scheduler_pb2.StatsRequest()
         abort = scheduler_pb2.AbortRequest(request_id="nobody")
         generate = scheduler_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2])
-        expected = {  # role -> (Stats, Abort, Generate's first answer)
+        expected = {  # role -> (Stats, Abort, Generate's and Session's first answer)
             "gateway": (grpc.StatusCode.OK, grpc.StatusCode.OK, None),
             "admin": (grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED,
                       grpc.StatusCode.PERMISSION_DENIED),
@@ -180,6 +180,8 @@ async def test_the_scheduler_under_tls_answers_each_role_its_methods_only(
                 if want_generate is not None:
                     call = stub.Generate(generate, timeout=10)
                     assert await code_of(call.read()) == want_generate, name
+                    session = stub.Session(timeout=10)
+                    assert await code_of(session.read()) == want_generate, name
         for name in ("gateway", "admin", "scheduler"):
             code, details = await attach_code(address, role[name], write=False)
             assert code == grpc.StatusCode.PERMISSION_DENIED and "worker" in details, name
