@@ -41,6 +41,7 @@ from services.scheduler.telemetry import SchedulerTelemetry
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 5.0
+SESSION_MESSAGE_BYTES = 4 << 20  # a Session message gathers outputs up to this size
 TRACED_METHODS = ("Generate", "Abort")  # not Attach: one span as long as a worker's life
 API_SERVICE = "pdserve.scheduler.Scheduler"  # health: SERVING while the process serves its API
 PREFILL_SERVICE = "pdserve.prefill"  # health: a prefill worker can hand KV to a decode worker
@@ -182,8 +183,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             while True:
                 await session.ready.wait()
                 session.ready.clear()
-                message = session.take()
-                if message is not None:
+                for message in session.take():
                     await context.write(message)
                 if session.closed:
                     break
@@ -416,18 +416,26 @@ class _WorkerLink:
 
 class _Session:
     """One gateway's Session stream: its requests by id (and by each sample's id), and what
-    waits to be written."""
+    waits to be written: outputs in messages of up to SESSION_MESSAGE_BYTES (an output larger
+    than that goes alone, as on a Generate stream), refusals."""
 
     def __init__(self) -> None:
         self.requests: dict[str, _SessionRequest] = {}
         self.of_id: dict[str, _SessionRequest] = {}
+        self.full: list[list[scheduler_pb2.GenerateResponse]] = []
         self.pending: list[scheduler_pb2.GenerateResponse] = []
+        self.pending_bytes = 0
         self.refused: list[scheduler_pb2.Refusal] = []
         self.ready = asyncio.Event()
         self.closed = False
 
     def send(self, response: scheduler_pb2.GenerateResponse) -> None:
+        size = response.ByteSize()
+        if self.pending and self.pending_bytes + size > SESSION_MESSAGE_BYTES:
+            self.full.append(self.pending)
+            self.pending, self.pending_bytes = [], 0
         self.pending.append(response)
+        self.pending_bytes += size
         self.ready.set()
 
     def refuse(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
@@ -435,13 +443,14 @@ class _Session:
                                                   message=message))
         self.ready.set()
 
-    def take(self) -> scheduler_pb2.SessionResponse | None:
-        """What gathered since the last message, as one message; None: nothing."""
-        if not self.pending and not self.refused:
-            return None
-        message = scheduler_pb2.SessionResponse(outputs=self.pending, refused=self.refused)
-        self.pending, self.refused = [], []
-        return message
+    def take(self) -> list[scheduler_pb2.SessionResponse]:
+        """What gathered since the last messages, as messages to write in this order."""
+        batches = (self.full + [self.pending]) if self.pending else self.full
+        messages = [scheduler_pb2.SessionResponse(outputs=b) for b in batches]
+        if self.refused:
+            messages.append(scheduler_pb2.SessionResponse(refused=self.refused))
+        self.full, self.pending, self.pending_bytes, self.refused = [], [], 0, []
+        return messages
 
 
 class _SessionRequest:
