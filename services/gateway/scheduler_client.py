@@ -131,15 +131,17 @@ class SchedulerClient:
                                              kind="client")
             tracing.inject(request.trace_context, tracing.context_of(client_span))
         queue = session.open(request)
-        timer = asyncio.get_running_loop().call_later(
-            self._request_timeout_s, queue.put_nowait,
-            rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        late = rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        timer = asyncio.get_running_loop().call_later(self._request_timeout_s,
+                                                      queue.put_nowait, late)
         try:
             while running:
                 item = await queue.get()
                 if isinstance(item, grpc.aio.AioRpcError):
                     if client_span is not None:
                         client_span.set_attribute("rpc.grpc.status_code", item.code().value[0])
+                    if item is not late:
+                        running.clear()  # refused, or the session is gone: nothing runs
                     raise item
                 if item.finish_reason:
                     running.discard(item.sample)
@@ -278,9 +280,9 @@ LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 class SampleStreams:
-    """One Generate call for a prompt's samples (n > 1; n = 1 is one sample), split into one
-    response stream per sample. The call starts with the first stream iterated (whose span
-    parents it) and is cancelled once every stream was closed, which aborts what still runs."""
+    """One request to the scheduler for a prompt's samples (n > 1; n = 1 is one sample), split
+    into one response stream per sample. It starts with the first stream iterated (whose span
+    parents it) and is closed once every stream was closed, which aborts what still runs."""
 
     def __init__(self, client: SchedulerClient, request: scheduler_pb2.GenerateRequest) -> None:
         self.client = client

@@ -508,3 +508,22 @@ async def test_a_lost_session_fails_each_open_request_and_the_next_opens_another
     finally:
         await client.close()
         await server.stop(None)
+
+
+async def test_a_refused_request_fails_with_its_status_and_nothing_is_aborted() -> None:
+    fake = FakeScheduler(output_ids=[5])
+    fake.fail_with = (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+    server, address = await start_fake_scheduler(fake)
+    client = SchedulerClient.connect(address)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in client.generate(_request("e")):
+                pass
+        assert (err.value.code(), err.value.details()) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        fake.fail_with = None  # the session goes on
+        assert [t async for r in client.generate(_request("f", 1)) for t in r.token_ids] == [5]
+        assert fake.cancelled == [] and fake.aborted == []
+    finally:
+        await client.close()
+        await server.stop(None)
