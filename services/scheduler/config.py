@@ -23,6 +23,7 @@ class SchedulerConfig:
     decode_prefill_tokens: int = 256   # most prompt tokens a decode worker computes in a step
     decode_long_prefill_tokens: int = 32  # ... while it holds a long prompt, until timed
     decode_step_target_ms: float = 200.0  # ... then sized to steps of this length (0: fixed)
+    decode_hold_margin: float = 1.0    # ... taken if done in 1/margin of a prefill worker's time
     max_num_partial_prefills: int = 2  # a short prompt's fast lane beside one long prompt
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: half the step budget when partials > 1
@@ -58,6 +59,8 @@ class SchedulerConfig:
             raise ValueError("--decode-long-prefill-tokens must be >= 1")
         if self.decode_step_target_ms < 0:
             raise ValueError("--decode-step-target-ms must be >= 0")
+        if self.decode_hold_margin < 1:
+            raise ValueError("--decode-hold-margin must be >= 1")
         if self.num_scheduler_steps < 1:
             raise ValueError("--num-scheduler-steps must be >= 1")
         if self.decode_prefill_tokens < 1:

@@ -66,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measured steps say fit in this many ms beside its batch: about the "
                         "TPOT its requests see meanwhile; 0: always "
                         "--decode-long-prefill-tokens")
+    p.add_argument("--decode-hold-margin", type=float, default=d.decode_hold_margin,
+                   help="under --saturated-prefill-bypass a decode worker takes a long prompt "
+                        "only if, at the measured speeds, it would finish it in 1/margin of "
+                        "the time the soonest prefill worker needs (its backlog and the "
+                        "prompt): its decodes slow to --decode-step-target-ms meanwhile, so "
+                        "it takes one only when that wins the prompt much time; 1: whenever "
+                        "it would finish sooner")
     p.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
                    help="prompts a worker may have started and not finished prefilling at once")
     p.add_argument("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
@@ -115,6 +122,7 @@ def config_from_args(args) -> SchedulerConfig:
                            decode_prefill_tokens=args.decode_prefill_tokens,
                            decode_long_prefill_tokens=args.decode_long_prefill_tokens,
                            decode_step_target_ms=args.decode_step_target_ms,
+                           decode_hold_margin=args.decode_hold_margin,
                            max_num_partial_prefills=args.max_num_partial_prefills,
                            max_long_partial_prefills=args.max_long_partial_prefills,
                            long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -20,7 +20,8 @@ Who prefills a prompt:
                                      long prompt of its own and a quarter of its blocks free,
                                      and at the prefill speeds measured so far it finishes the
                                      prompt before a prefill worker would get through its
-                                     backlog and the prompt, or
+                                     backlog and the prompt (in 1/--decode-hold-margin of that
+                                     time), or
                                    - its KV transfer failed once (prefill_locally)
                                    and, among prefill workers, the one caching most of its
                                    prefix
@@ -222,12 +223,13 @@ class Prefill:
 
     def _done_sooner_here(self, w: WorkerState, req: Request, todo: int,
                           prefills: list[WorkerState]) -> bool:
-        """Whether decode worker w, at its measured prefill speed, finishes req's prefill
-        before the soonest prefill worker would: that one first finishes what it has started
-        and the longer prompts queued ahead of req. A decode worker prefills in chunks beside
-        its batch, slower than a prefill worker; a prompt it takes stays with it, so it
-        takes one only when the prefill workers are far enough behind. Unmeasured speeds
-        (no step timed yet): it takes it."""
+        """Whether decode worker w, at its measured prefill speed, finishes req's prefill in
+        1/--decode-hold-margin of the time the soonest prefill worker would take: that one
+        first finishes what it has started and the longer prompts queued ahead of req. A
+        decode worker prefills in chunks beside its batch, slower than a prefill worker, and
+        every request it decodes meanwhile runs at --decode-step-target-ms; a prompt it takes
+        stays with it, so it takes one only when the prefill workers are far enough behind
+        that the prompt gains much. Unmeasured speeds (no step timed yet): it takes it."""
         if not w.prefill_speed.seconds_per_token:
             return True
         ahead = 0
@@ -238,7 +240,8 @@ class Prefill:
                 ahead += r.num_tokens - r.num_computed_tokens
         elsewhere = [p.prefill_speed.seconds(self._backlog(p) + ahead + todo)
                      for p in prefills if p.prefill_speed.seconds_per_token]
-        return not elsewhere or w.prefill_speed.seconds(todo) < min(elsewhere)
+        here = w.prefill_speed.seconds(todo) * self.config.decode_hold_margin
+        return not elsewhere or here < min(elsewhere)
 
     def _backlog(self, p: WorkerState) -> int:
         """Prompt tokens prefill worker p has started and not computed yet: in its steps

@@ -223,14 +223,16 @@ def test_a_decode_step_target_of_zero_keeps_the_long_prompt_chunk_fixed():
     c.assert_all_free()
 
 
-@pytest.mark.parametrize("decode_ms_per_token, taken", [(3.0, False), (1.5, True)])
-def test_a_decode_worker_takes_a_long_prompt_only_if_done_sooner_there(decode_ms_per_token,
-                                                                       taken):
+@pytest.mark.parametrize("decode_ms_per_token, margin, taken", [
+    (3.0, 1, False), (1.5, 1, True), (1.5, 2, False), (0.9, 2, True)])
+def test_a_decode_worker_takes_a_long_prompt_only_if_done_much_sooner_there(
+        decode_ms_per_token, margin, taken):
     """p0 computes a token in 1 ms and has long1's 20 tokens to go (8 in its running step);
     long2 (20 tokens) would be done there in 40 ms. The decode worker, at 3 ms a token, would
-    take 60 ms: it leaves long2 to p0. At 1.5 ms (30 ms) it takes it."""
+    take 60 ms: it leaves long2 to p0. At 1.5 ms (30 ms) it takes it, unless it must be done
+    in half p0's time (margin 2: 60 > 40); at 0.9 ms (18 ms, 36 with the margin) it does."""
     c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
-                max_num_batched_tokens=8, max_num_partial_prefills=1)
+                max_num_batched_tokens=8, max_num_partial_prefills=1, decode_hold_margin=margin)
     c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.001
     c.sched.workers["d0"].prefill_speed.seconds_per_token = decode_ms_per_token / 1000
     c.submit("long1", list(range(100, 120)), max_tokens=1)
@@ -263,3 +265,10 @@ def test_a_long_prompt_behind_a_busy_prefill_worker_is_chunked_on_the_decode_wor
         c.run()
         assert c.workers["d0"].prompt_tokens == 20 and c.workers["p0"].prompt_tokens == 40
         c.assert_all_free()
+
+
+def test_a_decode_hold_margin_below_one_is_refused():
+    from services.scheduler.config import SchedulerConfig
+    with pytest.raises(ValueError, match="--decode-hold-margin must be >= 1"):
+        SchedulerConfig(decode_hold_margin=0.5)
+    assert SchedulerConfig().decode_hold_margin == 1.0  # the default: whenever done sooner
