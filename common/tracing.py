@@ -144,14 +144,19 @@ def context_of(span_):
 
 
 def aio_client_interceptors(untraced: tuple[str, ...] = ()) -> list:
-    """Every call but health checks and the `untraced` methods (streams as long-lived as the
-    caller: a gateway's health Watch, its Session)."""
+    """Every call but health checks and the `untraced` methods, by name ("Session"): streams
+    as long-lived as the caller (a gateway's health Watch, its Session)."""
     if not _enabled:
         return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors as make
+    return make(filter_=client_filter(untraced))
+
+
+def client_filter(untraced: tuple[str, ...] = ()):
+    """aio_client_interceptors' filter: true for the calls it traces."""
     from opentelemetry.instrumentation.grpc import filters
     skip = filters.any_of(filters.health_check(), *map(filters.method_name, untraced))
-    return make(filter_=filters.negate(skip))
+    return filters.negate(skip)
 
 
 def aio_server_interceptors(methods: tuple[str, ...]) -> list:

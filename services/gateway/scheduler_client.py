@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 10.0
 RESUBMIT_PAUSE_S = 0.2  # between a lost stream and its resubmission, and between tries
 SESSION_WRITE_TIMEOUT_S = 30.0  # a scheduler that takes no request in time: the session fails
-SESSION_METHOD = "/pdserve.scheduler.Scheduler/Session"
+SESSION_METHOD = "Session"  # its name, as the tracing filters match it
 _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
 

@@ -41,6 +41,23 @@ def test_without_an_endpoint_nothing_is_installed(no_otel_env):
         pass
 
 
+def test_the_gateways_client_traces_requests_but_not_its_long_lived_streams():
+    """The filter of the gateway's client interceptor: Generate and Abort get a span; the
+    health Watch and the Session stream (each as long-lived as the gateway) do not."""
+    import grpc
+
+    from services.gateway.scheduler_client import SESSION_METHOD
+    traced = tracing.client_filter(untraced=(SESSION_METHOD,))
+
+    def call(method: str) -> grpc.aio.ClientCallDetails:
+        return grpc.aio.ClientCallDetails(method, None, None, None, None)
+
+    assert traced(call("/pdserve.scheduler.Scheduler/Generate"))
+    assert traced(call("/pdserve.scheduler.Scheduler/Abort"))
+    assert not traced(call("/pdserve.scheduler.Scheduler/Session"))
+    assert not traced(call("/grpc.health.v1.Health/Watch"))
+
+
 def test_metrics_server_answers_get_metrics_only():
     registry = CollectorRegistry()
     Counter("pdserve:things", "Things.", registry=registry).inc(3)
