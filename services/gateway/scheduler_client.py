@@ -220,7 +220,8 @@ class _Session:
         self._outbox: asyncio.Queue[scheduler_pb2.SessionRequest] = asyncio.Queue()
         self.ended = False
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read()), loop.create_task(self._write())]
+        self._reader = loop.create_task(self._read())
+        self._writer = loop.create_task(self._write())
 
     def open(self, request: scheduler_pb2.GenerateRequest) -> asyncio.Queue:
         """Sends the request; its responses, or the error that ends it, come to the queue."""
@@ -269,7 +270,7 @@ class _Session:
             err = e
         finally:
             self.ended = True
-            self._tasks[1].cancel()
+            self._writer.cancel()
             for queue in self._routes.values():
                 queue.put_nowait(err)
 

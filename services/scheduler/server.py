@@ -115,14 +115,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             self._streams[req.request_id] = queue
         self._wake_all()
         ids = [req.request_id for req in samples]
-        num_output_tokens = dict.fromkeys(ids, 0)
         running = set(ids)
         try:
             while running:
                 out = await queue.get()
-                num_output_tokens[out.request_id] += len(out.token_ids)
+                self.telemetry.on_output(out)
                 if out.finish_reason:
-                    self.telemetry.on_finish(out, num_output_tokens[out.request_id])
                     running.discard(out.request_id)
                 yield _to_response(out, index[out.request_id])
         finally:  # finished, or the caller went away (cancellation lands here too)
@@ -466,15 +464,13 @@ class _SessionRequest:
         self.index = index
         self.span = span
         self.running: set[str] = set()
-        self.num_output_tokens = dict.fromkeys(index, 0)
 
     def put_nowait(self, out: Output) -> None:
-        self.num_output_tokens[out.request_id] += len(out.token_ids)
         response = _to_response(out, self.index[out.request_id])
         response.request_id = self.request_id
         self.session.send(response)
+        self.service.telemetry.on_output(out)
         if out.finish_reason:
-            self.service.telemetry.on_finish(out, self.num_output_tokens[out.request_id])
             self.drop(out.request_id)
 
     def drop(self, request_id: str) -> None:

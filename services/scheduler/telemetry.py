@@ -40,6 +40,7 @@ class _Tracked:
     context: object = None                  # ... as the parent of the spans made here
     admitted: bool = False
     sample: int = 0                         # n > 1: its index; the samples share one span
+    output_tokens: int = 0                  # streamed so far
 
 
 class SchedulerTelemetry:
@@ -113,12 +114,16 @@ class SchedulerTelemetry:
         assert t.span is not None, "on_generate sets the span whenever it sets the context"
         t.span.set_attributes(attrs)
 
-    def on_finish(self, out: Output, num_output_tokens: int) -> None:
+    def on_output(self, out: Output) -> None:
+        """Each output its stream sends; the last one (a finish) describes it in its span."""
         t = self._tracked.get(out.request_id)
-        if t is None or t.span is None or t.sample:
+        if t is None:
+            return
+        t.output_tokens += len(out.token_ids)
+        if not out.finish_reason or t.span is None or t.sample:
             return
         t.span.set_attributes({
-            "pdserve.output_tokens": num_output_tokens,
+            "pdserve.output_tokens": t.output_tokens,
             "pdserve.cached_tokens": out.num_cached_tokens,
             "pdserve.finish_reason": out.finish_reason})
 

@@ -145,6 +145,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 task.cancel()
 
     def _start(self, request: scheduler_pb2.GenerateRequest) -> list[scheduler_pb2.GenerateRequest]:
+        """The request's samples; self.requests records each as its own request."""
         samples = [_sample(request, j) for j in range(1 + len(request.sample_ids))]
         self.requests.extend(samples)
         return samples
@@ -153,7 +154,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self, samples: list[scheduler_pb2.GenerateRequest]
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         """The request's samples (n > 1) interleaved, one message each per round, as the real
-        scheduler's batches do; self.requests records each sample as its own request."""
+        scheduler's batches do."""
         pending = {j: self._responses(request_from_pb(s)) for j, s in enumerate(samples)}
         try:
             while pending:
