@@ -2,6 +2,13 @@
 transfer's share of TTFT for a 2k-token prompt on the tiny model, in one run.
 
     .venv/bin/python benchmarks/kv_transfer.py
+    python benchmarks/kv_transfer.py --device cuda     # GPU caches: cuda_ipc and tcp
+
+On a GPU (`--device cuda`) the caches have the 1B bench model's layout (16 layers, 8 KV heads of
+64, bf16, 16-token blocks: 512 KiB a block) and sit in device memory: cuda_ipc copies into a
+receiver process's cache (the two workers of one host), tcp sends over loopback (device to host,
+socket, host to device), beside a device-to-device copy of the same bytes (the bound); each with
+the blocks in one run and scattered one by one over the receiver's cache.
 
 Every tcp and nccl frame carries a digest of its payload that the receiver checks (xxh3-128, or
 HMAC-SHA256 with `--kv-secret`): the table shows both digests' own GB/s on one thread and tcp
@@ -48,7 +55,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
+    if args.device == "cuda":
+        return gpu_main(args.sizes_mib, args.repeat)
     max_blocks = max(args.sizes_mib) * (1 << 20) // LAYOUT.block_bytes
     src = PagedKVCache(LAYOUT, max_blocks)
     src.tensor.normal_()
@@ -141,6 +151,94 @@ def ttft_share(senders, receiver) -> None:
         t = best_of(once, 3)
         print(f"  {name:>16}: transfer {t * 1e3:6.2f} ms = {t / (prefill + t):6.1%} of "
               f"prefill + transfer")
+
+
+GPU_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_size=16,
+                      dtype="bfloat16")
+GPU_RECEIVER = """
+import sys, torch
+from common.kv_cache import PagedKVCache
+from common.kv_layout import KVLayout
+from common.kv_transfer.cuda_ipc import CudaIpcListener
+layout = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_size=16, dtype="bfloat16")
+cache = PagedKVCache(layout, int(sys.argv[1]), device="cuda")
+print(CudaIpcListener(cache).endpoint(), flush=True)
+for line in sys.stdin:  # block ids to checksum, after the sender's copies
+    torch.cuda.synchronize()
+    ids = torch.tensor([int(b) for b in line.split()], device="cuda")
+    print(float(cache.tensor[:, :, ids].float().sum()), flush=True)
+"""
+
+
+def gpu_main(sizes_mib: list[int], repeat: int) -> int:
+    """cuda_ipc into another process's GPU cache and tcp over loopback, beside device memcpy."""
+    import subprocess
+
+    from common.kv_transfer.cuda_ipc import CudaIpcSender
+
+    layout = GPU_LAYOUT
+    max_blocks = max(sizes_mib) * (1 << 20) // layout.block_bytes
+    src = PagedKVCache(layout, max_blocks, device="cuda")
+    src.tensor.normal_()
+    dst = PagedKVCache(layout, max_blocks, device="cuda")
+    proc = subprocess.Popen([sys.executable, "-c", GPU_RECEIVER, str(max_blocks)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    receiver = KVReceiver()
+    tcp = TcpListener(dst, receiver, TransferConfig(timeout_s=120))
+    asyncio.run_coroutine_threadsafe(tcp.start(), loop).result()
+    try:
+        ipc_endpoint = proc.stdout.readline().strip()
+        senders = {"cuda_ipc": (CudaIpcSender(layout), ipc_endpoint),
+                   "tcp (loopback)": (TcpSender(layout, TransferConfig(timeout_s=120)),
+                                      tcp.endpoint())}
+        print(f"{torch.cuda.get_device_name()}; {layout.block_bytes >> 10} KiB a block")
+        print(f"{'MiB':>6} {'blocks':>7} {'ids':>9} {'d2d copy GB/s':>14} "
+              + " ".join(f"{name + ' GB/s':>20}" for name in senders))
+        n = 0
+        for mib in sizes_mib:
+            blocks = mib * (1 << 20) // layout.block_bytes
+            nbytes = blocks * layout.block_bytes
+            flat_src = src.tensor[:, :, :blocks].contiguous()
+            flat_dst = torch.empty_like(flat_src)
+
+            def d2d():
+                flat_dst.copy_(flat_src)
+                torch.cuda.synchronize()
+            bound = nbytes / best_of(d2d, repeat) / 1e9
+            src_ids = list(range(blocks))
+            generator = torch.Generator().manual_seed(mib)
+            scattered = torch.randperm(max_blocks, generator=generator)[:blocks].tolist()
+            for label, dst_ids in (("in a run", src_ids), ("scattered", scattered)):
+                row = []
+                for name, (sender, endpoint) in senders.items():
+                    def once():
+                        nonlocal n
+                        n += 1
+                        receiver.expect(f"t{n}", f"r{n}", dst_ids, name.split()[0])
+                        sender.send(f"t{n}", src, src_ids, endpoint, dst_ids)
+                        receiver.complete(f"t{n}", dst_ids)
+                    torch.cuda.synchronize()
+                    row.append(nbytes / best_of(once, repeat) / 1e9)
+                want = float(src.tensor[:, :, :blocks].float().sum())
+                proc.stdin.write(" ".join(map(str, dst_ids)) + "\n")
+                proc.stdin.flush()
+                got_ipc = float(proc.stdout.readline())
+                got_tcp = float(dst.tensor[:, :, torch.tensor(dst_ids, device="cuda")]
+                                .float().sum())
+                assert abs(got_ipc - want) <= 1e-3 * abs(want) + 1, (got_ipc, want)
+                assert abs(got_tcp - want) <= 1e-3 * abs(want) + 1, (got_tcp, want)
+                print(f"{mib:>6} {blocks:>7} {label:>9} {bound:>14.1f} "
+                      + " ".join(f"{v:>20.2f}" for v in row))
+        for sender, _ in senders.values():
+            sender.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(tcp.close(), loop).result()
+        proc.kill()
+        proc.wait(30)
+    return 0
 
 
 if __name__ == "__main__":

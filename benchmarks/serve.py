@@ -43,6 +43,8 @@ SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
     "fixed-held-chunk": ("pdserve, 32-token chunks beside the batch",  # no step-time target
                          ["--scheduler-args=--decode-step-target-ms=0"]),
     "colocated": ("pdserve colocated 0P+2D", ["--mode", "colocated", "--decode-workers", "2"]),
+    "eager": ("pdserve, no CUDA graphs",  # GPU: every decode step launches its kernels
+              ["--prefill-worker-args=--enforce-eager", "--decode-worker-args=--enforce-eager"]),
     "torch-attention": ("pdserve, gather + SDPA attention",  # before the paged CPU kernels
                         ["--prefill-worker-args=--attention-backend torch",
                          "--decode-worker-args=--attention-backend torch"]),
