@@ -14,15 +14,15 @@ HEADS = {1: (2, 2), 2: (8, 4), 4: (8, 2), 8: (8, 1)}
 
 
 def random_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+                 dtype: torch.dtype, gen: torch.Generator, device: str = DEVICE) -> torch.Tensor:
     """[2, num_blocks, block_size, num_kv_heads, head_dim], random everywhere: a kernel reading a
     slot it should not gets garbage, not a convenient zero."""
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
 
 
 def block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
-                 gen: torch.Generator) -> torch.Tensor:
+                 gen: torch.Generator, device: str = DEVICE) -> torch.Tensor:
     """[num_seqs, max_blocks] of distinct, scattered block ids (rows zero-padded)."""
     need = [-(-n // block_size) for n in seq_lens]
     ids = torch.randperm(num_blocks, generator=gen)[:sum(need)].tolist()
@@ -31,7 +31,7 @@ def block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
     for i, n in enumerate(need):
         table[i, :n] = torch.tensor(ids[:n])
         ids = ids[n:]
-    return table.to(DEVICE)
+    return table.to(device)
 
 
 def slots_of(table: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:

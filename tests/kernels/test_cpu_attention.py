@@ -3,13 +3,20 @@
 Both builds that can run here are checked: the one this CPU takes (AVX2 or AVX512) and the
 portable DEFAULT one, on 1 and 2 threads (the work split by cost, long contexts in partitions).
 """
+import functools
 import os
 
 import pytest
 import torch
 
 from kernels import cpu_attention, reference
-from tests.kernels.paged import ATTN_TOL, HEADS, block_tables, param_id, random_cache
+from tests.kernels import paged
+from tests.kernels.paged import ATTN_TOL, HEADS, param_id
+
+# CPU kernels: host tensors, also on a machine with a GPU (where the Triton tests' helpers
+# default to it)
+random_cache = functools.partial(paged.random_cache, device="cpu")
+block_tables = functools.partial(paged.block_tables, device="cpu")
 
 # contexts of 1 to 3000 in one batch: the query alone, block-size remainders, several partitions
 SEQ_LENS = [1, 15, 33, 600, 3000, 17, 1100]

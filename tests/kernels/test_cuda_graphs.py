@@ -25,7 +25,7 @@ def test_buckets_are_fine_for_small_batches_and_end_at_the_largest():
 @pytest.mark.parametrize("num_decodes", [1, 3, 6])
 def test_padded_decode_matches_the_eager_forward(tiny_llama, num_decodes):
     dtype = torch.float32
-    model = load_model(tiny_llama, create_attention_backend("triton", DEVICE), dtype).to(DEVICE)
+    model = load_model(tiny_llama, create_attention_backend("triton", DEVICE), dtype, DEVICE)
     c = model.config
     cache = torch.randn((c.num_layers, 2, NUM_BLOCKS, BLOCK, c.num_kv_heads, c.head_dim),
                         generator=torch.Generator().manual_seed(1)).to(DEVICE)

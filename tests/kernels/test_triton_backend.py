@@ -39,8 +39,10 @@ class Runner:
     """A model, its paged cache and the steps of a test, like ModelRunner without requests."""
 
     def __init__(self, model_dir, backend: str, dtype=torch.float32):
-        self.model = load_model(model_dir, create_attention_backend(backend, DEVICE), dtype)
-        self.model.to(DEVICE)
+        # loaded on its device: a model loaded on the CPU packs its linears for oneDNN, which a
+        # later .to("cuda") cannot move
+        self.model = load_model(model_dir, create_attention_backend(backend, DEVICE), dtype,
+                                DEVICE)
         c = self.model.config
         self.cache = torch.zeros((c.num_layers, 2, NUM_BLOCKS, BLOCK, c.num_kv_heads, c.head_dim),
                                  dtype=dtype, device=DEVICE)
