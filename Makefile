@@ -39,7 +39,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 protos: install
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/scheduler.proto protos/worker.proto protos/kv_transfer.proto
