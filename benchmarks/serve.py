@@ -15,6 +15,12 @@ ttft_tpot_cdf.png, timeline.png and, with several rates, goodput.png; prints a t
 target's ratio to the first one (the baseline, if given), and for idle the median TTFT per
 prompt length.
 `--replot DIR` redraws a run's figures and table from its JSON files.
+
+`--seeds S1 S2 ...` runs one draw of the workload per seed against the same servers (launched
+once), turning the order of the targets by one place from each seed to the next (a server
+measured right after another one finds the machine in the state that one left: caches, memory,
+clocks), each seed's files in DIR/seed-S; then prints, per target, the median and range of its
+ratios to the first target over the seeds, and writes them to DIR/seeds.json.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import asyncio
 import json
 import shlex
 import signal
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -140,6 +147,8 @@ def main() -> int:
     p.add_argument("--rates", type=float, nargs="+", help="a sweep instead of --rate")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+",
+                   help="one draw per seed, the targets' order turned by one each time")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of every request (0: greedy)")
     p.add_argument("--baseline", action="append", default=[], metavar="[NAME=]URL",
@@ -167,36 +176,127 @@ def main() -> int:
             and not Path(args.model, "config.json").exists():
         from common.models.tiny import make_tiny_model
         make_tiny_model(args.model)
+    if args.seeds:
+        return run_seeds(args, rates, out)
+    order = targets(args)
+    procs, urls = start(args, order)
+    try:
+        run_draw(args, order, urls, rates, prompts, args.seed, out)
+    finally:
+        stop(procs)
+    return 0
+
+
+def start(args, order) -> tuple[list, dict[str, str]]:
+    """Launches the shapes (a baseline is running already): their processes, every URL."""
+    procs, urls = [], {}
+    try:
+        for name, url, flags in order:
+            if url is None:
+                log = Path(tempfile.gettempdir()) / f"pdserve-bench-{name.replace(' ', '_')}.log"
+                proc, url, _ = launch(args.model, flags, log)
+                procs.append(proc)
+            urls[name] = url
+    except BaseException:
+        stop(procs)
+        raise
+    return procs, urls
+
+
+def stop(procs) -> None:
+    for proc in procs:
+        proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        proc.wait(60)
+
+
+def run_draw(args, order, urls: dict[str, str], rates: list[float], prompts, seed: int,
+             out: Path) -> dict[str, dict[float, dict[str, float]]]:
+    """One draw against every target in `order`: its files in `out`, its table printed."""
+    out.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict[float, list[Record]]] = {}
     summaries: dict[str, dict[float, dict[str, float]]] = {}
-    for name, url, flags in targets(args):
-        proc = None
-        if url is None:
-            log = Path(tempfile.gettempdir()) / f"pdserve-bench-{name.replace(' ', '_')}.log"
-            proc, url, _ = launch(args.model, flags, log)
-        try:
-            for rate in rates:
-                recs, wall = asyncio.run(run_load(url, prompts, rate, args.max_tokens, args.seed,
-                                                  f"{name} @ {rate:g} req/s",
-                                                  {"temperature": args.temperature}))
-                records.setdefault(name, {})[rate] = recs
-                summaries.setdefault(name, {})[rate] = summarize(
-                    recs, wall, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
-        finally:
-            if proc is not None:
-                proc.send_signal(signal.SIGINT)
-                proc.wait(60)
+    for name, _, _ in order:
+        for rate in rates:
+            recs, wall = asyncio.run(run_load(urls[name], prompts, rate, args.max_tokens, seed,
+                                              f"{name} @ {rate:g} req/s",
+                                              {"temperature": args.temperature}))
+            records.setdefault(name, {})[rate] = recs
+            summaries.setdefault(name, {})[rate] = summarize(
+                recs, wall, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+    # files and tables in the targets' own order, whatever order they ran in
+    names = [n for n, _, _ in targets(args)]
+    records = {n: records[n] for n in names}
+    summaries = {n: summaries[n] for n in names}
     (out / "requests.json").write_text(json.dumps(
         {n: {str(r): records_json(v) for r, v in by.items()} for n, by in records.items()}))
     meta = {"workload": args.workload, "requests": len(prompts), "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
+            "temperature": args.temperature, "seed": seed, "order": [n for n, _, _ in order],
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
     (out / "summary.json").write_text(json.dumps(
         {**meta, "targets": {n: {str(r): s for r, s in by.items()}
                              for n, by in summaries.items()}}, indent=1))
     report(out, meta, records, summaries)
     print(f"\nwrote {out}/")
+    return summaries
+
+
+def run_seeds(args, rates: list[float], out: Path) -> int:
+    """A draw per seed, the targets' order turned by one each time; the ratios over the seeds."""
+    order = targets(args)
+    first = order[0][0]
+    procs, urls = start(args, order)
+    per_seed: dict[int, dict[str, dict[float, dict[str, float]]]] = {}
+    try:
+        for k, seed in enumerate(args.seeds):
+            turned = order[k % len(order):] + order[:k % len(order)]
+            print(f"\n=== seed {seed}: {' -> '.join(n for n, _, _ in turned)}")
+            prompts = workload(args.workload, args.num_requests, seed)
+            per_seed[seed] = run_draw(args, turned, urls, rates, prompts, seed,
+                                      out / f"seed-{seed}")
+    finally:
+        stop(procs)
+    ratios = seed_ratios(per_seed, first)
+    (out / "seeds.json").write_text(json.dumps(
+        {"workload": args.workload, "seeds": args.seeds, "first": first,
+         "summaries": {str(s): {n: {str(r): v for r, v in by.items()} for n, by in t.items()}
+                       for s, t in per_seed.items()},
+         "ratios": ratios}, indent=1))
+    for rate in rates:
+        print(f"\n{args.workload} {_at(rate)}, seeds {' '.join(map(str, args.seeds))}: ratio to "
+              f"{first}, median [min, max] over the seeds")
+        keys = [k for k in per_seed[args.seeds[0]][first][rate] if k not in ("requests", "failed")]
+        print(f"{'':34}" + "".join(f"{k:>22}" for k in keys))
+        for name, by_rate in ratios.items():
+            cells = [by_rate[str(rate)].get(k) for k in keys]
+            print(f"{name[:34]:34}" + "".join(
+                f"{c['median']:.2f} [{c['min']:.2f}, {c['max']:.2f}]".rjust(22) if c else
+                f"{'-':>22}" for c in cells))
+    print(f"\nwrote {out}/seeds.json")
     return 0
+
+
+def seed_ratios(per_seed: dict[int, dict[str, dict[float, dict[str, float]]]],
+                first: str) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+    """target -> rate -> metric -> median, min and max over the seeds of target / first."""
+    out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for summaries in per_seed.values():
+        for name, by_rate in summaries.items():
+            if name == first:
+                continue
+            for rate, figures in by_rate.items():
+                base = summaries[first][rate]
+                for key, value in figures.items():
+                    if key in ("requests", "failed") or not base.get(key):
+                        continue
+                    out.setdefault(name, {}).setdefault(str(rate), {}).setdefault(
+                        key, {"values": []})["values"].append(value / base[key])
+    for by_rate in out.values():
+        for figures in by_rate.values():
+            for cell in figures.values():
+                values = sorted(cell.pop("values"))
+                cell.update(median=statistics.median(values), min=values[0], max=values[-1])
+    return out
 
 
 if __name__ == "__main__":

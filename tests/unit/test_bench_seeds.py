@@ -1,0 +1,29 @@
+"""benchmarks/serve.py --seeds: the ratios of each target to the first, per seed, summarized as
+their median and range over the seeds."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+serve = pytest.importorskip("serve")
+
+
+def test_ratios_to_the_first_target_over_seeds():
+    def draw(base_tps, other_tps, other_ttft):
+        return {"vllm": {1.5: {"out tok/s": base_tps, "TTFT p99": 100.0, "requests": 60}},
+                "pdserve": {1.5: {"out tok/s": other_tps, "TTFT p99": other_ttft,
+                                  "requests": 60}}}
+    ratios = serve.seed_ratios({1: draw(100, 90, 50.0), 2: draw(100, 120, 200.0),
+                                3: draw(200, 220, 100.0)}, "vllm")
+    assert list(ratios) == ["pdserve"]
+    cells = ratios["pdserve"]["1.5"]
+    assert set(cells) == {"out tok/s", "TTFT p99"}  # counts are not ratios
+    assert cells["out tok/s"] == pytest.approx({"median": 1.1, "min": 0.9, "max": 1.2})
+    assert cells["TTFT p99"] == pytest.approx({"median": 1.0, "min": 0.5, "max": 2.0})
+
+
+def test_a_figure_the_first_target_lacks_or_has_at_zero_gets_no_ratio():
+    ratios = serve.seed_ratios({1: {"a": {0.0: {"goodput req/s": 0.0}},
+                                    "b": {0.0: {"goodput req/s": 0.4}}}}, "a")
+    assert ratios == {}
