@@ -311,11 +311,18 @@ async def _in_session(stack, run):
 
 
 def test_a_session_sends_each_steps_outputs_in_one_message_and_matches_hf(stack, hf):
+    """Each step's outputs for the session's requests go in one message: never more messages
+    than the workers ran steps, which are far fewer than the outputs. Not that all four decode
+    in one step: the decode worker prefills short prompts itself, and a prompt the prefill
+    worker takes may land after the others finished (seen on a loaded 2-core box, even at 40
+    tokens). 32 tokens leave them long enough for two at least to decode together (past 32,
+    greedy picks eos for s1, which HF's min_new_tokens masks and ignore_eos does not)."""
     prompts = {f"s{i}": _prompt(9 + i, 300 + i) for i in range(4)}
+    num_tokens = 32
 
     async def run(call):
         for rid, prompt in prompts.items():
-            await call.write(_session_request(rid, prompt))
+            await call.write(_session_request(rid, prompt, max_tokens=num_tokens))
         tokens = {rid: [] for rid in prompts}
         running, messages = set(prompts), []
         while running:
@@ -328,12 +335,21 @@ def test_a_session_sends_each_steps_outputs_in_one_message_and_matches_hf(stack,
                     running.discard(o.request_id)
         return tokens, messages
 
+    stack.wait_idle()  # the steps counted below are this session's
+    steps = _steps(stack)
     tokens, messages = asyncio.run(_in_session(stack, run))
-    assert tokens == {rid: _greedy(hf, p) for rid, p in prompts.items()}
-    # the four decode together: one message carries a step's token for each of them
-    assert max(len(set(ids)) for ids in messages) == 4
-    assert len(messages) < sum(map(len, messages))
+    steps = _steps(stack) - steps
+    assert tokens == {rid: _greedy(hf, p, num_tokens) for rid, p in prompts.items()}
+    # a step that runs several of the requests puts all their outputs in one message (a step
+    # that only registers or sends KV has none)
+    assert len(messages) <= steps < sum(map(len, messages))
+    assert max(len(set(ids)) for ids in messages) >= 2
     assert stack.wait_idle()["num_running"] == 0
+
+
+def _steps(stack) -> int:
+    """The steps the stack's workers have run, all told."""
+    return sum(w["steps"] for w in stack.stats()["workers"])
 
 
 def test_a_session_refuses_bad_requests_alone_and_aborts_on_request_and_on_close(stack, hf):
