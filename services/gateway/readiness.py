@@ -34,6 +34,7 @@ class SchedulerReadiness:
         self._serving = asyncio.Event()
         self._reason, self._code = "The scheduler's health is not known yet.", "not_ready"
         self._task: asyncio.Task | None = None
+        self._watch: grpc.aio.UnaryStreamCall | None = None
 
     def start(self) -> None:
         """Follows the scheduler from now on, in the running event loop."""
@@ -60,16 +61,24 @@ class SchedulerReadiness:
         )
 
     async def close(self) -> None:
-        if self._task is not None:
+        """Stops following. An open Watch call is cancelled rather than the task reading it, so
+        that the task ends once gRPC has completed the call's read in this event loop (a read
+        left behind completes later, from gRPC's poller thread, into a loop that may be gone)."""
+        if self._task is None:
+            return
+        if self._watch is not None and not self._watch.done():
+            self._watch.cancel()
+        else:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
 
     async def _follow(self) -> None:
         request = health_pb2.HealthCheckRequest(service="")
         while True:
             try:
-                async for response in self._stub.Watch(request, timeout=WATCH_DEADLINE_S):
+                self._watch = self._stub.Watch(request, timeout=WATCH_DEADLINE_S)
+                async for response in self._watch:
                     self._set(response.status == health_pb2.HealthCheckResponse.SERVING,
                               NO_WORKERS, "no_workers")
             except grpc.aio.AioRpcError as err:

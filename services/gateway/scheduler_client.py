@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 10.0
 RESUBMIT_PAUSE_S = 0.2  # between a lost stream and its resubmission, and between tries
 SESSION_WRITE_TIMEOUT_S = 30.0  # a scheduler that takes no request in time: the session fails
+SESSION_CLOSE_TIMEOUT_S = 5.0  # close(): how long the scheduler has to end the session
 SESSION_METHOD = "Session"  # its name, as the tracing filters match it
 _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -200,8 +201,10 @@ class SchedulerClient:
         return True
 
     async def close(self) -> None:
+        """Ends the session (the scheduler aborts what still runs on it) and the readiness
+        Watch, waits for the aborts sent in the background, then closes the channel."""
         if self._session is not None:
-            self._session.end()
+            await self._session.aclose(SESSION_CLOSE_TIMEOUT_S)
         await self.readiness.close()
         if self._background:
             await asyncio.wait(set(self._background), timeout=ABORT_TIMEOUT_S)
@@ -212,12 +215,16 @@ class _Session:
     """The gateway's Session stream: requests go up through one writer task (a stream takes
     one write at a time), responses come down to one reader task that hands each output to its
     request's queue. When the stream fails every open request gets the error (lost: they are
-    resubmitted on the next session); `ended` then, and the client opens a new one."""
+    resubmitted on the next session); `ended` then, and the client opens a new one.
+    Invariant: once `aclose` returns neither task runs, and, unless the scheduler had to be
+    cancelled, no operation of the call is left in gRPC (a cancelled call's operations complete
+    later, from gRPC's poller thread: into a closed event loop if the gateway's is gone)."""
 
     def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
         self._call = stub.Session()
         self._routes: dict[str, asyncio.Queue] = {}
-        self._outbox: asyncio.Queue[scheduler_pb2.SessionRequest] = asyncio.Queue()
+        # None: the gateway is leaving; the writer half-closes the stream after what is queued
+        self._outbox: asyncio.Queue[scheduler_pb2.SessionRequest | None] = asyncio.Queue()
         self.ended = False
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read())
@@ -237,21 +244,33 @@ class _Session:
             for i in unfinished:
                 self._outbox.put_nowait(scheduler_pb2.SessionRequest(abort=i))
 
-    def end(self) -> None:
-        self._call.cancel()
+    async def aclose(self, timeout_s: float) -> None:
+        """Ends the session: what is queued (aborts) is sent, the stream half-closed, and the
+        scheduler ends it (aborting what still runs), read to its status; cancelled if that
+        takes longer than `timeout_s`. Returns once the reader and the writer are done."""
+        self._outbox.put_nowait(None)
+        _, late = await asyncio.wait({self._reader}, timeout=timeout_s)
+        if late:
+            logger.warning("the scheduler did not end the session in %.0f s: cancelled",
+                           timeout_s)
+            self._call.cancel()
+        await asyncio.wait({self._reader, self._writer})
 
     async def _write(self) -> None:
         while True:
             message = await self._outbox.get()
             try:
+                if message is None:
+                    await asyncio.wait_for(self._call.done_writing(), SESSION_WRITE_TIMEOUT_S)
+                    return
                 await asyncio.wait_for(self._call.write(message), SESSION_WRITE_TIMEOUT_S)
             except TimeoutError:
                 logger.error("the scheduler took no request in %.0f s: the session fails",
                              SESSION_WRITE_TIMEOUT_S)
                 self._call.cancel()
                 return
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                return  # the call ended: the reader says how
+            except (grpc.aio.AioRpcError, grpc.aio.InternalError, asyncio.InvalidStateError):
+                return  # the call ended (a half-close then fails in gRPC): the reader says how
 
     async def _read(self) -> None:
         err = rpc_error(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the session")

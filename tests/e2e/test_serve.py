@@ -298,16 +298,22 @@ def _session_request(rid, prompt, max_tokens=MAX_TOKENS):
 
 
 async def _in_session(stack, run):
-    """run(call) on a Session call to the stack's scheduler; its result."""
+    """run(call) on a Session call to the stack's scheduler; its result. Then the session ends
+    as the gateway ends one: its side closed (the scheduler aborts what still runs), read to
+    the end, so that no completion of the call comes after this event loop closed."""
     import grpc
 
     from protos import scheduler_pb2_grpc
     async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.sched_port}") as channel:
         call = scheduler_pb2_grpc.SchedulerStub(channel).Session(timeout=120)
         try:
-            return await run(call)
+            result = await run(call)
+            await call.done_writing()
+            while await call.read() is not grpc.aio.EOF:
+                pass
+            return result
         finally:
-            call.cancel()
+            call.cancel()  # a no-op once the call has ended
 
 
 def test_a_session_sends_each_steps_outputs_in_one_message_and_matches_hf(stack, hf):

@@ -38,6 +38,7 @@ from services.gateway.tokenizer import Tokenizer
 
 STARTUP_TIMEOUT_S = 30.0
 HTTP_TIMEOUT_S = 30.0  # generous: the CI box may be busy
+SETTLE_TIMEOUT_S = 5.0  # what gRPC left of the gateway's calls ends by then
 
 
 def openai_client(url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
@@ -74,6 +75,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.aborted: list[str] = []
         self.cancelled: list[str] = []
         self.finished: list[str] = []
+        self.sessions_closed = 0  # Session streams that the gateway ended by closing its side
         self._aborting: set[str] = set()
 
     def outputs(self, request: GenerateRequest) -> tuple[list[int], str, int]:
@@ -133,6 +135,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 elif message.HasField("abort"):
                     self.cancelled.append(message.abort)
                     self._aborting.add(message.abort)
+            self.sessions_closed += 1
             messages.put_nowait(None)
 
         reader = asyncio.get_running_loop().create_task(read())
@@ -281,6 +284,18 @@ async def serve_app(app: FastAPI, host: str = "127.0.0.1") -> AsyncIterator[str]
         sock.close()
 
 
+async def settle(tasks_before: set[asyncio.Task], timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    """Waits, up to timeout_s, for the tasks started since `tasks_before` to end. gRPC ends a
+    cancelled call (the gateway's readiness Watch) or a stopped server's handler in tasks of
+    its own, as completions come from its poller thread, which serves every event loop of the
+    process: one for this loop that comes after the loop closed is handled in the next test's
+    loop and fails that test (RuntimeError: Event loop is closed, from
+    PollerCompletionQueue._handle_events)."""
+    left = asyncio.all_tasks() - tasks_before - {asyncio.current_task()}
+    if left:
+        await asyncio.wait(left, timeout=timeout_s)
+
+
 @dataclass
 class FakeGateway:
     url: str
@@ -300,6 +315,7 @@ async def fake_gateway(
 ) -> AsyncIterator[FakeGateway]:
     """The real gateway against a FakeScheduler (or against `scheduler_address`, e.g. a dead
     port). `config` overrides GatewayConfig fields."""
+    tasks_before = asyncio.all_tasks()
     scheduler = scheduler or FakeScheduler()
     server, address = await start_fake_scheduler(scheduler)
     gateway_config = GatewayConfig(
@@ -316,3 +332,4 @@ async def fake_gateway(
     finally:
         await client.close()
         await server.stop(None)
+        await settle(tasks_before)

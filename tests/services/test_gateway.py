@@ -510,6 +510,26 @@ async def test_a_lost_session_fails_each_open_request_and_the_next_opens_another
         await server.stop(None)
 
 
+async def test_close_ends_the_session_before_it_returns() -> None:
+    """close() closes the session's side and reads the stream to the scheduler's end of it,
+    rather than cancelling it: a cancelled call's last completions come later, from gRPC's
+    poller thread, and after the event loop closed they fail the next loop of the process
+    (RuntimeError: Event loop is closed). The scheduler stops what still ran."""
+    fake = FakeScheduler(output_ids=[5], delay_s=0.05)
+    server, address = await start_fake_scheduler(fake)
+    client = SchedulerClient.connect(address)
+    try:
+        stream = client.generate(_request("long", max_tokens=1000))
+        await anext(stream)
+        await client.close()
+        assert fake.sessions_closed == 1
+        await wait_for(lambda: fake.cancelled == ["long"])
+        with pytest.raises(grpc.aio.AioRpcError):  # its session is gone
+            await anext(stream)
+    finally:
+        await server.stop(None)
+
+
 async def test_a_refused_request_fails_with_its_status_and_nothing_is_aborted() -> None:
     fake = FakeScheduler(output_ids=[5])
     fake.fail_with = (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
