@@ -50,6 +50,8 @@ SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
     "fixed-held-chunk": ("pdserve, 32-token chunks beside the batch",  # no step-time target
                          ["--scheduler-args=--decode-step-target-ms=0"]),
     "colocated": ("pdserve colocated 0P+2D", ["--mode", "colocated", "--decode-workers", "2"]),
+    "hold-margin-2": ("pdserve, decode hold margin 2",  # long prompts held on D only if 2x sooner
+                      ["--scheduler-args=--decode-hold-margin 2"]),
     "eager": ("pdserve, no CUDA graphs",  # GPU: every decode step launches its kernels
               ["--prefill-worker-args=--enforce-eager", "--decode-worker-args=--enforce-eager"]),
     "torch-attention": ("pdserve, gather + SDPA attention",  # before the paged CPU kernels
@@ -168,10 +170,8 @@ def main() -> int:
     prompts = workload(args.workload, args.num_requests, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"{args.workload}: {len(prompts)} requests, prompts {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, at "
-          f"{', '.join(map(str, rates))} req/s; SLO TTFT <= {args.slo_ttft_ms:.0f} ms, "
-          f"TPOT <= {args.slo_tpot_ms:.0f} ms")
+    if not args.seeds:
+        describe(args, prompts, rates)
     if any(url is None for _, url, _ in targets(args)) and args.model == p.get_default("model") \
             and not Path(args.model, "config.json").exists():
         from common.models.tiny import make_tiny_model
@@ -185,6 +185,13 @@ def main() -> int:
     finally:
         stop(procs)
     return 0
+
+
+def describe(args, prompts, rates: list[float]) -> None:
+    print(f"{args.workload}: {len(prompts)} requests, prompts {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, at "
+          f"{', '.join(map(str, rates))} req/s; SLO TTFT <= {args.slo_ttft_ms:.0f} ms, "
+          f"TPOT <= {args.slo_tpot_ms:.0f} ms")
 
 
 def start(args, order) -> tuple[list, dict[str, str]]:
@@ -252,6 +259,7 @@ def run_seeds(args, rates: list[float], out: Path) -> int:
             turned = order[k % len(order):] + order[:k % len(order)]
             print(f"\n=== seed {seed}: {' -> '.join(n for n, _, _ in turned)}")
             prompts = workload(args.workload, args.num_requests, seed)
+            describe(args, prompts, rates)
             per_seed[seed] = run_draw(args, turned, urls, rates, prompts, seed,
                                       out / f"seed-{seed}")
     finally:
