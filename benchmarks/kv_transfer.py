@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import shutil
 import sys
 import tempfile
@@ -40,6 +41,22 @@ from common.tls import TLSFiles, make_certs  # noqa: E402
 
 # tiny-model layout: 4 layers x 2 kv heads x 32 dims, fp32, 16-token blocks = 32 KiB a block
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
+
+
+_transfer_ids = itertools.count()
+
+
+def transfer_seconds(receiver: KVReceiver, transport: str, sender, endpoint: str,
+                     src: PagedKVCache, src_ids: list[int], dst_ids: list[int],
+                     repeat: int) -> float:
+    """Best time of `repeat` transfers of src's src_ids into the receiver's dst_ids, each
+    expected, sent and completed as a worker pair does it."""
+    def once():
+        tid = f"t{next(_transfer_ids)}"
+        receiver.expect(tid, tid, dst_ids, transport)
+        sender.send(tid, src, src_ids, endpoint, dst_ids)
+        receiver.complete(tid, dst_ids)
+    return best_of(once, repeat)
 
 
 def best_of(fn, repeat: int) -> float:
@@ -89,7 +106,6 @@ def main() -> int:
     print(f"{'MiB':>6} {'blocks':>7} {'memcpy GB/s':>12} " +
           " ".join(f"{name + ' GB/s':>16}" for name in digests) + " " +
           " ".join(f"{name + ' GB/s':>20}" for name in senders))
-    n = 0
     try:
         for mib in args.sizes_mib:
             blocks = mib * (1 << 20) // LAYOUT.block_bytes
@@ -102,13 +118,9 @@ def main() -> int:
             for secret in digests.values():
                 row.append(nbytes / best_of(lambda: payload_digest(secret, raw), args.repeat) / 1e9)
             for name, (sender, endpoint) in senders.items():
-                def once():
-                    nonlocal n
-                    n += 1
-                    receiver.expect(f"t{n}", f"r{n}", ids, name.split()[0])
-                    sender.send(f"t{n}", src, ids, endpoint, ids)
-                    receiver.complete(f"t{n}", ids)
-                row.append(nbytes / best_of(once, args.repeat) / 1e9)
+                t = transfer_seconds(receiver, name.split()[0], sender, endpoint, src, ids, ids,
+                                     args.repeat)
+                row.append(nbytes / t / 1e9)
             assert torch.equal(dst.tensor[:, :, :blocks], flat_src)
             print(f"{mib:>6} {blocks:>7} {row[0]:>12.2f} "
                   + " ".join(f"{v:>16.2f}" for v in row[1:1 + len(digests)]) + " "
@@ -143,12 +155,8 @@ def ttft_share(senders, receiver) -> None:
     print(f"\n2048-token prompt, tiny model, {torch.get_num_threads()} threads: prefill "
           f"{prefill * 1e3:.1f} ms; KV {blocks * LAYOUT.block_bytes / (1 << 20):.0f} MiB")
     for name, (sender, endpoint) in senders.items():
-        def once():
-            tid = f"ttft-{name}-{time.perf_counter_ns()}"
-            receiver.expect(tid, tid, list(range(blocks)), name.split()[0])
-            sender.send(tid, cache, list(range(blocks)), endpoint, list(range(blocks)))
-            receiver.complete(tid, list(range(blocks)))
-        t = best_of(once, 3)
+        ids = list(range(blocks))
+        t = transfer_seconds(receiver, name.split()[0], sender, endpoint, cache, ids, ids, 3)
         print(f"  {name:>16}: transfer {t * 1e3:6.2f} ms = {t / (prefill + t):6.1%} of "
               f"prefill + transfer")
 
@@ -197,7 +205,6 @@ def gpu_main(sizes_mib: list[int], repeat: int) -> int:
         print(f"{torch.cuda.get_device_name()}; {layout.block_bytes >> 10} KiB a block")
         print(f"{'MiB':>6} {'blocks':>7} {'ids':>9} {'d2d copy GB/s':>14} "
               + " ".join(f"{name + ' GB/s':>20}" for name in senders))
-        n = 0
         for mib in sizes_mib:
             blocks = mib * (1 << 20) // layout.block_bytes
             nbytes = blocks * layout.block_bytes
@@ -214,14 +221,10 @@ def gpu_main(sizes_mib: list[int], repeat: int) -> int:
             for label, dst_ids in (("in a run", src_ids), ("scattered", scattered)):
                 row = []
                 for name, (sender, endpoint) in senders.items():
-                    def once():
-                        nonlocal n
-                        n += 1
-                        receiver.expect(f"t{n}", f"r{n}", dst_ids, name.split()[0])
-                        sender.send(f"t{n}", src, src_ids, endpoint, dst_ids)
-                        receiver.complete(f"t{n}", dst_ids)
                     torch.cuda.synchronize()
-                    row.append(nbytes / best_of(once, repeat) / 1e9)
+                    t = transfer_seconds(receiver, name.split()[0], sender, endpoint, src,
+                                         src_ids, dst_ids, repeat)
+                    row.append(nbytes / t / 1e9)
                 want = float(src.tensor[:, :, :blocks].float().sum())
                 proc.stdin.write(" ".join(map(str, dst_ids)) + "\n")
                 proc.stdin.flush()
