@@ -67,14 +67,15 @@ SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
                         ["--prefill-workers", "1", "--decode-workers", "1",
                          "--scheduler-args=--max-num-partial-prefills 1"]),
 }
-# in the summary table: which way is better for each column
+# in the summary table: which way is better for each column; the counts are not compared
+COUNTS = ("requests", "failed")
 HIGHER_IS_BETTER = {"out tok/s", "goodput req/s"}
 
 
 def print_table(rows: dict[str, dict[str, float]]) -> None:
     """One row per target; after the first, each figure with its ratio to the first's."""
     names = list(rows)
-    keys = [k for k in rows[names[0]] if k not in ("requests", "failed")]
+    keys = [k for k in rows[names[0]] if k not in COUNTS]
     print(f"{'':34}" + "".join(f"{k:>20}" for k in keys))
     for name in names:
         cells = []
@@ -167,17 +168,16 @@ def main() -> int:
         report(Path(args.replot), *load(Path(args.replot)))
         return 0
     rates = [-1.0] if args.workload == "idle" else args.rates or [args.rate]
-    prompts = workload(args.workload, args.num_requests, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not args.seeds:
-        describe(args, prompts, rates)
     if any(url is None for _, url, _ in targets(args)) and args.model == p.get_default("model") \
             and not Path(args.model, "config.json").exists():
         from common.models.tiny import make_tiny_model
         make_tiny_model(args.model)
     if args.seeds:
         return run_seeds(args, rates, out)
+    prompts = workload(args.workload, args.num_requests, args.seed)
+    describe(args, prompts, rates)
     order = targets(args)
     procs, urls = start(args, order)
     try:
@@ -273,7 +273,7 @@ def run_seeds(args, rates: list[float], out: Path) -> int:
     for rate in rates:
         print(f"\n{args.workload} {_at(rate)}, seeds {' '.join(map(str, args.seeds))}: ratio to "
               f"{first}, median [min, max] over the seeds")
-        keys = [k for k in per_seed[args.seeds[0]][first][rate] if k not in ("requests", "failed")]
+        keys = [k for k in per_seed[args.seeds[0]][first][rate] if k not in COUNTS]
         print(f"{'':34}" + "".join(f"{k:>22}" for k in keys))
         for name, by_rate in ratios.items():
             cells = [by_rate[str(rate)].get(k) for k in keys]
@@ -295,7 +295,7 @@ def seed_ratios(per_seed: dict[int, dict[str, dict[float, dict[str, float]]]],
             for rate, figures in by_rate.items():
                 base = summaries[first][rate]
                 for key, value in figures.items():
-                    if key in ("requests", "failed") or not base.get(key):
+                    if key in COUNTS or not base.get(key):
                         continue
                     out.setdefault(name, {}).setdefault(str(rate), {}).setdefault(
                         key, {"values": []})["values"].append(value / base[key])
