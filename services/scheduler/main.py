@@ -73,6 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "prompt): its decodes slow to --decode-step-target-ms meanwhile, so "
                         "it takes one only when that wins the prompt much time; 1: whenever "
                         "it would finish sooner")
+    p.add_argument("--prefill-take-back", action=argparse.BooleanOptionalAction,
+                   default=d.prefill_take_back,
+                   help="a prefill worker with no prompt left to compute takes back a long "
+                        "prompt a decode worker holds when, at the measured speeds, it would "
+                        "finish it sooner from the start (in 1/--decode-hold-margin of the "
+                        "time) than the decode worker from where it is")
     p.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
                    help="prompts a worker may have started and not finished prefilling at once")
     p.add_argument("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
@@ -123,6 +129,7 @@ def config_from_args(args) -> SchedulerConfig:
                            decode_long_prefill_tokens=args.decode_long_prefill_tokens,
                            decode_step_target_ms=args.decode_step_target_ms,
                            decode_hold_margin=args.decode_hold_margin,
+                           prefill_take_back=args.prefill_take_back,
                            max_num_partial_prefills=args.max_num_partial_prefills,
                            max_long_partial_prefills=args.max_long_partial_prefills,
                            long_prefill_token_threshold=args.long_prefill_token_threshold,

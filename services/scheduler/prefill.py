@@ -26,6 +26,13 @@ Who prefills a prompt:
                                    and, among prefill workers, the one caching most of its
                                    prefix
 
+A long prompt a decode worker holds goes back to a prefill worker that has none left to
+compute, when that one, from the start, would finish it sooner than the decode worker from
+where it is (in 1/--decode-hold-margin of that time): the decode worker's pace beside its batch
+falls as the batch grows, and a prompt taken when it was the sooner one would otherwise end the
+slowest while a prefill worker idles. The blocks it computed stay in its prefix cache, so the
+KV sent back to it later skips them.
+
 So a free prefill worker takes every prompt (no interference with decoding), and while prefill
 workers are busy short prompts do not queue behind long ones. When long prompts arrive faster
 than the prefill workers finish them, a decode worker takes its share beside its batch: a
@@ -54,14 +61,17 @@ ADMISSION_LOOKAHEAD = 8  # waiting requests a worker looks past a head that cann
 
 class Prefill:
     def __init__(self, config: SchedulerConfig, workers: Workers, waiting: RequestQueue,
-                 transfers: Transfers, placement: Placement, next_id: Callable[[], int]):
+                 transfers: Transfers, placement: Placement, next_id: Callable[[], int],
+                 requeue: Callable[[Request], None]):
         self.config = config
         self.workers = workers
         self.waiting = waiting
         self.transfers = transfers
         self.placement = placement
         self._next_id = next_id
+        self._requeue = requeue
         self.num_long_on_decode = 0  # long prompts decode workers took (saturated bypass)
+        self.num_long_taken_back = 0  # ... that went back to a prefill worker (`_take_back`)
 
     def admits(self, w: WorkerState) -> bool:
         """Whether w may take requests from the waiting queue at all."""
@@ -90,6 +100,8 @@ class Prefill:
                 break
             if req not in held:
                 budget -= self._schedule_chunk(w, plan, req, budget)
+        if w.role == "prefill" and not partials and self.config.prefill_take_back:
+            self._take_back(w)
         budget = self._admit(w, plan, budget)
         for req in held:
             if budget > 0:
@@ -113,6 +125,28 @@ class Prefill:
             return
         fit = round(prompt_tokens * target / seconds)
         w.held_step_tokens = max(MIN_TIMED_PREFILL, min(self.config.decode_prefill_tokens, fit))
+
+    def _take_back(self, p: WorkerState) -> None:
+        """Re-queues, at the front, the first long prompt a decode worker holds that prefill
+        worker p (none of its own left to compute) would finish sooner from the start than
+        that decode worker from where it is, at the speeds measured so far (see the module's
+        doc); p admits it next. Not when either speed is unmeasured, the decode worker's
+        running step computes the prompt's last chunk, or p has no room for it."""
+        if not p.prefill_speed.seconds_per_token or p.num_seqs >= self.config.max_num_seqs:
+            return
+        for d in self.workers.of_role("decode"):
+            for req in self._partials(d):
+                if not self._beside_batch(d, req) or not d.prefill_speed.seconds_per_token:
+                    continue
+                there = d.prefill_speed.seconds(req.num_tokens - req.num_computed_tokens)
+                hashes = req.hashes(p.kv.block_size)
+                here = p.prefill_speed.seconds(self._todo(p, req, hashes))
+                if here >= there * self.config.decode_hold_margin or not p.kv.can_fit(
+                        req.request_id, req.num_tokens, p.kv.find_prefix(hashes, req.num_tokens)):
+                    continue
+                self._requeue(req)
+                self.num_long_taken_back += 1
+                return
 
     def _admit(self, w: WorkerState, plan: StepPlan, budget: int) -> int:
         """New prompts from the waiting queue while the budget lasts; returns what is left."""

@@ -88,7 +88,8 @@ class Scheduler:
         self.forks = life.forks = Forks(self.waiting, requeue=life.requeue)
         self._ids = itertools.count()
         self.prefill = Prefill(config, self.workers, self.waiting, self.transfers,
-                               create_placement(config.placement), lambda: next(self._ids))
+                               create_placement(config.placement), lambda: next(self._ids),
+                               requeue=life.requeue)
         self.decode = Decode(preempt=life.preempt,
                              max_model_len=lambda: self.workers.max_model_len,
                              next_id=lambda: next(self._ids))
@@ -105,6 +106,11 @@ class Scheduler:
     def num_long_prefills_on_decode(self) -> int:
         """Long prompts a decode worker took while every prefill worker was busy."""
         return self.prefill.num_long_on_decode
+
+    @property
+    def num_long_prefills_taken_back(self) -> int:
+        """Of those, the ones a prefill worker took back (it would finish them sooner)."""
+        return self.prefill.num_long_taken_back
 
     # ---- workers and requests ------------------------------------------------------------------
 

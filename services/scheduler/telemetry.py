@@ -150,6 +150,10 @@ class _StateCollector:
                                   "Long prompts a decode worker prefilled itself because it "
                                   "would finish them before a busy prefill worker.",
                                   value=s.num_long_prefills_on_decode)
+        yield CounterMetricFamily(PREFIX + "decode_worker_long_prefills_taken_back",
+                                  "Of those, the ones a prefill worker with nothing left to "
+                                  "compute took back because it would finish them sooner.",
+                                  value=s.num_long_prefills_taken_back)
         labels = ["worker_id", "role"]
         usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
                                   "KV-cache usage of a worker: 1 means 100 percent.",

@@ -272,3 +272,42 @@ def test_a_decode_hold_margin_below_one_is_refused():
     with pytest.raises(ValueError, match="--decode-hold-margin must be >= 1"):
         SchedulerConfig(decode_hold_margin=0.5)
     assert SchedulerConfig().decode_hold_margin == 1.0  # the default: whenever done sooner
+
+
+@pytest.mark.parametrize("took_ms, now_ms, margin, enabled, taken_back", [
+    (1.5, 1.5, 1, True, False), (1.5, 3.0, 1, True, True), (0.9, 0.9, 2, True, True),
+    (0.9, 0.8, 2, True, False), (1.5, 3.0, 1, False, False)])
+def test_a_prefill_worker_with_nothing_left_takes_back_a_long_prompt_it_would_finish_sooner(
+        took_ms, now_ms, margin, enabled, taken_back):
+    """d0 took long2 while p0 prefilled long1 (d0 at took_ms a token, sooner than p0's 1 ms
+    behind long1); once p0 has planned long1's last chunk, long2 has 12 of its 20 tokens left
+    on d0, now at now_ms a token. At 1.5 ms d0 finishes them in 18 ms, sooner than p0 from the
+    start (20 ms): it keeps long2. Its batch grown (3 ms a token: 36 ms), p0 takes long2 back.
+    With --decode-hold-margin 2 d0 keeps it only while done in half p0's time: at 0.9 ms
+    (10.8 ms, 21.6 with the margin) p0 takes it back, at 0.8 ms (19.2) d0 keeps it. Taken
+    back, long2 is prefilled on p0 from its start, its KV sent to d0 without the two blocks d0
+    computed (its prefix cache holds them), and its tokens are the ones d0 would have sampled.
+    --no-prefill-take-back: d0 keeps what it took."""
+    c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
+                max_num_batched_tokens=8, max_num_partial_prefills=1, decode_hold_margin=margin,
+                prefill_take_back=enabled)
+    c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.001
+    c.sched.workers["d0"].prefill_speed.seconds_per_token = took_ms / 1000
+    c.submit("long1", list(range(100, 120)), max_tokens=2)
+    assert _scheduled(c.plan("p0")) == [("long1", 8)]
+    c.submit("long2", list(range(200, 220)), max_tokens=2)
+    assert _scheduled(c.plan("d0")) == [("long2", 8)]
+    c.run_step("d0")
+    c.sched.workers["d0"].prefill_speed.seconds_per_token = now_ms / 1000
+    for chunk in (8, 4):
+        c.run_step("p0")
+        assert _scheduled(c.plan("p0")) == [("long1", chunk)]
+    c.run_step("p0")
+    assert _scheduled(c.plan("p0")) == ([("long2", 8)] if taken_back else [])
+    assert c.sched.num_long_prefills_taken_back == taken_back
+    c.run()
+    assert c.tokens("long2") == [token_at(20), token_at(21)]
+    assert c.workers["p0"].prompt_tokens == (40 if taken_back else 20)
+    assert c.workers["d0"].prompt_tokens == (8 if taken_back else 20)
+    assert c.workers["d0"].received == (5 + 3 if taken_back else 5)  # blocks of 4 tokens
+    c.assert_all_free()

@@ -143,6 +143,7 @@ def test_scheduler_metrics_read_its_state():
     assert samples["pdserve:num_requests_waiting", ()] == 0
     assert samples["pdserve:num_preemptions_total", ()] == 0
     assert samples["pdserve:decode_worker_long_prefills_total", ()] == 0
+    assert samples["pdserve:decode_worker_long_prefills_taken_back_total", ()] == 0
     assert samples["pdserve:worker_prefill_seconds_per_token", key] == 0  # none timed yet
     w.prefill_speed.observe(32, 0.064)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
