@@ -100,8 +100,10 @@ class Prefill:
                 break
             if req not in held:
                 budget -= self._schedule_chunk(w, plan, req, budget)
-        if w.role == "prefill" and not partials and self.config.prefill_take_back:
-            self._take_back(w)
+        if (back := self.to_take_back(w)) is not None:  # re-queued at the front: next in
+            self._requeue(back)
+            back.taken_back = True
+            self.num_long_taken_back += 1
         budget = self._admit(w, plan, budget)
         for req in held:
             if budget > 0:
@@ -126,14 +128,16 @@ class Prefill:
         fit = round(prompt_tokens * target / seconds)
         w.held_step_tokens = max(MIN_TIMED_PREFILL, min(self.config.decode_prefill_tokens, fit))
 
-    def _take_back(self, p: WorkerState) -> None:
-        """Re-queues, at the front, the first long prompt a decode worker holds that prefill
-        worker p (none of its own left to compute) would finish sooner from the start than
-        that decode worker from where it is, at the speeds measured so far (see the module's
-        doc); p admits it next. Not when either speed is unmeasured, the decode worker's
-        running step computes the prompt's last chunk, or p has no room for it."""
-        if not p.prefill_speed.seconds_per_token or p.num_seqs >= self.config.max_num_seqs:
-            return
+    def to_take_back(self, p: WorkerState) -> Request | None:
+        """The first long prompt a decode worker holds that prefill worker p, with none of
+        its own left to compute, would finish sooner from the start than that decode worker
+        from where it is, at the speeds measured so far (see the module's doc). None when
+        either speed is unmeasured, the decode worker's running step computes the prompt's
+        last chunk, or p has no room for it."""
+        if p.role != "prefill" or not self.config.prefill_take_back or p.leaving or \
+                self._partials(p) or not p.prefill_speed.seconds_per_token or \
+                p.num_seqs >= self.config.max_num_seqs:
+            return None
         for d in self.workers.of_role("decode"):
             for req in self._partials(d):
                 if not self._beside_batch(d, req) or not d.prefill_speed.seconds_per_token:
@@ -141,12 +145,10 @@ class Prefill:
                 there = d.prefill_speed.seconds(req.num_tokens - req.num_computed_tokens)
                 hashes = req.hashes(p.kv.block_size)
                 here = p.prefill_speed.seconds(self._todo(p, req, hashes))
-                if here >= there * self.config.decode_hold_margin or not p.kv.can_fit(
+                if here < there * self.config.decode_hold_margin and p.kv.can_fit(
                         req.request_id, req.num_tokens, p.kv.find_prefix(hashes, req.num_tokens)):
-                    continue
-                self._requeue(req)
-                self.num_long_taken_back += 1
-                return
+                    return req
+        return None
 
     def _admit(self, w: WorkerState, plan: StepPlan, budget: int) -> int:
         """New prompts from the waiting queue while the budget lasts; returns what is left."""

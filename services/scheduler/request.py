@@ -54,6 +54,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained
     num_cached_tokens: int | None = None  # prefix hit at first admission
     prefill_locally: bool = False  # its KV transfer failed once: its decode worker prefills it
+    taken_back: bool = False  # a prefill worker took it back from the decode worker prefilling it
     # n > 1: the leader prefills the prompt once; its forks (FORKING) sample their first token
     # from the same logits, then share its full prompt blocks on the decode worker
     leader: Request | None = None

@@ -176,7 +176,7 @@ class Scheduler:
             return False
         return bool(w.to_drop or w.recvs or w.prefilling or w.decoding or w.arrivals or w.copies
                     or w.kv.has_tier_copies or (len(self.waiting) and self.prefill.admits(w))
-                    or self.transfers.sendable(w))
+                    or self.transfers.sendable(w) or self.prefill.to_take_back(w) is not None)
 
     def schedule(self, worker_id: str) -> StepPlan | None:
         w = self.workers[worker_id]

@@ -87,6 +87,10 @@ class SchedulerTelemetry:
                 continue
             if t.carrier:
                 new.trace_context.update(t.carrier)
+            req = self.scheduler.requests.get(new.request_id)
+            if req is not None and req.taken_back and t.context is not None and \
+                    req.prefill_worker == worker_id and not new.kv_transfer_id:
+                self._trace_placement(worker_id, new, req, t, planned_at)  # placed again
             if new.kv_transfer_id or t.admitted:
                 continue  # the decode worker taking over, or a request re-queued and resumed
             forks = [self._tracked.get(f.request_id) for f in new.forks]
@@ -99,17 +103,23 @@ class SchedulerTelemetry:
 
     def _trace_admission(self, worker_id: str, new: NewRequest, t: _Tracked,
                          planned_at: float) -> None:
-        now = time.time()
         tracing.record_span("scheduler.queue", t.arrival_wall, planned_at, t.context)
         req = self.scheduler.requests.get(new.request_id)
-        if req is None:
-            return
+        if req is not None:
+            self._trace_placement(worker_id, new, req, t, planned_at)
+
+    def _trace_placement(self, worker_id: str, new: NewRequest, req: Request, t: _Tracked,
+                         planned_at: float) -> None:
+        """A placement span, its attributes on the request's span too: at admission, and
+        again when a prefill worker takes the prompt back from a decode worker."""
+        now = time.time()
         transfer = self.scheduler.transfers.get(req.transfer_id) if req.transfer_id else None
         attrs = {"pdserve.prefill_worker": req.prefill_worker or worker_id,
                  "pdserve.decode_worker": req.decode_worker or worker_id,
                  "pdserve.cached_tokens": new.num_computed_tokens,
                  "pdserve.transport": getattr(transfer, "transport", "") if transfer else "",
-                 "pdserve.disaggregated": transfer is not None}
+                 "pdserve.disaggregated": transfer is not None,
+                 "pdserve.taken_back": req.taken_back}
         tracing.record_span("scheduler.placement", planned_at, now, t.context, attrs)
         assert t.span is not None, "on_generate sets the span whenever it sets the context"
         t.span.set_attributes(attrs)

@@ -280,9 +280,10 @@ def test_a_decode_hold_margin_below_one_is_refused():
 def test_a_prefill_worker_with_nothing_left_takes_back_a_long_prompt_it_would_finish_sooner(
         took_ms, now_ms, margin, enabled, taken_back):
     """d0 took long2 while p0 prefilled long1 (d0 at took_ms a token, sooner than p0's 1 ms
-    behind long1); once p0 has planned long1's last chunk, long2 has 12 of its 20 tokens left
-    on d0, now at now_ms a token. At 1.5 ms d0 finishes them in 18 ms, sooner than p0 from the
-    start (20 ms): it keeps long2. Its batch grown (3 ms a token: 36 ms), p0 takes long2 back.
+    behind long1); when p0 plans long1's last chunk (4 tokens of an 8-token step), long2 has
+    12 of its 20 tokens left on d0, now at now_ms a token. At 1.5 ms d0 finishes them in 18 ms, sooner than p0 from the
+    start (20 ms): it keeps long2. Its batch grown (3 ms a token: 36 ms), p0 takes long2 back
+    into the rest of that step.
     With --decode-hold-margin 2 d0 keeps it only while done in half p0's time: at 0.9 ms
     (10.8 ms, 21.6 with the margin) p0 takes it back, at 0.8 ms (19.2) d0 keeps it. Taken
     back, long2 is prefilled on p0 from its start, its KV sent to d0 without the two blocks d0
@@ -299,15 +300,41 @@ def test_a_prefill_worker_with_nothing_left_takes_back_a_long_prompt_it_would_fi
     assert _scheduled(c.plan("d0")) == [("long2", 8)]
     c.run_step("d0")
     c.sched.workers["d0"].prefill_speed.seconds_per_token = now_ms / 1000
-    for chunk in (8, 4):
-        c.run_step("p0")
-        assert _scheduled(c.plan("p0")) == [("long1", chunk)]
     c.run_step("p0")
-    assert _scheduled(c.plan("p0")) == ([("long2", 8)] if taken_back else [])
+    assert _scheduled(c.plan("p0")) == [("long1", 8)]
+    c.run_step("p0")
+    assert _scheduled(c.plan("p0")) == [("long1", 4)] + ([("long2", 4)] if taken_back else [])
     assert c.sched.num_long_prefills_taken_back == taken_back
     c.run()
     assert c.tokens("long2") == [token_at(20), token_at(21)]
     assert c.workers["p0"].prompt_tokens == (40 if taken_back else 20)
     assert c.workers["d0"].prompt_tokens == (8 if taken_back else 20)
     assert c.workers["d0"].received == (5 + 3 if taken_back else 5)  # blocks of 4 tokens
+    c.assert_all_free()
+
+
+def test_an_idle_prefill_worker_takes_back_a_long_prompt_once_the_decode_worker_slows():
+    """p0 has finished long1 and nothing waits: it has no work while d0, at 0.5 ms a token,
+    would finish long2 sooner than p0 from the start. Once d0 slows to 2 ms a token p0 has
+    work again: it takes long2 back."""
+    c = Cluster({"p0": 64, "d0": 64}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
+                max_num_batched_tokens=8, max_num_partial_prefills=1)
+    p0, d0 = c.sched.workers["p0"], c.sched.workers["d0"]
+    p0.prefill_speed.seconds_per_token = 0.001
+    d0.prefill_speed.seconds_per_token = 0.0005
+    c.submit("long1", list(range(100, 108)), max_tokens=2)
+    assert _scheduled(c.plan("p0")) == [("long1", 8)]
+    c.submit("long2", list(range(200, 300)), max_tokens=2)
+    assert _scheduled(c.plan("d0")) == [("long2", 8)]
+    for _ in range(3):  # long1 sent to d0; long2 goes on there, 8 tokens a step
+        c.step()
+    assert not c.sched.has_work("p0") and not c.sent["p0"]
+    left = 100 - c.sched.requests["long2"].num_computed_tokens
+    assert left > 50  # 0.5 ms each: sooner than p0's 100 ms
+    d0.prefill_speed.seconds_per_token = 0.002  # 2 ms each: later than p0's 100 ms
+    assert c.sched.has_work("p0")
+    assert _scheduled(c.plan("p0")) == [("long2", 8)]
+    assert c.sched.num_long_prefills_taken_back == 1
+    c.run()
+    assert c.tokens("long2") == [token_at(100), token_at(101)]
     c.assert_all_free()

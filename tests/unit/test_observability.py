@@ -150,3 +150,54 @@ def test_scheduler_metrics_read_its_state():
                for f in telemetry.registry.collect() for s in f.samples}
     assert samples["pdserve:worker_prefill_seconds_per_token", key] == pytest.approx(0.002)
     assert not telemetry.active  # no metrics server, no tracing: per-request hooks do nothing
+
+
+def test_a_prompt_taken_back_is_placed_again_in_its_trace(monkeypatch):
+    """The request's span and a second scheduler.placement span say where a long prompt went
+    when a prefill worker took it back from the decode worker prefilling it."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tests.policy.harness import Cluster
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_enabled", True)
+    monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("pdserve"))
+    c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
+                max_num_batched_tokens=8, max_num_partial_prefills=1)
+    telemetry = SchedulerTelemetry(c.sched)
+    schedule = c.sched.schedule
+
+    def traced_schedule(wid):
+        plan = schedule(wid)
+        telemetry.on_plan(wid, plan, 0.0)
+        return plan
+    c.sched.schedule = traced_schedule
+    c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.001
+    c.sched.workers["d0"].prefill_speed.seconds_per_token = 0.0015
+    spans = {}
+    for rid, first in (("long1", 100), ("long2", 200)):
+        c.submit(rid, list(range(first, first + 20)), max_tokens=2)
+        spans[rid] = tracing.start_span("request")
+        telemetry.on_generate(c.sched.requests[rid], span=spans[rid])
+        c.plan("p0" if rid == "long1" else "d0")  # d0 takes long2 beside p0's long1
+    c.run_step("d0")
+    c.sched.workers["d0"].prefill_speed.seconds_per_token = 0.003  # now p0 is sooner
+    for _ in range(2):  # p0's second chunk of long1, then its last one and long2 taken back
+        c.run_step("p0")
+        c.plan("p0")
+    c.run()
+    assert c.sched.num_long_prefills_taken_back == 1
+    tracing.end_span(spans["long2"])
+    placed = [dict(s.attributes) for s in exporter.get_finished_spans()
+              if s.name == "scheduler.placement"]
+    # long1 on p0; long2 on d0 beside its batch, then on p0 again, its KV for d0
+    assert [(a["pdserve.prefill_worker"], a["pdserve.decode_worker"], a["pdserve.taken_back"],
+             a["pdserve.disaggregated"]) for a in placed] == [
+        ("p0", "d0", False, True), ("d0", "d0", False, False), ("p0", "d0", True, True)]
+    request = next(s for s in exporter.get_finished_spans() if s.name == "request")
+    assert request.attributes["pdserve.prefill_worker"] == "p0"
+    assert request.attributes["pdserve.taken_back"] is True
