@@ -27,11 +27,12 @@ Who prefills a prompt:
                                    prefix
 
 A long prompt a decode worker holds goes back to a prefill worker that has none left to
-compute, when that one, from the start, would finish it sooner than the decode worker from
-where it is (in 1/--decode-hold-margin of that time): the decode worker's pace beside its batch
-falls as the batch grows, and a prompt taken when it was the sooner one would otherwise end the
-slowest while a prefill worker idles. The blocks it computed stay in its prefix cache, so the
-KV sent back to it later skips them.
+compute, when that one would finish it from the start, and spend once more the time of the
+tokens the decode worker computed (work thrown away, which delays the prompts it takes next),
+sooner than the decode worker from where it is (in 1/--decode-hold-margin of that time): the
+decode worker's pace beside its batch falls as the batch grows, and a prompt taken when it was
+the sooner one would otherwise end the slowest while a prefill worker idles. The blocks it
+computed stay in its prefix cache, so the KV sent back to it later skips them.
 
 So a free prefill worker takes every prompt (no interference with decoding), and while prefill
 workers are busy short prompts do not queue behind long ones. When long prompts arrive faster
@@ -130,8 +131,9 @@ class Prefill:
 
     def to_take_back(self, p: WorkerState) -> Request | None:
         """The first long prompt a decode worker holds that prefill worker p, with none of
-        its own left to compute, would finish sooner from the start than that decode worker
-        from where it is, at the speeds measured so far (see the module's doc). None when
+        its own left to compute, would finish from the start (the tokens the decode worker
+        computed counted twice) sooner than that decode worker from where it is, at the speeds
+        measured so far (see the module's doc). None when
         either speed is unmeasured, the decode worker's running step computes the prompt's
         last chunk, or p has no room for it."""
         if p.role != "prefill" or not self.config.prefill_take_back or p.leaving or \
@@ -144,7 +146,10 @@ class Prefill:
                     continue
                 there = d.prefill_speed.seconds(req.num_tokens - req.num_computed_tokens)
                 hashes = req.hashes(p.kv.block_size)
-                here = p.prefill_speed.seconds(self._todo(p, req, hashes))
+                # from the start, and once more what d computed: the work the move throws
+                # away, which delays the prompts p takes next
+                thrown = req.num_computed_tokens - (req.num_cached_tokens or 0)
+                here = p.prefill_speed.seconds(self._todo(p, req, hashes) + thrown)
                 if here < there * self.config.decode_hold_margin and p.kv.can_fit(
                         req.request_id, req.num_tokens, p.kv.find_prefix(hashes, req.num_tokens)):
                     return req

@@ -275,20 +275,21 @@ def test_a_decode_hold_margin_below_one_is_refused():
 
 
 @pytest.mark.parametrize("took_ms, now_ms, margin, enabled, taken_back", [
-    (1.5, 1.5, 1, True, False), (1.5, 3.0, 1, True, True), (0.9, 0.9, 2, True, True),
-    (0.9, 0.8, 2, True, False), (1.5, 3.0, 1, False, False)])
+    (1.5, 1.5, 1, True, False), (1.5, 3.0, 1, True, True), (0.9, 1.2, 2, True, True),
+    (0.9, 1.1, 2, True, False), (1.5, 3.0, 1, False, False)])
 def test_a_prefill_worker_with_nothing_left_takes_back_a_long_prompt_it_would_finish_sooner(
         took_ms, now_ms, margin, enabled, taken_back):
     """d0 took long2 while p0 prefilled long1 (d0 at took_ms a token, sooner than p0's 1 ms
     behind long1); when p0 plans long1's last chunk (4 tokens of an 8-token step), long2 has
-    12 of its 20 tokens left on d0, now at now_ms a token. At 1.5 ms d0 finishes them in 18 ms, sooner than p0 from the
-    start (20 ms): it keeps long2. Its batch grown (3 ms a token: 36 ms), p0 takes long2 back
-    into the rest of that step.
-    With --decode-hold-margin 2 d0 keeps it only while done in half p0's time: at 0.9 ms
-    (10.8 ms, 21.6 with the margin) p0 takes it back, at 0.8 ms (19.2) d0 keeps it. Taken
-    back, long2 is prefilled on p0 from its start, its KV sent to d0 without the two blocks d0
-    computed (its prefix cache holds them), and its tokens are the ones d0 would have sampled.
-    --no-prefill-take-back: d0 keeps what it took."""
+    12 of its 20 tokens left on d0, now at now_ms a token. p0 would take 28 ms: the 20 tokens
+    from the start and once more the 8 d0 computed (thrown away, they delay what p0 takes
+    next). At 1.5 ms d0 finishes in 18 ms: it keeps long2. Its batch grown (3 ms a token:
+    36 ms), p0 takes long2 back into the rest of that step. With --decode-hold-margin 2 d0
+    keeps it only while done in half p0's time: at 1.2 ms (14.4 ms, 28.8 with the margin) p0
+    takes it back, at 1.1 ms (26.4) d0 keeps it. Taken back, long2 is prefilled on p0 from its
+    start, its KV sent to d0 without the two blocks d0 computed (its prefix cache holds them),
+    and its tokens are the ones d0 would have sampled. --no-prefill-take-back: d0 keeps what
+    it took."""
     c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
                 max_num_batched_tokens=8, max_num_partial_prefills=1, decode_hold_margin=margin,
                 prefill_take_back=enabled)
@@ -315,8 +316,8 @@ def test_a_prefill_worker_with_nothing_left_takes_back_a_long_prompt_it_would_fi
 
 def test_an_idle_prefill_worker_takes_back_a_long_prompt_once_the_decode_worker_slows():
     """p0 has finished long1 and nothing waits: it has no work while d0, at 0.5 ms a token,
-    would finish long2 sooner than p0 from the start. Once d0 slows to 2 ms a token p0 has
-    work again: it takes long2 back."""
+    would finish long2's last 77 tokens (39 ms) sooner than p0 its 100 and the 23 d0 computed
+    (123 ms). Once d0 slows to 2 ms a token (154 ms) p0 has work again: it takes long2 back."""
     c = Cluster({"p0": 64, "d0": 64}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
                 max_num_batched_tokens=8, max_num_partial_prefills=1)
     p0, d0 = c.sched.workers["p0"], c.sched.workers["d0"]
@@ -329,9 +330,8 @@ def test_an_idle_prefill_worker_takes_back_a_long_prompt_once_the_decode_worker_
     for _ in range(3):  # long1 sent to d0; long2 goes on there, 8 tokens a step
         c.step()
     assert not c.sched.has_work("p0") and not c.sent["p0"]
-    left = 100 - c.sched.requests["long2"].num_computed_tokens
-    assert left > 50  # 0.5 ms each: sooner than p0's 100 ms
-    d0.prefill_speed.seconds_per_token = 0.002  # 2 ms each: later than p0's 100 ms
+    assert c.sched.requests["long2"].num_computed_tokens == 23
+    d0.prefill_speed.seconds_per_token = 0.002
     assert c.sched.has_work("p0")
     assert _scheduled(c.plan("p0")) == [("long2", 8)]
     assert c.sched.num_long_prefills_taken_back == 1
