@@ -52,8 +52,8 @@ SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
     "colocated": ("pdserve colocated 0P+2D", ["--mode", "colocated", "--decode-workers", "2"]),
     "hold-margin-2": ("pdserve, decode hold margin 2",  # long prompts held on D only if 2x sooner
                       ["--scheduler-args=--decode-hold-margin 2"]),
-    "no-take-back": ("pdserve, no take-back",  # a long prompt held on D stays there
-                     ["--scheduler-args=--no-prefill-take-back"]),
+    "take-back": ("pdserve, prefill take-back",  # P takes a long prompt back from D
+                  ["--scheduler-args=--prefill-take-back"]),
     "eager": ("pdserve, no CUDA graphs",  # GPU: every decode step launches its kernels
               ["--prefill-worker-args=--enforce-eager", "--decode-worker-args=--enforce-eager"]),
     "torch-attention": ("pdserve, gather + SDPA attention",  # before the paged CPU kernels

@@ -288,8 +288,8 @@ def test_a_prefill_worker_with_nothing_left_takes_back_a_long_prompt_it_would_fi
     keeps it only while done in half p0's time: at 1.2 ms (14.4 ms, 28.8 with the margin) p0
     takes it back, at 1.1 ms (26.4) d0 keeps it. Taken back, long2 is prefilled on p0 from its
     start, its KV sent to d0 without the two blocks d0 computed (its prefix cache holds them),
-    and its tokens are the ones d0 would have sampled. --no-prefill-take-back: d0 keeps what
-    it took."""
+    and its tokens are the ones d0 would have sampled. Without --prefill-take-back (the
+    default) d0 keeps what it took."""
     c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
                 max_num_batched_tokens=8, max_num_partial_prefills=1, decode_hold_margin=margin,
                 prefill_take_back=enabled)
@@ -319,7 +319,7 @@ def test_an_idle_prefill_worker_takes_back_a_long_prompt_once_the_decode_worker_
     would finish long2's last 77 tokens (39 ms) sooner than p0 its 100 and the 23 d0 computed
     (123 ms). Once d0 slows to 2 ms a token (154 ms) p0 has work again: it takes long2 back."""
     c = Cluster({"p0": 64, "d0": 64}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
-                max_num_batched_tokens=8, max_num_partial_prefills=1)
+                max_num_batched_tokens=8, max_num_partial_prefills=1, prefill_take_back=True)
     p0, d0 = c.sched.workers["p0"], c.sched.workers["d0"]
     p0.prefill_speed.seconds_per_token = 0.001
     d0.prefill_speed.seconds_per_token = 0.0005

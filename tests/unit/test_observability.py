@@ -167,7 +167,7 @@ def test_a_prompt_taken_back_is_placed_again_in_its_trace(monkeypatch):
     monkeypatch.setattr(tracing, "_enabled", True)
     monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("pdserve"))
     c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
-                max_num_batched_tokens=8, max_num_partial_prefills=1)
+                max_num_batched_tokens=8, max_num_partial_prefills=1, prefill_take_back=True)
     telemetry = SchedulerTelemetry(c.sched)
     schedule = c.sched.schedule
 
