@@ -26,13 +26,14 @@ Who prefills a prompt:
                                    and, among prefill workers, the one caching most of its
                                    prefix
 
-A long prompt a decode worker holds goes back to a prefill worker that has none left to
-compute, when that one would finish it from the start, and spend once more the time of the
-tokens the decode worker computed (work thrown away, which delays the prompts it takes next),
-sooner than the decode worker from where it is (in 1/--decode-hold-margin of that time): the
-decode worker's pace beside its batch falls as the batch grows, and a prompt taken when it was
-the sooner one would otherwise end the slowest while a prefill worker idles. The blocks it
-computed stay in its prefix cache, so the KV sent back to it later skips them.
+With --prefill-take-back (off by default: its effect on TTFT p99 was within the run-to-run
+spread, README), a long prompt a decode worker holds goes back to a prefill worker that has
+none left to compute, when that one would finish it from the start, and spend once more the
+time of the tokens the decode worker computed (work thrown away, which delays the prompts it
+takes next), sooner than the decode worker from where it is (in 1/--decode-hold-margin of that
+time): the decode worker's pace beside its batch falls as the batch grows, and a prompt taken
+when it was the sooner one would otherwise end the slowest while a prefill worker idles. The
+blocks it computed stay in its prefix cache, so the KV sent back to it later skips them.
 
 So a free prefill worker takes every prompt (no interference with decoding), and while prefill
 workers are busy short prompts do not queue behind long ones. When long prompts arrive faster
@@ -72,7 +73,7 @@ class Prefill:
         self._next_id = next_id
         self._requeue = requeue
         self.num_long_on_decode = 0  # long prompts decode workers took (saturated bypass)
-        self.num_long_taken_back = 0  # ... that went back to a prefill worker (`_take_back`)
+        self.num_long_taken_back = 0  # ... that went back to a prefill worker (`to_take_back`)
 
     def admits(self, w: WorkerState) -> bool:
         """Whether w may take requests from the waiting queue at all."""
@@ -130,12 +131,12 @@ class Prefill:
         w.held_step_tokens = max(MIN_TIMED_PREFILL, min(self.config.decode_prefill_tokens, fit))
 
     def to_take_back(self, p: WorkerState) -> Request | None:
-        """The first long prompt a decode worker holds that prefill worker p, with none of
-        its own left to compute, would finish from the start (the tokens the decode worker
-        computed counted twice) sooner than that decode worker from where it is, at the speeds
-        measured so far (see the module's doc). None when
-        either speed is unmeasured, the decode worker's running step computes the prompt's
-        last chunk, or p has no room for it."""
+        """With --prefill-take-back, the first long prompt a decode worker holds that prefill
+        worker p, with none of its own left to compute, would finish from the start (the
+        tokens the decode worker computed counted twice) sooner than that decode worker from
+        where it is, at the speeds measured so far (see the module's doc). None when either
+        speed is unmeasured, the decode worker has planned the prompt's last chunk, or p has
+        no room for it."""
         if p.role != "prefill" or not self.config.prefill_take_back or p.leaving or \
                 self._partials(p) or not p.prefill_speed.seconds_per_token or \
                 p.num_seqs >= self.config.max_num_seqs:
