@@ -89,7 +89,7 @@ class SchedulerTelemetry:
                 new.trace_context.update(t.carrier)
             req = self.scheduler.requests.get(new.request_id)
             if req is not None and req.taken_back and t.context is not None and \
-                    req.prefill_worker == worker_id and not new.kv_transfer_id:
+                    not new.kv_transfer_id:
                 self._trace_placement(worker_id, new, req, t, planned_at)  # placed again
             if new.kv_transfer_id or t.admitted:
                 continue  # the decode worker taking over, or a request re-queued and resumed
@@ -99,14 +99,9 @@ class SchedulerTelemetry:
                 if self.metrics_on:
                     self.queue_time.observe(time.monotonic() - tracked.arrival)
             if t.context is not None:
-                self._trace_admission(worker_id, new, t, planned_at)
-
-    def _trace_admission(self, worker_id: str, new: NewRequest, t: _Tracked,
-                         planned_at: float) -> None:
-        tracing.record_span("scheduler.queue", t.arrival_wall, planned_at, t.context)
-        req = self.scheduler.requests.get(new.request_id)
-        if req is not None:
-            self._trace_placement(worker_id, new, req, t, planned_at)
+                tracing.record_span("scheduler.queue", t.arrival_wall, planned_at, t.context)
+                if req is not None:
+                    self._trace_placement(worker_id, new, req, t, planned_at)
 
     def _trace_placement(self, worker_id: str, new: NewRequest, req: Request, t: _Tracked,
                          planned_at: float) -> None:
