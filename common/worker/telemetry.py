@@ -104,6 +104,7 @@ class WorkerTelemetry:
         now = time.time()
         for rid in plan.finished_request_ids:
             self._close(rid)
+            self._expected.pop(rid, None)  # a prefix fill's, dropped under its transfer id
         for recv in plan.recvs:
             self._expected[recv.transfer_id] = (now, len(recv.block_ids), recv.transport)
         new_by_id = {}

@@ -75,11 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it would finish sooner")
     p.add_argument("--prefill-take-back", action=argparse.BooleanOptionalAction,
                    default=d.prefill_take_back,
-                   help="a prefill worker with no prompt left to compute takes back a long "
-                        "prompt a decode worker holds when, at the measured speeds, it would "
-                        "finish it from the start, and redo what the decode worker computed, "
-                        "sooner than the decode worker from where it is (the decode worker "
-                        "keeps it if done in 1/--decode-hold-margin of that time)")
+                   help="a prefill worker with no prompt left to compute takes over a long "
+                        "prompt a decode worker holds when, at the measured paces, it would "
+                        "finish it sooner than the decode worker from where it is (the decode "
+                        "worker keeps it if done in 1/--decode-hold-margin of that time); the "
+                        "decode worker first sends it the prompt's KV computed so far")
     p.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
                    help="prompts a worker may have started and not finished prefilling at once")
     p.add_argument("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,

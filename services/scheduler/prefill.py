@@ -26,14 +26,19 @@ Who prefills a prompt:
                                    and, among prefill workers, the one caching most of its
                                    prefix
 
-With --prefill-take-back (off by default: its effect on TTFT p99 was within the run-to-run
-spread, README), a long prompt a decode worker holds goes back to a prefill worker that has
-none left to compute, when that one would finish it from the start, and spend once more the
-time of the tokens the decode worker computed (work thrown away, which delays the prompts it
-takes next), sooner than the decode worker from where it is (in 1/--decode-hold-margin of that
-time): the decode worker's pace beside its batch falls as the batch grows, and a prompt taken
-when it was the sooner one would otherwise end the slowest while a prefill worker idles. The
-blocks it computed stay in its prefix cache, so the KV sent back to it later skips them.
+With --prefill-take-back (off by default: see README), a long prompt a decode worker holds goes
+to a prefill worker that has none left to compute, when that one would finish it sooner than
+the decode worker from where it is (in 1/--decode-hold-margin of that time): the decode
+worker's pace beside its batch falls as the batch grows, and a prompt taken when it was the
+sooner one would otherwise end the slowest while a prefill worker idles. The decode worker
+first sends the blocks it has computed into the prefill worker's prefix cache (a prefix fill,
+transfers.py; it goes on computing meanwhile), and the prompt goes back to the front of the
+queue once they are there: the prefill worker goes on from them, recomputing only what the
+decode worker computed during the fill. Where no fill can be made (no transport between the
+two, prompt logprobs, a fill that failed) it starts from the beginning, and that counts once
+more the time of the tokens the decode worker computed (work thrown away, which delays the
+prompts it takes next). The decode worker's pace is the one it has had on that prompt since
+it took it; its blocks stay in its prefix cache, so the KV sent back to it later skips them.
 
 So a free prefill worker takes every prompt (no interference with decoding), and while prefill
 workers are busy short prompts do not queue behind long ones. When long prompts arrive faster
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from common.plans import ScheduledTokens, StepPlan
 from services.scheduler.config import SchedulerConfig
@@ -61,10 +67,21 @@ from services.scheduler.workers import Workers
 ADMISSION_LOOKAHEAD = 8  # waiting requests a worker looks past a head that cannot start now
 
 
+@dataclass(frozen=True)
+class TakeBack:
+    """A long prompt a prefill worker takes over from the decode worker `src` holding it:
+    first `fill` blocks of it into its prefix cache after its cached `prefix` (a prefix fill),
+    or, with none to fill, the prompt itself now."""
+    request: Request
+    src: WorkerState
+    prefix: tuple[int, ...] = ()
+    fill: int = 0
+
+
 class Prefill:
     def __init__(self, config: SchedulerConfig, workers: Workers, waiting: RequestQueue,
                  transfers: Transfers, placement: Placement, next_id: Callable[[], int],
-                 requeue: Callable[[Request], None]):
+                 requeue: Callable[[Request], None], clock: Callable[[], float]):
         self.config = config
         self.workers = workers
         self.waiting = waiting
@@ -72,6 +89,7 @@ class Prefill:
         self.placement = placement
         self._next_id = next_id
         self._requeue = requeue
+        self._clock = clock  # a decode worker's pace on a long prompt it holds
         self.num_long_on_decode = 0  # long prompts decode workers took (saturated bypass)
         self.num_long_taken_back = 0  # ... that went back to a prefill worker (`to_take_back`)
 
@@ -102,10 +120,8 @@ class Prefill:
                 break
             if req not in held:
                 budget -= self._schedule_chunk(w, plan, req, budget)
-        if (back := self.to_take_back(w)) is not None:  # re-queued at the front: next in
-            self._requeue(back)
-            back.taken_back = True
-            self.num_long_taken_back += 1
+        if (back := self.to_take_back(w)) is not None:
+            self._take_back(w, back)
         budget = self._admit(w, plan, budget)
         for req in held:
             if budget > 0:
@@ -130,31 +146,66 @@ class Prefill:
         fit = round(prompt_tokens * target / seconds)
         w.held_step_tokens = max(MIN_TIMED_PREFILL, min(self.config.decode_prefill_tokens, fit))
 
-    def to_take_back(self, p: WorkerState) -> Request | None:
+    def to_take_back(self, p: WorkerState) -> TakeBack | None:
         """With --prefill-take-back, the first long prompt a decode worker holds that prefill
-        worker p, with none of its own left to compute, would finish from the start (the
-        tokens the decode worker computed counted twice) sooner than that decode worker from
-        where it is, at the speeds measured so far (see the module's doc). None when either
-        speed is unmeasured, the decode worker has planned the prompt's last chunk, or p has
-        no room for it."""
+        worker p, with none of its own left to compute and no prefix fill under way, would
+        finish sooner than that decode worker (see the module's doc), and how: a fill first,
+        or the prompt now. None when either pace is unmeasured, the decode worker has planned
+        the prompt's last chunk, or p has no room for it."""
         if p.role != "prefill" or not self.config.prefill_take_back or p.leaving or \
                 self._partials(p) or not p.prefill_speed.seconds_per_token or \
-                p.num_seqs >= self.config.max_num_seqs:
+                p.num_seqs >= self.config.max_num_seqs or self.transfers.filling(p):
             return None
+        bs = p.kv.block_size
         for d in self.workers.of_role("decode"):
             for req in self._partials(d):
-                if not self._beside_batch(d, req) or not d.prefill_speed.seconds_per_token:
+                if not self._beside_batch(d, req) or (there := self._held_seconds(d, req)) is None:
                     continue
-                there = d.prefill_speed.seconds(req.num_tokens - req.num_computed_tokens)
-                hashes = req.hashes(p.kv.block_size)
-                # from the start, and once more what d computed: the work the move throws
-                # away, which delays the prompts p takes next
-                thrown = req.num_computed_tokens - (req.num_cached_tokens or 0)
-                here = p.prefill_speed.seconds(self._todo(p, req, hashes) + thrown)
-                if here < there * self.config.decode_hold_margin and p.kv.can_fit(
-                        req.request_id, req.num_tokens, p.kv.find_prefix(hashes, req.num_tokens)):
-                    return req
+                hashes = req.hashes(bs)
+                prefix = p.kv.find_prefix(hashes, req.num_tokens)
+                fill = self._fillable(d, p, req, len(prefix))
+                have = max(p.kv.num_hit_blocks(hashes, req.num_tokens), len(prefix) + fill) * bs
+                # the tokens p computes, and once more those d computed that p computes again:
+                # the work the move throws away, which delays the prompts p takes next
+                here = p.prefill_speed.seconds(
+                    req.num_tokens - have + max(0, req.num_computed_tokens - have))
+                if here < there * self.config.decode_hold_margin and \
+                        p.kv.can_fit(req.request_id, req.num_tokens, prefix):
+                    return TakeBack(req, d, tuple(prefix), fill)
         return None
+
+    def _take_back(self, p: WorkerState, back: TakeBack) -> None:
+        """A prefix fill into p, or the prompt back to the front of the queue, next in."""
+        req = back.request
+        if back.fill:
+            req.prefix_filled = True
+            self.transfers.open_fill(req, back.src, p, len(back.prefix) + back.fill,
+                                     list(back.prefix), f"{req.request_id}/fill{self._next_id()}")
+            return
+        self._requeue(req)
+        req.taken_back = True
+        self.num_long_taken_back += 1
+
+    def _held_seconds(self, d: WorkerState, req: Request) -> float | None:
+        """Seconds decode worker d needs for the rest of req, a long prompt it holds: at the
+        pace it has gone at on it since it took it (its steps beside its batch, the short
+        prompts it took meanwhile), at its measured prefill speed before it has a pace; None
+        with neither."""
+        left = req.num_tokens - req.num_computed_tokens
+        done, elapsed = req.num_computed_tokens - req.held_from, self._clock() - req.held_at
+        if done > 0 and elapsed > 0:
+            return left * elapsed / done
+        return d.prefill_speed.seconds(left) if d.prefill_speed.seconds_per_token else None
+
+    def _fillable(self, d: WorkerState, p: WorkerState, req: Request, cached: int) -> int:
+        """Blocks of req's prompt that decode worker d has computed (planned) past the first
+        `cached`, which a prefix fill could bring to p: none when the request had one, scores
+        its prompt (no hashes), or the two share no transport or block size."""
+        bs = p.kv.block_size
+        if req.prefix_filled or d.kv.block_size != bs or not transport_between(d, p):
+            return 0
+        computed = min(req.num_computed_tokens // bs, len(req.hashes(bs)))
+        return max(0, computed - cached)
 
     def _admit(self, w: WorkerState, plan: StepPlan, budget: int) -> int:
         """New prompts from the waiting queue while the budget lasts; returns what is left."""
@@ -216,6 +267,7 @@ class Prefill:
             req.num_cached_tokens = req.num_computed_tokens
         if self._beside_batch(w, req):
             self.num_long_on_decode += 1
+            req.held_at, req.held_from = self._clock(), req.num_computed_tokens
         w.prefilling.append(req)
         if dst is not None:
             self.transfers.open(req, w, dst, dst_prefix or [],

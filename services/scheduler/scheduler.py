@@ -89,7 +89,7 @@ class Scheduler:
         self._ids = itertools.count()
         self.prefill = Prefill(config, self.workers, self.waiting, self.transfers,
                                create_placement(config.placement), lambda: next(self._ids),
-                               requeue=life.requeue)
+                               requeue=life.requeue, clock=clock)
         self.decode = Decode(preempt=life.preempt,
                              max_model_len=lambda: self.workers.max_model_len,
                              next_id=lambda: next(self._ids))
@@ -124,6 +124,7 @@ class Scheduler:
             return
         w.kv.close()
         self.transfers.sender_lost(w)
+        self.transfers.receiver_lost(w)
         lost = [r for r in self.requests.values()
                 if worker_id in (r.prefill_worker, r.decode_worker)]
         for req in lost:

@@ -8,6 +8,12 @@ when the sender says so.
 
 A request that finishes or is re-queued meanwhile cancels its transfer: before it is ordered
 the transfer simply goes; after, its blocks wait for the sender's report (`transfer_event`).
+
+A *prefix fill* moves no request: the blocks of a prompt one worker has computed (a decode
+worker's long prompt) go into another's prefix cache (a prefill worker's, which then takes the
+prompt over from there, `Prefill.to_take_back`). It goes the same way (receiver ready, ordered,
+done), holds the sender's blocks until it is done, whatever becomes of its request, and when
+it fails or either worker leaves it simply ends: the receiver caches nothing.
 """
 from __future__ import annotations
 
@@ -49,6 +55,27 @@ class Transfers:
                                 tuple(dst.kv.get_block_ids(req.request_id)[skip:]), transport))
         self.by_id[transfer_id] = Transfer(transfer_id, req, src, dst, transport, skip=skip)
 
+    def open_fill(self, req: Request, src: WorkerState, dst: WorkerState, num_blocks: int,
+                  dst_prefix: list[int], transfer_id: str) -> None:
+        """The first num_blocks blocks of req's prompt, computed on src, go into dst's prefix
+        cache: those after dst's cached `dst_prefix`. dst's blocks are reserved under the
+        transfer id (its expectation's request id on the worker too), src's are held; the
+        send is ordered with src's next plan once dst's step has registered the recv."""
+        skip = len(dst_prefix)
+        reserved = dst.kv.allocate_slots(transfer_id, num_blocks * dst.kv.block_size, dst_prefix)
+        assert reserved is not None, "the caller checked that the blocks fit"
+        src_blocks = tuple(src.kv.get_block_ids(req.request_id)[skip:num_blocks])
+        src.kv.hold(src_blocks)
+        transport = transport_between(src, dst)
+        dst.recvs.append(KVRecv(transfer_id, transfer_id, tuple(reserved), transport))
+        self.by_id[transfer_id] = Transfer(
+            transfer_id, req, src, dst, transport, skip=skip, computed=True,
+            fill=tuple(req.hashes(dst.kv.block_size)[:num_blocks]), src_block_ids=src_blocks)
+
+    def filling(self, dst: WorkerState) -> Transfer | None:
+        """The prefix fill into dst under way, if any."""
+        return next((t for t in self.by_id.values() if t.fill and t.dst is dst), None)
+
     def sendable(self, w: WorkerState) -> list[Transfer]:
         """Transfers w may start now: computed, and the receiver expects them."""
         return [t for t in self.by_id.values() if t.src is w and t.computed
@@ -72,10 +99,11 @@ class Transfers:
         use until the sender reports it done."""
         rid = t.request.request_id
         t.ordered = True
+        src_ids = t.src_block_ids if t.fill else tuple(t.src.kv.get_block_ids(rid)[t.skip:])
+        dst_rid = t.transfer_id if t.fill else rid
         plan.sends.append(KVSend(
-            transfer_id=t.transfer_id, request_id=rid,
-            src_block_ids=tuple(t.src.kv.get_block_ids(rid)[t.skip:]),
-            dst_block_ids=tuple(t.dst.kv.get_block_ids(rid)[t.skip:]),
+            transfer_id=t.transfer_id, request_id=rid, src_block_ids=src_ids,
+            dst_block_ids=tuple(t.dst.kv.get_block_ids(dst_rid)[t.skip:]),
             dst_endpoint=t.dst.endpoints[t.transport], transport=t.transport))
 
     def done(self, sender: WorkerState, done: TransferDone) -> None:
@@ -83,6 +111,9 @@ class Transfers:
         if t is None or t.src is not sender:
             return
         del self.by_id[done.transfer_id]
+        if t.fill:
+            self._end_fill(t, cache=not done.error and not t.cancelled)
+            return
         event = transfer_event(t.transfer_id)
         t.src.kv.done(event)
         t.dst.kv.done(event)
@@ -98,12 +129,43 @@ class Transfers:
             return
         self._land(req, t.src, t.dst)
 
+    def _end_fill(self, t: Transfer, cache: bool, sender_alive: bool = True) -> None:
+        """A prefix fill is over: the sender's blocks are released, and the receiver's go to
+        its prefix cache (`cache`, it landed) or back to its pool; the receiver forgets its
+        expectation (the transfer id as a request id: its recv not sent yet, or dropped)."""
+        if sender_alive:
+            t.src.kv.release(t.src_block_ids)
+        if t.cancelled:  # the receiver left
+            return
+        if cache:
+            t.dst.kv.cache_blocks(t.transfer_id, list(t.fill), len(t.fill) * t.dst.kv.block_size)
+        t.dst.kv.free(t.transfer_id)
+        pending = [r for r in t.dst.recvs if r.transfer_id != t.transfer_id]
+        if len(pending) < len(t.dst.recvs):
+            t.dst.recvs = pending
+        else:
+            t.dst.to_drop.append(t.transfer_id)
+
+    def receiver_lost(self, w: WorkerState) -> None:
+        """Prefix fills into a dead worker end: unordered ones now, ordered ones when their
+        live sender reports them done (it may be reading its blocks right now)."""
+        for t in [t for t in self.by_id.values() if t.fill and t.dst is w]:
+            t.cancelled = True
+            if not t.ordered:
+                del self.by_id[t.transfer_id]
+                self._end_fill(t, cache=False)
+
     def sender_lost(self, w: WorkerState) -> None:
         """A dead sender writes nothing more: the blocks its sends held are free now (its
-        requests are re-queued by the caller, which drops these transfers)."""
+        requests are re-queued by the caller, which drops these transfers); its prefix fills
+        end, the receivers caching nothing."""
         for t in list(self.by_id.values()):
             if t.src is not w:
                 continue  # a live sender still reports its send done, which frees its blocks
+            if t.fill:
+                del self.by_id[t.transfer_id]
+                self._end_fill(t, cache=False, sender_alive=False)
+                continue
             t.dst.kv.done(transfer_event(t.transfer_id))
             t.ordered = False
             if t.cancelled:

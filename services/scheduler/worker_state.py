@@ -133,6 +133,11 @@ class Transfer:
     receiver_ready: bool = False  # the receiver ran the step that registered the expectation
     ordered: bool = False    # the send is in a plan
     cancelled: bool = False  # its request moved on; only blocks still wait for the done
+    # a prefix fill (Transfers.open_fill): no request moves; the blocks of the request's prompt
+    # the sender computed go into the receiver's prefix cache under these hashes, from these
+    # blocks of the sender's, which the fill holds until it is done
+    fill: tuple[bytes, ...] = ()
+    src_block_ids: tuple[int, ...] = ()
 
 
 def step_event(step_id: int) -> tuple[str, int]:

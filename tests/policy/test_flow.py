@@ -274,67 +274,179 @@ def test_a_decode_hold_margin_below_one_is_refused():
     assert SchedulerConfig().decode_hold_margin == 1.0  # the default: whenever done sooner
 
 
-@pytest.mark.parametrize("took_ms, now_ms, margin, enabled, taken_back", [
-    (1.5, 1.5, 1, True, False), (1.5, 3.0, 1, True, True), (0.9, 1.2, 2, True, True),
-    (0.9, 1.1, 2, True, False), (1.5, 3.0, 1, False, False)])
-def test_a_prefill_worker_with_nothing_left_takes_back_a_long_prompt_it_would_finish_sooner(
-        took_ms, now_ms, margin, enabled, taken_back):
-    """d0 took long2 while p0 prefilled long1 (d0 at took_ms a token, sooner than p0's 1 ms
-    behind long1); when p0 plans long1's last chunk (4 tokens of an 8-token step), long2 has
-    12 of its 20 tokens left on d0, now at now_ms a token. p0 would take 28 ms: the 20 tokens
-    from the start and once more the 8 d0 computed (thrown away, they delay what p0 takes
-    next). At 1.5 ms d0 finishes in 18 ms: it keeps long2. Its batch grown (3 ms a token:
-    36 ms), p0 takes long2 back into the rest of that step. With --decode-hold-margin 2 d0
-    keeps it only while done in half p0's time: at 1.2 ms (14.4 ms, 28.8 with the margin) p0
-    takes it back, at 1.1 ms (26.4) d0 keeps it. Taken back, long2 is prefilled on p0 from its
-    start, its KV sent to d0 without the two blocks d0 computed (its prefix cache holds them),
-    and its tokens are the ones d0 would have sampled. Without --prefill-take-back (the
-    default) d0 keeps what it took."""
-    c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
-                max_num_batched_tokens=8, max_num_partial_prefills=1, decode_hold_margin=margin,
-                prefill_take_back=enabled)
+def _long_prompt_on_the_decode_worker(workers=None, **config):
+    """p0 prefills long1 (20 tokens, 8 a step); d0 takes long2 (96 tokens) beside it and plans
+    two chunks of 8 while p0 plans long1's second; the clock then says d0 took 48 ms for those
+    16 tokens (3 ms a token). p0 runs at 1 ms a token."""
+    c = Cluster(workers or {"p0": 64, "d0": 64}, prefill_bypass_threshold=4,
+                decode_prefill_tokens=8, max_num_batched_tokens=8, max_num_partial_prefills=1,
+                **{"prefill_take_back": True, **config})
     c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.001
-    c.sched.workers["d0"].prefill_speed.seconds_per_token = took_ms / 1000
     c.submit("long1", list(range(100, 120)), max_tokens=2)
     assert _scheduled(c.plan("p0")) == [("long1", 8)]
-    c.submit("long2", list(range(200, 220)), max_tokens=2)
+    c.submit("long2", list(range(200, 296)), max_tokens=2)
     assert _scheduled(c.plan("d0")) == [("long2", 8)]
     c.run_step("d0")
-    c.sched.workers["d0"].prefill_speed.seconds_per_token = now_ms / 1000
+    assert _scheduled(c.plan("d0")) == [("long2", 8)]
+    c.now = 0.048
     c.run_step("p0")
     assert _scheduled(c.plan("p0")) == [("long1", 8)]
     c.run_step("p0")
-    assert _scheduled(c.plan("p0")) == [("long1", 4)] + ([("long2", 4)] if taken_back else [])
-    assert c.sched.num_long_prefills_taken_back == taken_back
+    return c
+
+
+def test_a_prefill_worker_with_nothing_left_takes_over_a_long_prompt_from_the_kv_sent_to_it():
+    """When p0 plans long1's last chunk, d0 at 3 ms a token would finish long2's other 80
+    tokens in 240 ms, p0 from the 16 d0 computed in 80: d0 first sends those 4 blocks into
+    p0's prefix cache (a fill: blocks reserved under the fill's id, the recv registered in
+    p0's step, the send ordered in d0's next plan, which also goes on with long2). Once they
+    are there, p0 takes long2 over (80 + 7 ms: d0 computed 7 more meanwhile, 216 ms from there
+    at its pace): long2 starts on p0 at token 16 on the filled blocks, p0 computes its other
+    80 tokens, and its KV goes to d0 without the 5 blocks d0 computed (its prefix cache holds
+    them). The tokens are the ones d0 would have sampled; every block is free after."""
+    c = _long_prompt_on_the_decode_worker()
+    p0 = c.sched.workers["p0"]
+    fill = c.plan("p0")
+    assert _scheduled(fill) == [("long1", 4)]
+    assert [(r.request_id, r.block_ids) for r in fill.recvs] == [("long2/fill6", (5, 6, 7, 8))]
+    assert p0.kv.get_block_ids("long2/fill6") == [5, 6, 7, 8]
+    assert c.sched.num_long_prefills_taken_back == 0
+    c.run_step("p0")  # p0 expects the fill now
+    c.run_step("d0")
+    send = c.plan("d0")
+    assert _scheduled(send) == [("long1", 1), ("long2", 7)]  # long1 joins, long2 goes on
+    assert [(k.transfer_id, k.request_id, k.src_block_ids, k.dst_block_ids)
+            for k in send.sends] == [("long2/fill6", "long2", (5, 6, 7, 8), (5, 6, 7, 8))]
+    c.now = 0.072
+    c.run_step("d0")  # the fill lands: p0 caches its 4 blocks
+    assert p0.kv.find_prefix(c.sched.requests["long2"].hashes(4), 96) == [5, 6, 7, 8]
+    assert not p0.kv.holds("long2/fill6")
+    take = c.plan("p0")
+    assert c.sched.num_long_prefills_taken_back == 1
+    assert take.finished_request_ids == ["long1", "long2/fill6"]
+    assert [(n.request_id, n.block_ids[:5], len(n.block_ids), n.num_computed_tokens)
+            for n in take.new_requests] == [("long2", (5, 6, 7, 8, 9), 24, 16)]
+    assert _scheduled(take) == [("long2", 8)]
     c.run()
-    assert c.tokens("long2") == [token_at(20), token_at(21)]
-    assert c.workers["p0"].prompt_tokens == (40 if taken_back else 20)
-    assert c.workers["d0"].prompt_tokens == (8 if taken_back else 20)
-    assert c.workers["d0"].received == (5 + 3 if taken_back else 5)  # blocks of 4 tokens
+    assert c.tokens("long2") == [token_at(96), token_at(97)]
+    assert c.workers["p0"].prompt_tokens == 20 + 80
+    assert c.workers["d0"].prompt_tokens == 23
+    assert c.workers["d0"].sent == 4  # the fill
+    assert c.workers["d0"].received == 5 + 24 - 5  # long1, and long2 but what d0 computed
     c.assert_all_free()
 
 
-def test_an_idle_prefill_worker_takes_back_a_long_prompt_once_the_decode_worker_slows():
+@pytest.mark.parametrize("pace_ms, margin, enabled, takes", [
+    (1.5, 1, True, True), (0.9, 1, True, False), (0.9, 2, True, True), (1.5, 1, False, False)])
+def test_a_prefill_worker_takes_over_only_what_it_would_finish_sooner(pace_ms, margin, enabled,
+                                                                      takes):
+    """long2's other 80 tokens: 80 ms on p0 from the 16 d0 would send, 80 x pace_ms on d0,
+    which keeps it while done in 1/--decode-hold-margin of p0's time. Without
+    --prefill-take-back (the default) d0 keeps what it took."""
+    c = _long_prompt_on_the_decode_worker(decode_hold_margin=margin, prefill_take_back=enabled)
+    c.now = 0.016 * pace_ms
+    plan = c.plan("p0")
+    assert _scheduled(plan) == [("long1", 4)]
+    assert bool(plan.recvs) == takes
+    assert c.sched.workers["p0"].kv.get_block_ids("long2/fill6") == ([5, 6, 7, 8] if takes else [])
+    c.run()
+    assert c.tokens("long2") == [token_at(96), token_at(97)]
+    c.assert_all_free()
+
+
+def test_after_a_failed_fill_the_prefill_worker_starts_over_and_counts_the_work_thrown_away():
+    """The fill's send fails: p0's reserved blocks go back uncached. Then p0 would take long2
+    from its start, and once more the 23 tokens d0 computed: 119 ms against d0's 73 tokens at
+    3 ms a token (219 ms); it takes long2 back, computes all 96 tokens, and d0 receives all
+    but the 5 blocks it computed."""
+    c = _long_prompt_on_the_decode_worker()
+    p0 = c.sched.workers["p0"]
+    assert [r.block_ids for r in c.plan("p0").recvs] == [(5, 6, 7, 8)]
+    c.run_step("p0")
+    c.run_step("d0")
+    assert c.plan("d0").sends
+    c.now = 0.069
+    c.run_step("d0", send_error="refused")
+    assert not p0.kv.holds("long2/fill6") and not p0.kv.find_prefix(
+        c.sched.requests["long2"].hashes(4), 96)
+    take = c.plan("p0")
+    assert [(n.request_id, n.num_computed_tokens) for n in take.new_requests] == [("long2", 0)]
+    assert not take.recvs and c.sched.num_long_prefills_taken_back == 1
+    c.run()
+    assert c.tokens("long2") == [token_at(96), token_at(97)]
+    assert c.workers["p0"].prompt_tokens == 20 + 96
+    assert c.workers["d0"].received == 5 + 24 - 5
+    c.assert_all_free()
+
+
+def test_an_idle_prefill_worker_takes_over_once_the_decode_workers_pace_falls():
     """p0 has finished long1 and nothing waits: it has no work while d0, at 0.5 ms a token,
-    would finish long2's last 77 tokens (39 ms) sooner than p0 its 100 and the 23 d0 computed
-    (123 ms). Once d0 slows to 2 ms a token (154 ms) p0 has work again: it takes long2 back."""
+    would finish long2's last 77 tokens (39 ms) sooner than p0 the 80 after the 5 blocks d0
+    would send (80 ms). Once d0's pace falls to 2 ms a token (154 ms) p0 has work again: a
+    step that only expects the fill."""
     c = Cluster({"p0": 64, "d0": 64}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
                 max_num_batched_tokens=8, max_num_partial_prefills=1, prefill_take_back=True)
-    p0, d0 = c.sched.workers["p0"], c.sched.workers["d0"]
+    p0 = c.sched.workers["p0"]
     p0.prefill_speed.seconds_per_token = 0.001
-    d0.prefill_speed.seconds_per_token = 0.0005
     c.submit("long1", list(range(100, 108)), max_tokens=2)
     assert _scheduled(c.plan("p0")) == [("long1", 8)]
     c.submit("long2", list(range(200, 300)), max_tokens=2)
     assert _scheduled(c.plan("d0")) == [("long2", 8)]
     for _ in range(3):  # long1 sent to d0; long2 goes on there, 8 tokens a step
         c.step()
-    assert not c.sched.has_work("p0") and not c.sent["p0"]
     assert c.sched.requests["long2"].num_computed_tokens == 23
-    d0.prefill_speed.seconds_per_token = 0.002
+    c.now = 0.0115
+    assert not c.sched.has_work("p0") and not c.sent["p0"]
+    c.now = 0.046
     assert c.sched.has_work("p0")
-    assert _scheduled(c.plan("p0")) == [("long2", 8)]
-    assert c.sched.num_long_prefills_taken_back == 1
+    fill = c.plan("p0")
+    assert not fill.scheduled and [r.block_ids for r in fill.recvs] == [(2, 3, 4, 5, 6)]
     c.run()
+    assert c.sched.num_long_prefills_taken_back == 1
     assert c.tokens("long2") == [token_at(100), token_at(101)]
+    c.assert_all_free()
+
+
+@pytest.mark.parametrize("lost", ["sender", "receiver"])
+def test_a_fill_ends_with_either_worker_lost_and_the_prompt_completes(lost):
+    """The sender (d0) lost before it sends: the fill's blocks on p0 go back uncached, and long2
+    starts again on p0 for d1. The receiver (p0) lost while d0's send is under way: d0's blocks
+    stay held until it reports the send done, and long2 goes on on d0."""
+    c = _long_prompt_on_the_decode_worker({"p0": 64, "d0": 64, "d1": 64})
+    assert c.plan("p0").recvs
+    c.run_step("p0")
+    if lost == "sender":
+        c.lose("d0")
+        assert not c.sched.workers["p0"].kv.holds("long2/fill6")
+    else:
+        c.run_step("d0")
+        c.hold_sends = True
+        c.plan("d0")
+        c.run_step("d0")
+        assert c.held_sends
+        c.lose("p0")
+        d0 = c.sched.workers["d0"]
+        assert d0.kv.pool.ref_cnt[5] == 2  # long2's, and the fill's until the send is done
+        c.hold_sends = False
+        for wid, plan in c.held_sends:
+            c.deliver(wid, plan)
+        c.held_sends.clear()
+        assert d0.kv.pool.ref_cnt[5] == 1
+    c.run()
+    assert c.tokens("long2") == [token_at(96), token_at(97)]
+    assert c.tokens("long1") == [token_at(20), token_at(21)]
+    c.assert_all_free()
+
+
+def test_a_fill_outlives_its_request_aborted_meanwhile():
+    """long2 aborted while its fill is under way: the fill still lands in p0's prefix cache
+    (blocks free and cached), and every block is free after."""
+    c = _long_prompt_on_the_decode_worker()
+    hashes = c.sched.requests["long2"].hashes(4)
+    assert c.plan("p0").recvs
+    c.run_step("p0")
+    c.sched.abort("long2")
+    c.run()
+    assert c.workers["d0"].sent == 4
+    assert c.sched.workers["p0"].kv.find_prefix(hashes, 96) == [5, 6, 7, 8]
     c.assert_all_free()

@@ -166,7 +166,7 @@ def test_a_prompt_taken_back_is_placed_again_in_its_trace(monkeypatch):
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(tracing, "_enabled", True)
     monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("pdserve"))
-    c = Cluster({"p0": 32, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
+    c = Cluster({"p0": 64, "d0": 64}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
                 max_num_batched_tokens=8, max_num_partial_prefills=1, prefill_take_back=True)
     telemetry = SchedulerTelemetry(c.sched)
     schedule = c.sched.schedule
@@ -177,18 +177,20 @@ def test_a_prompt_taken_back_is_placed_again_in_its_trace(monkeypatch):
         return plan
     c.sched.schedule = traced_schedule
     c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.001
-    c.sched.workers["d0"].prefill_speed.seconds_per_token = 0.0015
     spans = {}
-    for rid, first in (("long1", 100), ("long2", 200)):
-        c.submit(rid, list(range(first, first + 20)), max_tokens=2)
+    for rid, first, n in (("long1", 100, 20), ("long2", 200, 96)):
+        c.submit(rid, list(range(first, first + n)), max_tokens=2)
         spans[rid] = tracing.start_span("request")
         telemetry.on_generate(c.sched.requests[rid], span=spans[rid])
         c.plan("p0" if rid == "long1" else "d0")  # d0 takes long2 beside p0's long1
     c.run_step("d0")
-    c.sched.workers["d0"].prefill_speed.seconds_per_token = 0.003  # now p0 is sooner
-    for _ in range(2):  # p0's second chunk of long1, then its last one and long2 taken back
+    c.now = 0.024  # d0's pace on long2: 3 ms a token, p0 would be sooner
+    for _ in range(2):  # p0's second chunk of long1, then its last one and long2's fill
         c.run_step("p0")
         c.plan("p0")
+    for _ in range(3):  # the fill lands, and p0 takes long2 over
+        c.now += 0.024
+        c.step()
     c.run()
     assert c.sched.num_long_prefills_taken_back == 1
     tracing.end_span(spans["long2"])

@@ -881,3 +881,43 @@ def test_malformed_registrations_are_refused_and_nothing_else_changes(cluster, h
     for rid, p in prompts.items():
         assert c.tokens(rid) == _greedy(hf, p, 10), rid
     c.assert_all_free()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_prefill_worker_takes_over_a_long_prompt_from_the_kv_the_decode_worker_sent(
+        cluster, hf, transport):
+    """The decode worker takes `long2` while the prefill worker chunks `long1`; at 10 ms a token
+    there against 1 ms on the prefill worker, the prefill worker, once done with long1, gets
+    the blocks of long2 the decode worker computed into its prefix cache (a prefix fill over
+    the transport) and computes only the rest: the KV that moved is the real one, so the tokens
+    are HuggingFace's."""
+    c = cluster([("prefill", 64), ("decode", 64)], worker_kw={"kv_transports": (transport,)},
+                max_num_batched_tokens=8, prefill_bypass_threshold=8, decode_prefill_tokens=8,
+                max_num_partial_prefills=1, prefill_take_back=True)
+    p, d = _by_role(c, "prefill"), _by_role(c, "decode")
+    plans = collections.defaultdict(list)
+    schedule = c.sched.schedule
+
+    def recorded(wid):
+        plan = schedule(wid)
+        plans[wid].append(plan)
+        return plan
+    c.sched.schedule = recorded
+    long1, long2 = _prompt(24, 900), _prompt(60, 901)
+    c.submit("long1", long1, max_tokens=4)
+    c.submit("long2", long2, max_tokens=4)
+    for w in (p, d):  # p starts long1; d, its speed unmeasured, takes long2 beside it
+        c.sched.update(w.worker_id, c.workers[w.worker_id].execute(c.sched.schedule(w.worker_id)))
+    assert [r.request_id for r in d.prefilling] == ["long2"]
+    p.prefill_speed.seconds_per_token, d.prefill_speed.seconds_per_token = 0.001, 0.01
+    c.run()
+    assert c.tokens("long1") == _greedy(hf, long1, 4)
+    assert c.tokens("long2") == _greedy(hf, long2, 4)
+    assert c.sched.num_long_prefills_taken_back == 1
+    fills = [r for plan in plans[p.worker_id] if plan for r in plan.recvs]
+    assert len(fills) == 1 and fills[0].transfer_id.startswith("long2/fill")
+    filled = 4 * len(fills[0].block_ids)
+    assert filled >= 8
+    assert p.counters.prompt_tokens_computed == 24 + 60 - filled
+    assert d.counters.kv_blocks_sent == len(fills[0].block_ids)
+    c.assert_all_free()
