@@ -100,17 +100,19 @@ class KVCacheManager:
         return need <= self.pool.num_free_blocks
 
     def allocate_slots(self, request_id: str, num_tokens: int, prefix: Sequence[int] = (),
-                       tier_hashes: Sequence[bytes] = ()) -> list[int] | None:
+                       tier_hashes: Sequence[bytes] = (), lookup: bool = True) -> list[int] | None:
         """Grows the request's blocks to hold num_tokens tokens in all; a new request starts
         from the cached `prefix` blocks, then blocks loaded from the tier holding `tier_hashes`
-        (find_tier's run after the prefix). Returns the newly allocated block ids (possibly
-        none), or None when the pool cannot supply them, in which case nothing changes."""
+        (find_tier's run after the prefix), and counts as a prefix-cache lookup unless not
+        `lookup` (blocks for something other than a request, a prefix fill). Returns the newly
+        allocated block ids (possibly none), or None when the pool cannot supply them, in which
+        case nothing changes."""
         if not self.can_fit(request_id, num_tokens, prefix):
             return None
         held = self._blocks.get(request_id)
         loads: list[int] = []
         if held is None:
-            if self.pool.enable_caching:
+            if self.pool.enable_caching and lookup:
                 self.num_queried_tokens += num_tokens
                 self.num_hit_tokens += (len(prefix) + len(tier_hashes)) * self.block_size
                 self.num_tier_hit_tokens += len(tier_hashes) * self.block_size

@@ -200,9 +200,11 @@ class Prefill:
     def _fillable(self, d: WorkerState, p: WorkerState, req: Request, cached: int) -> int:
         """Blocks of req's prompt that decode worker d has computed (planned) past the first
         `cached`, which a prefix fill could bring to p: none when the request had one, scores
-        its prompt (no hashes), or the two share no transport or block size."""
+        its prompt (no hashes), p caches no prefixes, or the two share no transport or block
+        size."""
         bs = p.kv.block_size
-        if req.prefix_filled or d.kv.block_size != bs or not transport_between(d, p):
+        if req.prefix_filled or not p.kv.pool.enable_caching or d.kv.block_size != bs or \
+                not transport_between(d, p):
             return 0
         computed = min(req.num_computed_tokens // bs, len(req.hashes(bs)))
         return max(0, computed - cached)

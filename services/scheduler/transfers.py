@@ -62,7 +62,8 @@ class Transfers:
         transfer id (its expectation's request id on the worker too), src's are held; the
         send is ordered with src's next plan once dst's step has registered the recv."""
         skip = len(dst_prefix)
-        reserved = dst.kv.allocate_slots(transfer_id, num_blocks * dst.kv.block_size, dst_prefix)
+        reserved = dst.kv.allocate_slots(transfer_id, num_blocks * dst.kv.block_size, dst_prefix,
+                                         lookup=False)
         assert reserved is not None, "the caller checked that the blocks fit"
         src_blocks = tuple(src.kv.get_block_ids(req.request_id)[skip:num_blocks])
         src.kv.hold(src_blocks)

@@ -306,10 +306,12 @@ def test_a_prefill_worker_with_nothing_left_takes_over_a_long_prompt_from_the_kv
     them). The tokens are the ones d0 would have sampled; every block is free after."""
     c = _long_prompt_on_the_decode_worker()
     p0 = c.sched.workers["p0"]
+    queried = p0.kv.num_queried_tokens
     fill = c.plan("p0")
     assert _scheduled(fill) == [("long1", 4)]
     assert [(r.request_id, r.block_ids) for r in fill.recvs] == [("long2/fill6", (5, 6, 7, 8))]
     assert p0.kv.get_block_ids("long2/fill6") == [5, 6, 7, 8]
+    assert p0.kv.num_queried_tokens == queried  # a fill is no prefix-cache lookup
     assert c.sched.num_long_prefills_taken_back == 0
     c.run_step("p0")  # p0 expects the fill now
     c.run_step("d0")
@@ -376,6 +378,20 @@ def test_after_a_failed_fill_the_prefill_worker_starts_over_and_counts_the_work_
     assert c.tokens("long2") == [token_at(96), token_at(97)]
     assert c.workers["p0"].prompt_tokens == 20 + 96
     assert c.workers["d0"].received == 5 + 24 - 5
+    c.assert_all_free()
+
+
+def test_without_prefix_caching_the_prefill_worker_takes_a_prompt_over_from_its_start():
+    """No prefix cache to fill: p0 would compute long2 from its start, and once more the 16
+    tokens d0 computed (112 ms), against d0's 80 tokens at 3 ms (240 ms): it takes long2 back in
+    the same plan, at token 0."""
+    c = _long_prompt_on_the_decode_worker(enable_prefix_caching=False)
+    plan = c.plan("p0")
+    assert not plan.recvs and c.sched.num_long_prefills_taken_back == 1
+    assert _scheduled(plan) == [("long1", 4), ("long2", 4)]
+    assert [(n.request_id, n.num_computed_tokens) for n in plan.new_requests] == [("long2", 0)]
+    c.run()
+    assert c.tokens("long2") == [token_at(96), token_at(97)]
     c.assert_all_free()
 
 
