@@ -163,7 +163,7 @@ class Prefill:
                     continue
                 hashes = req.hashes(bs)
                 prefix = p.kv.find_prefix(hashes, req.num_tokens)
-                fill = self._fillable(d, p, req, len(prefix))
+                fill = self._fillable(d, p, req, len(hashes), len(prefix))
                 have = max(p.kv.num_hit_blocks(hashes, req.num_tokens), len(prefix) + fill) * bs
                 # the tokens p computes, and once more those d computed that p computes again:
                 # the work the move throws away, which delays the prompts p takes next
@@ -197,16 +197,17 @@ class Prefill:
             return left * elapsed / done
         return d.prefill_speed.seconds(left) if d.prefill_speed.seconds_per_token else None
 
-    def _fillable(self, d: WorkerState, p: WorkerState, req: Request, cached: int) -> int:
-        """Blocks of req's prompt that decode worker d has computed (planned) past the first
-        `cached`, which a prefix fill could bring to p: none when the request had one, scores
-        its prompt (no hashes), p caches no prefixes, or the two share no transport or block
-        size."""
+    def _fillable(self, d: WorkerState, p: WorkerState, req: Request, hashed: int,
+                  cached: int) -> int:
+        """Blocks of req's prompt (`hashed` of them have hashes) that decode worker d has
+        computed (planned) past the first `cached`, which a prefix fill could bring to p: none
+        when the request had one, scores its prompt (no hashes), p caches no prefixes, or the
+        two share no transport or block size."""
         bs = p.kv.block_size
         if req.prefix_filled or not p.kv.pool.enable_caching or d.kv.block_size != bs or \
                 not transport_between(d, p):
             return 0
-        computed = min(req.num_computed_tokens // bs, len(req.hashes(bs)))
+        computed = min(req.num_computed_tokens // bs, hashed)
         return max(0, computed - cached)
 
     def _admit(self, w: WorkerState, plan: StepPlan, budget: int) -> int:

@@ -113,7 +113,7 @@ class Transfers:
             return
         del self.by_id[done.transfer_id]
         if t.fill:
-            self._end_fill(t, cache=not done.error and not t.cancelled)
+            self._end_fill(t, cache=not done.error)  # nothing to cache where it was cancelled
             return
         event = transfer_event(t.transfer_id)
         t.src.kv.done(event)
