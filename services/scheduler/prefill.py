@@ -40,12 +40,6 @@ more the time of the tokens the decode worker computed (work thrown away, which 
 prompts it takes next). The decode worker's pace is the one it has had on that prompt since
 it took it; its blocks stay in its prefix cache, so the KV sent back to it later skips them.
 
-A prefill worker's step either finishes prompts or, when none can finish, carries the chunks
-of those that do not: a prompt's first token waits for the end of the step that finishes it,
-so another prompt's chunk beside it (the next long prompt's first, most often) would delay that
-token by the chunk's time and bring the other prompt's end no closer. A chunk left out once
-goes in the next step whatever comes.
-
 So a free prefill worker takes every prompt (no interference with decoding), and while prefill
 workers are busy short prompts do not queue behind long ones. When long prompts arrive faster
 than the prefill workers finish them, a decode worker takes its share beside its batch: a
@@ -117,9 +111,6 @@ class Prefill:
         """Chunks of w's partial prefills, then new prompts, while the budget lasts. A decode
         worker holding a long prompt (saturated bypass) keeps its steps to `held_tokens`,
         short prompts first, the long prompt's chunk last; returns whether it holds one."""
-        if w.role == "prefill":
-            self._schedule_prefill_worker(w, plan, budget)
-            return False
         partials = self._partials(w)
         held = [r for r in partials if self._beside_batch(w, r)]
         if held:
@@ -137,39 +128,6 @@ class Prefill:
                 budget -= self._schedule_chunk(w, plan, req, budget)
         return any(r.status is Status.PREFILLING and self._beside_batch(w, r)
                    for r in w.prefilling)  # held before, or taken in this step
-
-    def _schedule_prefill_worker(self, w: WorkerState, plan: StepPlan, budget: int) -> None:
-        """A prefill worker's step: the prompts that finish in it, or else the chunks of those
-        that do not. A prompt's first token waits for the end of the step that finishes it,
-        and the step lasts as long as all its tokens take, so a chunk that does not finish its
-        prompt would only delay the prompts finishing beside it: it goes in the next step,
-        after them (by the same work, the prompt it belongs to ends no later). A chunk left
-        out once goes in the next step whatever else does, so short prompts that keep coming
-        cannot hold a long one back more than every other step."""
-        partials = self._partials(w)
-        later = []
-        for req in partials:
-            if budget > 0 and (req.chunk_deferred or
-                               self._left(req) <= min(budget, self._chunk_cap())):
-                budget -= self._schedule_chunk(w, plan, req, budget)
-            else:
-                later.append(req)
-        if (back := self.to_take_back(w)) is not None:
-            self._take_back(w, back)
-        budget = self._admit(w, plan, budget, whole=True)
-        scheduled = {s.request_id for s in plan.scheduled}
-        if any(r.request_id in scheduled and not self._left(r) for r in w.prefilling):
-            for req in later:
-                req.chunk_deferred = True
-            return
-        for req in later:
-            if budget > 0:
-                budget -= self._schedule_chunk(w, plan, req, budget)
-        self._admit(w, plan, budget)
-
-    @staticmethod
-    def _left(req: Request) -> int:
-        return req.num_tokens - req.num_computed_tokens
 
     def held_tokens(self, w: WorkerState) -> int:
         """Prompt tokens of decode worker w's next step while it holds a long prompt."""
@@ -252,15 +210,14 @@ class Prefill:
         computed = min(req.num_computed_tokens // bs, hashed)
         return max(0, computed - cached)
 
-    def _admit(self, w: WorkerState, plan: StepPlan, budget: int, whole: bool = False) -> int:
-        """New prompts from the waiting queue while the budget lasts (`whole`: only those it
-        computes whole in this step); returns what is left."""
+    def _admit(self, w: WorkerState, plan: StepPlan, budget: int) -> int:
+        """New prompts from the waiting queue while the budget lasts; returns what is left."""
         if not self.admits(w):
             return budget
         for req in list(itertools.islice(self.waiting, self.lookahead)):
             if budget <= 0 or w.num_seqs >= self.config.max_num_seqs:
                 break
-            verdict = self._try_admit(w, plan, req, budget, whole)
+            verdict = self._try_admit(w, plan, req, budget)
             if verdict is None:
                 break  # no room anywhere: keep the queue's order
             budget -= verdict
@@ -275,17 +232,15 @@ class Prefill:
         return any(r.status is Status.PREFILLING for r in w.prefilling)
 
     def _try_admit(self, w: WorkerState, plan: StepPlan, req: Request,
-                   budget: int, whole: bool = False) -> int | None:
+                   budget: int) -> int | None:
         """Starts req on w; returns the tokens it scheduled (0: req skipped, later ones may
-        go) or None (stop admitting this step). `whole`: only if it computes all of it now."""
+        go) or None (stop admitting this step)."""
         n = req.num_tokens
         hashes = req.hashes(w.kv.block_size)
         prefix = w.kv.find_prefix(hashes, n)
         in_tier = w.kv.find_tier(hashes, n, len(prefix))
         hit = len(prefix) + len(in_tier)  # blocks not to compute: cached, or loaded from the tier
         todo = n - hit * w.kv.block_size
-        if whole and todo > min(budget, self._chunk_cap()):
-            return 0
         if w.role == "decode" and self.workers.has_prefill and not req.prefill_locally and \
                 not self._decode_takes(w, req, hashes, todo):
             return 0  # a prefill worker takes it
@@ -442,7 +397,6 @@ class Prefill:
         if self._beside_batch(w, req):
             n = min(n, self.held_tokens(w))
         plan.scheduled.append(ScheduledTokens(req.request_id, n))
-        req.chunk_deferred = False
         req.num_computed_tokens += n
         w.cache(req, req.num_computed_tokens)
         if req.num_computed_tokens == req.num_tokens and req.transfer_id:

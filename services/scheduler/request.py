@@ -58,8 +58,6 @@ class Request:
     prefix_filled: bool = False  # ... after that decode worker sent it the prompt's KV so far
     held_at: float = 0.0  # a long prompt on a decode worker: when that one took it (the
     held_from: int = 0    # scheduler's clock), and its tokens computed then
-    chunk_deferred: bool = False  # its prefill worker's last step finished other prompts
-                                  # without its chunk: its next step carries it
     # n > 1: the leader prefills the prompt once; its forks (FORKING) sample their first token
     # from the same logits, then share its full prompt blocks on the decode worker
     leader: Request | None = None

@@ -146,15 +146,14 @@ def test_steps_that_prefill_measure_their_workers_prefill_speed():
     c.run_step("p0")
     p = c.sched.workers["p0"]
     assert p.prefill_speed.seconds_per_token == pytest.approx(0.004)
-    c.submit("b", list(range(200, 212)), max_tokens=1)
+    c.submit("b", list(range(200, 216)), max_tokens=1)
     c.submit("c", list(range(300, 308)), max_tokens=1)
-    c.plan("p0")  # b (12 tokens) and c (8): 20 prompt tokens
+    c.plan("p0")  # b (16 tokens) and c's first 4: 20 prompt tokens
     c.now += 0.040
     c.run_step("p0")
     assert p.prefill_speed.seconds_per_token == pytest.approx(0.2 * 0.002 + 0.8 * 0.004)
     before = p.prefill_speed.seconds_per_token
-    c.submit("d", list(range(400, 404)), max_tokens=1)
-    c.plan("p0")  # d's 4 tokens: too few to time
+    c.plan("p0")  # c's last 4 tokens: too few to time
     c.now += 1.0
     c.run_step("p0")
     assert p.prefill_speed.seconds_per_token == before
@@ -384,16 +383,12 @@ def test_after_a_failed_fill_the_prefill_worker_starts_over_and_counts_the_work_
 
 def test_without_prefix_caching_the_prefill_worker_takes_a_prompt_over_from_its_start():
     """No prefix cache to fill: p0 would compute long2 from its start, and once more the 16
-    tokens d0 computed (112 ms), against d0's 80 tokens at 3 ms (240 ms): it takes long2 back
-    when it plans long1's last chunk, and starts it at token 0 in its next step (a chunk that
-    does not finish its prompt stays out of a step that finishes one)."""
+    tokens d0 computed (112 ms), against d0's 80 tokens at 3 ms (240 ms): it takes long2 back in
+    the same plan, at token 0."""
     c = _long_prompt_on_the_decode_worker(enable_prefix_caching=False)
     plan = c.plan("p0")
     assert not plan.recvs and c.sched.num_long_prefills_taken_back == 1
-    assert _scheduled(plan) == [("long1", 4)] and not plan.new_requests
-    c.run_step("p0")
-    plan = c.plan("p0")
-    assert _scheduled(plan) == [("long2", 8)]
+    assert _scheduled(plan) == [("long1", 4), ("long2", 4)]
     assert [(n.request_id, n.num_computed_tokens) for n in plan.new_requests] == [("long2", 0)]
     c.run()
     assert c.tokens("long2") == [token_at(96), token_at(97)]

@@ -1,6 +1,6 @@
 """Chunked and partial prefills under the step budget: short prompts pass long ones, at most one
 long prompt is partial at a time, and the prefill worker caching more of a prompt takes it."""
-from tests.policy.harness import Cluster, token_at
+from tests.policy.harness import Cluster
 
 
 def _scheduled(plan):
@@ -58,57 +58,4 @@ def test_the_prefill_worker_caching_more_of_the_prompt_takes_it():
     assert new.num_computed_tokens == 12
     c.run()
     assert c.workers[warm_on].prompt_tokens == 12 + 2 and c.workers[cold].prompt_tokens == 0
-    c.assert_all_free()
-
-
-def _p0_steps(c, n):
-    steps = []
-    for _ in range(n):
-        plan = c.plan("p0")
-        steps.append((_scheduled(plan), [(r.request_id, r.block_ids) for r in plan.new_requests]))
-        c.run_step("p0")
-    return steps
-
-
-def test_a_prefill_workers_step_that_finishes_a_prompt_starts_no_other_long_one():
-    """long1's last 4 tokens go alone: long2's first chunk beside them would only delay long1's
-    first token by its 8, and long2 ends when it would have anyway (budget 16, chunks of 8)."""
-    c = Cluster({"p0": 64, "d0": 64}, max_num_batched_tokens=16, max_num_partial_prefills=2)
-    c.submit("long1", list(range(20)), max_tokens=2)
-    c.submit("long2", list(range(100, 120)), max_tokens=2)
-    assert _p0_steps(c, 6) == [
-        ([("long1", 8)], [("long1", (0, 1, 2, 3, 4))]),
-        ([("long1", 8)], []),
-        ([("long1", 4)], []),
-        ([("long2", 8)], [("long2", (5, 6, 7, 8, 9))]),
-        ([("long2", 8)], []),
-        ([("long2", 4)], []),
-    ]
-    c.run()
-    assert c.tokens("long1") == [token_at(20), token_at(21)]
-    assert c.tokens("long2") == [token_at(20), token_at(21)]
-    assert c.workers["p0"].prompt_tokens == 40
-    c.assert_all_free()
-
-
-def test_a_short_prompt_goes_before_a_long_chunk_on_the_prefill_worker_at_most_every_other_step():
-    """A short prompt that arrives while long is partial goes alone in p0's next step (its first
-    token waits for no chunk of long's); long's chunk, left out once, goes in the step after
-    whatever arrives meanwhile (short2 beside it), then its last 4 tokens, which finish it, with
-    short3."""
-    c = Cluster({"p0": 64, "d0": 64}, max_num_batched_tokens=16, max_num_partial_prefills=2)
-    c.submit("long", list(range(20)), max_tokens=1)
-    first = _p0_steps(c, 1)
-    c.submit("short", list(range(200, 205)), max_tokens=1)
-    second = _p0_steps(c, 1)
-    c.submit("short2", list(range(300, 305)), max_tokens=1)
-    c.submit("short3", list(range(400, 405)), max_tokens=1)
-    assert first + second + _p0_steps(c, 2) == [
-        ([("long", 8)], [("long", (0, 1, 2, 3, 4))]),
-        ([("short", 5)], [("short", (5, 6))]),
-        ([("long", 8), ("short2", 5)], [("short2", (7, 8))]),  # long left out once: it goes
-        ([("long", 4), ("short3", 5)], [("short3", (9, 10))]),
-    ]
-    c.run()
-    assert c.workers["p0"].prompt_tokens == 20 + 15
     c.assert_all_free()
