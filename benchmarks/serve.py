@@ -36,8 +36,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plots  # noqa: E402
-from loadgen import (WORKLOADS, Record, launch, records_json, run_load, summarize,  # noqa: E402
-                     ttft_by_length, workload)
+from loadgen import (  # noqa: E402
+    LONG_PROMPTS,
+    WORKLOADS,
+    Record,
+    launch,
+    records_json,
+    run_load,
+    summarize,
+    ttft_by_length,
+    workload,
+)
 
 SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
     "default": ("pdserve (defaults)", []),
@@ -232,7 +241,8 @@ def run_draw(args, order, urls: dict[str, str], rates: list[float], prompts, see
                                               {"temperature": args.temperature}))
             records.setdefault(name, {})[rate] = recs
             summaries.setdefault(name, {})[rate] = summarize(
-                recs, wall, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+                recs, wall, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,
+                LONG_PROMPTS[args.workload][1][0] if args.workload in LONG_PROMPTS else 0)
     # files and tables in the targets' own order, whatever order they ran in
     names = [n for n, _, _ in targets(args)]
     records = {n: records[n] for n in names}
