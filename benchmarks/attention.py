@@ -7,14 +7,17 @@ Shapes are the 56M Llama's (8 query heads, 4 KV heads, head_dim 64, blocks of 16
 block tables: decode of 64 x 320, 64 x 2000 and a bimodal batch (48 x 320 + 16 x 3000), and the
 prefill of a 2048-token chunk over a 2048-token cached prefix; float32 and bfloat16; 1 and 2
 threads. Each case times one layer's attention call of each backend, the step's KV write
-included (the same for both). Decode reports GB/s of K/V read (bytes of the contexts' keys and
-values over the time) beside this machine's memcpy bandwidth on as many threads; prefill reports
-GFLOP/s (4 * head_dim flops per visible query-key pair and head). Writes attention.json and
-attention.png to --out.
+included (the same for both), each call on the next of the model's 8 layers' caches (as many as
+fit in 512 MiB), as a decode step goes through them: one layer's K/V, called again, would still
+be partly in the last-level cache and read faster than any step reads it. Decode reports GB/s
+of K/V read (bytes of the contexts' keys and values over the time) beside this machine's memcpy
+bandwidth on as many threads; prefill reports GFLOP/s (4 * head_dim flops per visible query-key
+pair and head). Writes attention.json and attention.png to --out.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -32,6 +35,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
 DECODES = {"decode 64x320": [320] * 64, "decode 64x2000": [2000] * 64,
            "decode 48x320+16x3000": [320] * 48 + [3000] * 16}
 PREFILLS = {"prefill 2048 over 2048": (2048, 2048)}
+LAYERS, LAYERS_BYTES = 8, 512 << 20  # caches a case goes through in turn, at most this much
 
 
 def cpu_flags() -> str:
@@ -90,13 +94,18 @@ def prefill_case(chunk: int, cached: int, dtype: torch.dtype, gen: torch.Generat
 def run_case(name, case, dtype, threads, backends, reps, gen) -> dict:
     torch.set_num_threads(threads)
     meta, num_blocks, rows, kv_bytes, flops = case
-    cache = torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
+    shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    layer_bytes = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
+    caches = [torch.randn(shape, generator=gen).to(dtype)
+              for _ in range(max(1, min(LAYERS, LAYERS_BYTES // layer_bytes)))]
+    turn = itertools.count()
     q = torch.randn((rows, HEADS, HEAD_DIM), generator=gen).to(dtype)
     k = torch.randn((rows, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
     v = torch.randn((rows, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
     result = {"case": name, "dtype": str(dtype).removeprefix("torch."), "threads": threads}
     for label, backend in backends.items():
-        times = timed(lambda: backend.forward(q, k, v, cache, meta, HEAD_DIM ** -0.5), reps)
+        times = timed(lambda: backend.forward(q, k, v, caches[next(turn) % len(caches)], meta,
+                                              HEAD_DIM ** -0.5), reps)
         med = statistics.median(times)
         entry = {"ms": med * 1e3, "ms_min": min(times) * 1e3, "ms_max": max(times) * 1e3}
         if kv_bytes:
