@@ -283,7 +283,7 @@ def summarize(records: list[Record], wall: float, slo_ttft_s: float,
     if long_from:
         for key, part in (("long", [r.ttft for r in ok if r.prompt_tokens >= long_from]),
                           ("short", [r.ttft for r in ok if r.prompt_tokens < long_from])):
-            out[f"TTFT mean {key}"] = sum(part) / len(part) * 1000 if part else float("nan")
+            out[f"TTFT mean {key}"] = statistics.mean(part) * 1000 if part else float("nan")
     return out
 
 
