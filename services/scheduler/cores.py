@@ -19,14 +19,18 @@ from collections.abc import Callable, Iterable
 from services.scheduler.worker_state import WorkerState
 
 
+def shares_cores(a: WorkerState, b: WorkerState) -> bool:
+    """Whether CPU workers a and b run on some of the same cores of one host."""
+    return a is not b and a.host_id == b.host_id and bool(set(a.cpu_cores) & set(b.cpu_cores))
+
+
 def threads_for(w: WorkerState, workers: Iterable[WorkerState],
                 busy: Callable[[WorkerState], bool]) -> int:
     """Threads for w's next step; 0 (leave them as they are) for a worker sharing no cores."""
     if not w.cpu_cores:
         return 0
     mine = set(w.cpu_cores)
-    peers = [x for x in workers if x is not w and x.host_id == w.host_id
-             and mine.intersection(x.cpu_cores)]
+    peers = [x for x in workers if shares_cores(w, x)]
     if not peers:
         return 0
     sharing = [w] + [x for x in peers if busy(x)]

@@ -51,6 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "so far it would finish it sooner than a prefill worker (trades its "
                         "decodes' TPOT, within --decode-prefill-tokens a step, for the "
                         "prompt's TTFT)")
+    p.add_argument("--shared-cores-prefill-bypass", action=argparse.BooleanOptionalAction,
+                   default=d.shared_cores_prefill_bypass,
+                   help="a decode worker sharing its CPU cores with prefill workers (cores lent, "
+                        "`pdserve up`'s default) prefills a longer prompt beside its batch, one "
+                        "at a time, even when a prefill worker is free: with the prefill "
+                        "workers idle its steps get every core and the prompt's KV stays put "
+                        "(trades its decodes' TPOT, --decode-step-target-ms meanwhile, for the "
+                        "prompt's TTFT)")
     p.add_argument("--decode-prefill-tokens", type=int, default=d.decode_prefill_tokens,
                    help="with prefill workers, the most prompt tokens a decode worker computes "
                         "in one step beside its batch: bounds what a prefill there adds to "
@@ -126,6 +134,7 @@ def config_from_args(args) -> SchedulerConfig:
                            enable_prefix_caching=args.enable_prefix_caching,
                            prefill_bypass_threshold=args.prefill_bypass_threshold,
                            saturated_prefill_bypass=args.saturated_prefill_bypass,
+                           shared_cores_prefill_bypass=args.shared_cores_prefill_bypass,
                            decode_prefill_tokens=args.decode_prefill_tokens,
                            decode_long_prefill_tokens=args.decode_long_prefill_tokens,
                            decode_step_target_ms=args.decode_step_target_ms,

@@ -15,6 +15,11 @@ Who prefills a prompt:
                                      --prefill-bypass-threshold tokens and no prefill worker is
                                      free to start it now, or that decode worker caches more of
                                      it than any prefill worker (no recompute, no KV hop), or
+                                   - it is longer, a prefill worker sharing the decode
+                                     worker's cores is free (--shared-cores-prefill-bypass),
+                                     and the decode worker has a batch to step beside it, no
+                                     long prompt of its own and a quarter of its blocks
+                                     free, or
                                    - it is longer, every prefill worker is busy
                                      (--saturated-prefill-bypass), the decode worker has no
                                      long prompt of its own and a quarter of its blocks free,
@@ -40,9 +45,14 @@ more the time of the tokens the decode worker computed (work thrown away, which 
 prompts it takes next). The decode worker's pace is the one it has had on that prompt since
 it took it; its blocks stay in its prefix cache, so the KV sent back to it later skips them.
 
-So a free prefill worker takes every prompt (no interference with decoding), and while prefill
-workers are busy short prompts do not queue behind long ones. When long prompts arrive faster
-than the prefill workers finish them, a decode worker takes its share beside its batch: a
+So a free prefill worker takes every prompt but a long one its decode worker can take beside
+its batch on shared cores, and while prefill workers are busy short prompts do not queue behind
+long ones. On shared cores (CPU workers of one host, cores lent, cores.py) a prefill worker
+computes a long prompt on the one core a decode batch leaves it, while the decode worker,
+stepping a few sequences, reads the weights for little; the decode worker computing the prompt
+beside its batch gets every core while the prefill workers idle, its KV stays put, and the
+prefill worker stays free for the next one. When long prompts arrive faster than the prefill
+workers finish them, a decode worker takes its share beside its batch: a
 step of a few sequences costs nearly what a step of none does (the weights are read either
 way), so its core computes prompts instead of stepping nearly empty. While it holds a long
 prompt its steps carry the prompt tokens that fit in --decode-step-target-ms (200) at the pace
@@ -57,6 +67,7 @@ from dataclasses import dataclass
 
 from common.plans import ScheduledTokens, StepPlan
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.cores import shares_cores
 from services.scheduler.placement import Placement
 from services.scheduler.request import Request, Status
 from services.scheduler.request_queue import RequestQueue
@@ -90,7 +101,7 @@ class Prefill:
         self._next_id = next_id
         self._requeue = requeue
         self._clock = clock  # a decode worker's pace on a long prompt it holds
-        self.num_long_on_decode = 0  # long prompts decode workers took (saturated bypass)
+        self.num_long_on_decode = 0  # long prompts decode workers took beside their batch
         self.num_long_taken_back = 0  # ... that went back to a prefill worker (`to_take_back`)
 
     def admits(self, w: WorkerState) -> bool:
@@ -247,6 +258,10 @@ class Prefill:
         if w.role == "prefill" and (req.prefill_locally or self._decoder_holds_more(req, hashes,
                                                                                    todo)):
             return 0  # its decode worker prefills it: no recompute, no KV hop
+        if w.role == "prefill" and todo > self.config.prefill_bypass_threshold and any(
+                self._takes_beside_shared_cores(d, req, self._todo(d, req, hashes))
+                for d in self.workers.of_role("decode")):
+            return 0  # a decode worker sharing its cores takes it beside its batch
         if w.role == "prefill" and self._better_prefill(w, req, hashes, hit):
             return 0  # another prefill worker holds more of its prefix: leave it to that one
         if todo > min(budget, self._chunk_cap()) and not self._may_start_partial(w, req):
@@ -311,12 +326,33 @@ class Prefill:
             best_p = min((self._todo(p, req, hashes) for p in self.workers.of_role("prefill")),
                          default=todo + 1)
             return todo < best_p or not any(map(self._free, self.workers.of_role("prefill")))
+        if self._takes_beside_shared_cores(w, req, todo):
+            return True
         if not self.config.saturated_prefill_bypass or any(map(self._long_here, partial)):
             return False
-        room = w.kv.num_free_blocks - w.kv.blocks_for(todo + 1) >= w.kv.num_blocks // 4
         prefills = self.workers.of_role("prefill")
-        return room and not any(map(self._free, prefills)) and \
+        return self._has_room(w, todo) and not any(map(self._free, prefills)) and \
             self._done_sooner_here(w, req, todo, prefills)
+
+    def _has_room(self, w: WorkerState, todo: int) -> bool:
+        """Whether decode worker w keeps a quarter of its blocks free after a long prompt's."""
+        return w.kv.num_free_blocks - w.kv.blocks_for(todo + 1) >= w.kv.num_blocks // 4
+
+    def _takes_beside_shared_cores(self, w: WorkerState, req: Request, todo: int) -> bool:
+        """--shared-cores-prefill-bypass: whether decode worker w takes req, a long prompt with
+        `todo` tokens to compute there, although a prefill worker is free to: one sharing its
+        cores, which then lends them all to w (cores.py) while it has nothing to compute; w has
+        a batch to step beside the prompt, no long prompt of its own and room, and req is not
+        one a prefill worker took back from it (--prefill-take-back). The prompt then goes at
+        about a prefill worker's pace on every core, beside the batch, where on the prefill
+        worker it would get the one core the batch leaves it, and its KV stays put. With every
+        such prefill worker busy the cores are split anyway: the saturated bypass decides."""
+        return self.config.shared_cores_prefill_bypass and not req.taken_back \
+            and not w.leaving and bool(w.decoding) \
+            and todo > self.config.prefill_bypass_threshold \
+            and w.num_seqs < self.config.max_num_seqs \
+            and not any(map(self._long_here, self._partials(w))) and self._has_room(w, todo) \
+            and any(shares_cores(w, p) and self._free(p) for p in self.workers.of_role("prefill"))
 
     def _done_sooner_here(self, w: WorkerState, req: Request, todo: int,
                           prefills: list[WorkerState]) -> bool:

@@ -152,8 +152,9 @@ class _StateCollector:
         yield CounterMetricFamily(PREFIX + "num_preemptions",
                                   "Cumulative number of preemptions.", value=s.num_preemptions)
         yield CounterMetricFamily(PREFIX + "decode_worker_long_prefills",
-                                  "Long prompts a decode worker prefilled itself because it "
-                                  "would finish them before a busy prefill worker.",
+                                  "Long prompts a decode worker prefilled beside its batch: on "
+                                  "the cores of an idle prefill worker sharing them, or "
+                                  "because it would finish them before a busy one.",
                                   value=s.num_long_prefills_on_decode)
         yield CounterMetricFamily(PREFIX + "decode_worker_long_prefills_taken_back",
                                   "Of those, the ones a prefill worker with nothing left to "

@@ -18,7 +18,8 @@ def stack(tiny_llama, tmp_path_factory):
     prefills a short prompt itself whenever the prefill worker is still busy, and on a loaded
     host that timing would move the per-role counters below."""
     s = Stack(tiny_llama, tmp_path_factory.mktemp("stack"), "--num-kv-blocks", "256",
-              "--scheduler-args=--prefill-bypass-threshold 0 --no-saturated-prefill-bypass")
+              "--scheduler-args=--prefill-bypass-threshold 0 --no-saturated-prefill-bypass "
+              "--no-shared-cores-prefill-bypass")
     yield s
     s.stop()
 

@@ -29,7 +29,8 @@ def secure(tiny_llama, tmp_path_factory):
     stack = Stack(tiny_llama, tmp_path_factory.mktemp("secure"), "--tls-dir", str(certs),
                   "--num-kv-blocks", "64", "--prefill-worker-args", tcp,
                   "--decode-worker-args", tcp,  # every prompt through the prefill worker:
-                  "--scheduler-args=--prefill-bypass-threshold 0 --no-saturated-prefill-bypass")
+                  "--scheduler-args=--prefill-bypass-threshold 0 --no-saturated-prefill-bypass "
+                  "--no-shared-cores-prefill-bypass")
     yield stack, certs
     stack.stop()
 

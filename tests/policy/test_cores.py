@@ -36,9 +36,10 @@ def test_workers_that_share_no_cores_keep_their_threads():
 
 def test_thread_counts_follow_the_load():
     """The plans computing tokens, in order, with the threads each got. The harness runs a
-    step as soon as it is planned, so a peer counts as busy for what it has left to compute."""
+    step as soon as it is planned, so a peer counts as busy for what it has left to compute.
+    Every prompt goes to p0 (no bypass of either kind)."""
     c = Cluster({"p0": 32, "d0": 32}, cpu_cores=(0, 1), prefill_bypass_threshold=0,
-                max_num_batched_tokens=16)
+                shared_cores_prefill_bypass=False, max_num_batched_tokens=16)
     planned = []
     for name in ("schedule", "schedule_ahead"):
         def record(wid, make=getattr(c.sched, name)):

@@ -2,6 +2,7 @@
 blocks each step uses and the exact KV each transfer moves."""
 import pytest
 
+from services.scheduler.request import Status
 from tests.policy.harness import Cluster, token_at
 
 
@@ -465,4 +466,80 @@ def test_a_fill_outlives_its_request_aborted_meanwhile():
     c.run()
     assert c.workers["d0"].sent == 4
     assert c.sched.workers["p0"].kv.find_prefix(hashes, 96) == [5, 6, 7, 8]
+    c.assert_all_free()
+
+
+def _decoding_on_d0(cpu_cores=(0, 1), **config):
+    """p0 and d0 share cores 0 and 1; `a` (4 tokens) prefills on p0 and decodes on d0."""
+    c = Cluster({"p0": 32, "d0": 32}, cpu_cores=cpu_cores, prefill_bypass_threshold=4,
+                decode_prefill_tokens=8, decode_long_prefill_tokens=3, **config)
+    c.submit("a", list(range(100, 104)), max_tokens=12)
+    while c.sched.requests["a"].status is not Status.DECODING or c.sched.has_work("p0"):
+        c.step()
+    while c.sent["d0"]:  # the step planned ahead
+        c.run_step("d0")
+    return c
+
+
+def test_a_decode_worker_sharing_cores_takes_a_long_prompt_beside_its_batch():
+    """With a batch to step and cores shared with p0, d0 takes long2 although p0 is free: on
+    both cores while p0 has nothing to compute, in held chunks beside `a`; long3, arriving
+    while d0 holds long2, goes to p0, and the cores split one each."""
+    c = _decoding_on_d0()
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert c.plan("p0") is None  # nothing for p0: long2 is left to d0
+    take = c.plan("d0")
+    assert (take.num_threads, _scheduled(take)) == (2, [("a", 1), ("long2", 3)])
+    assert [(n.request_id, n.block_ids) for n in take.new_requests] == [("long2", (2, 3, 4))]
+    assert c.sched.num_long_prefills_on_decode == 1
+    c.run_step("d0")
+    c.submit("long3", list(range(300, 312)), max_tokens=1)
+    start = c.plan("p0")
+    assert (start.num_threads, _scheduled(start)) == (1, [("long3", 12)])
+    step = c.plan("d0")
+    assert (step.num_threads, _scheduled(step)) == (1, [("a", 1), ("long2", 3)])
+    c.run()
+    assert c.workers["d0"].prompt_tokens == 12 and c.workers["p0"].prompt_tokens == 4 + 12
+    c.assert_all_free()
+
+
+def test_a_busy_prefill_worker_lends_no_cores_so_the_saturated_bypass_decides():
+    """p0 chunks long1 (it started it beside `a` before d0 had a batch); d0, decoding `a`, would
+    compute long2 at 10 ms a token (120 ms) where p0, at 1 ms, gets through the rest of long1
+    and long2 in less: d0 leaves long2 to p0."""
+    c = Cluster({"p0": 32, "d0": 32}, cpu_cores=(0, 1), prefill_bypass_threshold=4,
+                decode_prefill_tokens=8, max_num_batched_tokens=8, max_num_partial_prefills=1)
+    c.submit("a", list(range(100, 104)), max_tokens=12)
+    c.submit("long1", list(range(400, 440)), max_tokens=1)
+    assert _scheduled(c.plan("p0")) == [("a", 4), ("long1", 4)]
+    while c.sched.requests["a"].status is not Status.DECODING:
+        c.step()
+    assert c.sched.requests["long1"].status is Status.PREFILLING
+    c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.001
+    c.sched.workers["d0"].prefill_speed.seconds_per_token = 0.01
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    c.run()
+    assert c.workers["d0"].prompt_tokens == 0 and c.workers["p0"].prompt_tokens == 4 + 40 + 12
+    assert c.sched.num_long_prefills_on_decode == 0
+    c.assert_all_free()
+
+
+@pytest.mark.parametrize("case", ["off", "no batch", "cores not shared", "holds one"])
+def test_a_decode_worker_leaves_a_long_prompt_to_a_free_prefill_worker(case):
+    """Without --shared-cores-prefill-bypass, with no batch to step beside it, on cores of its
+    own, or holding a long prompt already, d0 leaves a long prompt to the free p0."""
+    if case == "no batch":
+        c = Cluster({"p0": 32, "d0": 32}, cpu_cores=(0, 1), prefill_bypass_threshold=4)
+    elif case == "cores not shared":
+        c = _decoding_on_d0(cpu_cores=())
+    else:
+        c = _decoding_on_d0(shared_cores_prefill_bypass=case != "off")
+    if case == "holds one":
+        c.submit("long1", list(range(400, 412)), max_tokens=1)
+        assert ("long1", 3) in _scheduled(c.plan("d0"))
+        c.run_step("d0")
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert ("long2", 12) in _scheduled(c.plan("p0"))
+    c.run()
+    assert c.workers["p0"].prompt_tokens == (12 if case == "no batch" else 16)
     c.assert_all_free()
