@@ -18,8 +18,9 @@ Who prefills a prompt:
                                    - it is longer, a prefill worker sharing the decode
                                      worker's cores is free (--shared-cores-prefill-bypass),
                                      and the decode worker has a batch to step beside it, no
-                                     long prompt of its own and a quarter of its blocks
-                                     free, or
+                                     long prompt of its own, a quarter of its blocks free
+                                     and as much of the prompt cached as any prefill
+                                     worker, or
                                    - it is longer, every prefill worker is busy
                                      (--saturated-prefill-bypass), the decode worker has no
                                      long prompt of its own and a quarter of its blocks free,
@@ -259,7 +260,7 @@ class Prefill:
                                                                                    todo)):
             return 0  # its decode worker prefills it: no recompute, no KV hop
         if w.role == "prefill" and todo > self.config.prefill_bypass_threshold and any(
-                self._takes_beside_shared_cores(d, req, self._todo(d, req, hashes))
+                self._takes_beside_shared_cores(d, req, hashes, self._todo(d, req, hashes))
                 for d in self.workers.of_role("decode")):
             return 0  # a decode worker sharing its cores takes it beside its batch
         if w.role == "prefill" and self._better_prefill(w, req, hashes, hit):
@@ -326,7 +327,7 @@ class Prefill:
             best_p = min((self._todo(p, req, hashes) for p in self.workers.of_role("prefill")),
                          default=todo + 1)
             return todo < best_p or not any(map(self._free, self.workers.of_role("prefill")))
-        if self._takes_beside_shared_cores(w, req, todo):
+        if self._takes_beside_shared_cores(w, req, hashes, todo):
             return True
         if not self.config.saturated_prefill_bypass or any(map(self._long_here, partial)):
             return False
@@ -338,21 +339,25 @@ class Prefill:
         """Whether decode worker w keeps a quarter of its blocks free after a long prompt's."""
         return w.kv.num_free_blocks - w.kv.blocks_for(todo + 1) >= w.kv.num_blocks // 4
 
-    def _takes_beside_shared_cores(self, w: WorkerState, req: Request, todo: int) -> bool:
+    def _takes_beside_shared_cores(self, w: WorkerState, req: Request, hashes: list[bytes],
+                                   todo: int) -> bool:
         """--shared-cores-prefill-bypass: whether decode worker w takes req, a long prompt with
         `todo` tokens to compute there, although a prefill worker is free to: one sharing its
         cores, which then lends them all to w (cores.py) while it has nothing to compute; w has
-        a batch to step beside the prompt, no long prompt of its own and room, and req is not
+        a batch to step beside the prompt, no long prompt of its own and room, no prefill
+        worker caches more of the prompt (it would not compute that part again), and req is not
         one a prefill worker took back from it (--prefill-take-back). The prompt then goes at
         about a prefill worker's pace on every core, beside the batch, where on the prefill
         worker it would get the one core the batch leaves it, and its KV stays put. With every
         such prefill worker busy the cores are split anyway: the saturated bypass decides."""
+        prefills = self.workers.of_role("prefill")
         return self.config.shared_cores_prefill_bypass and not req.taken_back \
             and not w.leaving and bool(w.decoding) \
             and todo > self.config.prefill_bypass_threshold \
             and w.num_seqs < self.config.max_num_seqs \
             and not any(map(self._long_here, self._partials(w))) and self._has_room(w, todo) \
-            and any(shares_cores(w, p) and self._free(p) for p in self.workers.of_role("prefill"))
+            and any(shares_cores(w, p) and self._free(p) for p in prefills) \
+            and all(todo <= self._todo(p, req, hashes) for p in prefills)
 
     def _done_sooner_here(self, w: WorkerState, req: Request, todo: int,
                           prefills: list[WorkerState]) -> bool:

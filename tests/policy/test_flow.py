@@ -543,3 +543,27 @@ def test_a_decode_worker_leaves_a_long_prompt_to_a_free_prefill_worker(case):
     c.run()
     assert c.workers["p0"].prompt_tokens == (12 if case == "no batch" else 16)
     c.assert_all_free()
+
+
+def test_a_prompt_the_prefill_worker_caches_more_of_stays_there():
+    """p0 caches long0's 3 blocks; d0 cached them too but evicted them for `filler`. With `a`
+    decoding on d0 and p0 free, `again` (long0 and 8 more tokens) is 8 tokens to compute on p0
+    and all 20 on d0: p0 takes it."""
+    c = Cluster({"p0": 64, "d0": 16}, cpu_cores=(0, 1), prefill_bypass_threshold=4,
+                decode_prefill_tokens=8)
+    long0 = list(range(500, 512))
+    c.submit("long0", long0, max_tokens=1)
+    c.run()
+    c.submit("filler", list(range(600, 656)), max_tokens=1)
+    c.run()
+    c.submit("a", list(range(100, 104)), max_tokens=12)
+    while c.sched.requests["a"].status is not Status.DECODING or c.sched.has_work("p0"):
+        c.step()
+    c.submit("again", long0 + list(range(700, 708)), max_tokens=1)
+    p0, d0 = c.sched.workers["p0"], c.sched.workers["d0"]
+    hashes = c.sched.requests["again"].hashes(4)
+    assert (p0.kv.num_hit_blocks(hashes, 20), d0.kv.num_hit_blocks(hashes, 20)) == (3, 0)
+    assert _scheduled(c.plan("p0")) == [("again", 8)]
+    c.run()
+    assert c.workers["d0"].prompt_tokens == 0
+    c.assert_all_free()
