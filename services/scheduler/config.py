@@ -21,7 +21,7 @@ class SchedulerConfig:
     prefill_bypass_threshold: int = 256  # short prompts: their decode worker may prefill them
     saturated_prefill_bypass: bool = True  # ... and long ones while every prefill worker is busy
     shared_cores_prefill_bypass: bool = True  # ... or, one at a time beside its batch, while
-                                              # it shares its cores with prefill workers
+                                              # a prefill worker sharing its cores is free
     decode_prefill_tokens: int = 256   # most prompt tokens a decode worker computes in a step
     decode_long_prefill_tokens: int = 32  # ... while it holds a long prompt, until timed
     decode_step_target_ms: float = 200.0  # ... then sized to steps of this length (0: fixed)

@@ -53,10 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "prompt's TTFT)")
     p.add_argument("--shared-cores-prefill-bypass", action=argparse.BooleanOptionalAction,
                    default=d.shared_cores_prefill_bypass,
-                   help="a decode worker sharing its CPU cores with prefill workers (cores lent, "
-                        "`pdserve up`'s default) prefills a longer prompt beside its batch, one "
-                        "at a time, even when a prefill worker is free: with the prefill "
-                        "workers idle its steps get every core and the prompt's KV stays put "
+                   help="a decode worker with a batch prefills a longer prompt beside it, one "
+                        "at a time, while a prefill worker sharing its CPU cores (cores lent, "
+                        "`pdserve up`'s default) is free: that one lends it every core, and the "
+                        "prompt's KV stays put; never one a prefill worker caches more of "
                         "(trades its decodes' TPOT, --decode-step-target-ms meanwhile, for the "
                         "prompt's TTFT)")
     p.add_argument("--decode-prefill-tokens", type=int, default=d.decode_prefill_tokens,
