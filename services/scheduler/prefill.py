@@ -301,6 +301,11 @@ class Prefill:
         return any(tail <= self.config.prefill_bypass_threshold and tail < todo
                    for tail in tails)
 
+    def _prefill_todo(self, req: Request, hashes: list[bytes]) -> float:
+        """The fewest tokens of req any prefill worker would compute (inf with none)."""
+        return min((self._todo(p, req, hashes) for p in self.workers.of_role("prefill")),
+                   default=float("inf"))
+
     def _todo(self, w: WorkerState, req: Request, hashes: list[bytes]) -> int:
         """Tokens of req that w would compute: those past its cached prefix and what its tier
         holds after that."""
@@ -324,9 +329,8 @@ class Prefill:
             if pending and pending + todo > self.config.decode_prefill_tokens:
                 return False  # a step's worth is pending here already: a prefill worker may
                               # be free sooner
-            best_p = min((self._todo(p, req, hashes) for p in self.workers.of_role("prefill")),
-                         default=todo + 1)
-            return todo < best_p or not any(map(self._free, self.workers.of_role("prefill")))
+            return todo < self._prefill_todo(req, hashes) or \
+                not any(map(self._free, self.workers.of_role("prefill")))
         if self._takes_beside_shared_cores(w, req, hashes, todo):
             return True
         if not self.config.saturated_prefill_bypass or any(map(self._long_here, partial)):
@@ -357,7 +361,7 @@ class Prefill:
             and w.num_seqs < self.config.max_num_seqs \
             and not any(map(self._long_here, self._partials(w))) and self._has_room(w, todo) \
             and any(shares_cores(w, p) and self._free(p) for p in prefills) \
-            and all(todo <= self._todo(p, req, hashes) for p in prefills)
+            and todo <= self._prefill_todo(req, hashes)
 
     def _done_sooner_here(self, w: WorkerState, req: Request, todo: int,
                           prefills: list[WorkerState]) -> bool:

@@ -471,8 +471,14 @@ def test_a_fill_outlives_its_request_aborted_meanwhile():
 
 def _decoding_on_d0(cpu_cores=(0, 1), **config):
     """p0 and d0 share cores 0 and 1; `a` (4 tokens) prefills on p0 and decodes on d0."""
-    c = Cluster({"p0": 32, "d0": 32}, cpu_cores=cpu_cores, prefill_bypass_threshold=4,
-                decode_prefill_tokens=8, decode_long_prefill_tokens=3, **config)
+    return _a_decodes(Cluster({"p0": 32, "d0": 32}, cpu_cores=cpu_cores,
+                              prefill_bypass_threshold=4, decode_prefill_tokens=8,
+                              decode_long_prefill_tokens=3, **config))
+
+
+def _a_decodes(c):
+    """`a` (4 tokens) prefilled on p0, decoding on d0, p0 left with nothing to do and d0 with
+    no step planned ahead."""
     c.submit("a", list(range(100, 104)), max_tokens=12)
     while c.sched.requests["a"].status is not Status.DECODING or c.sched.has_work("p0"):
         c.step()
@@ -556,9 +562,7 @@ def test_a_prompt_the_prefill_worker_caches_more_of_stays_there():
     c.run()
     c.submit("filler", list(range(600, 656)), max_tokens=1)
     c.run()
-    c.submit("a", list(range(100, 104)), max_tokens=12)
-    while c.sched.requests["a"].status is not Status.DECODING or c.sched.has_work("p0"):
-        c.step()
+    _a_decodes(c)
     c.submit("again", long0 + list(range(700, 708)), max_tokens=1)
     p0, d0 = c.sched.workers["p0"], c.sched.workers["d0"]
     hashes = c.sched.requests["again"].hashes(4)
