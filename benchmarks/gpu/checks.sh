@@ -2,7 +2,8 @@
 # The GPU checks of one device session, in order of importance, each under its own time limit;
 # every step's output lands in $OUT (or benchmarks/results/gpu) as it finishes.
 #
-#   bash benchmarks/gpu/checks.sh [STEP ...]    # steps: tests decode kernels kv serve sweep suite
+#   bash benchmarks/gpu/checks.sh [STEP ...]
+#   steps: tests greedy decode kernels kv serve sweep suite triton
 #
 # The GPU image's python3 has torch, triton and transformers; what pdserve needs beside them
 # travels as wheels in .whl (installed to /tmp/site). Figures go to the README by hand, with the
@@ -39,12 +40,16 @@ model() {  # the 1.1B bf16 bench Llama, made once
     --dtype bfloat16 > /dev/null
 }
 
-for s in "${@:-tests decode kernels kv serve sweep}"; do
+for s in "${@:-tests greedy decode kernels kv serve sweep}"; do
   for s in $s; do
     case $s in
       tests) step tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs \
                tests/kernels tests/unit/test_worker_memory.py tests/unit/test_cuda_ipc.py \
                tests/e2e/test_gpu.py ;;
+      greedy) model; step greedy 300 python3 benchmarks/gpu/hf_greedy.py --model /tmp/m1b \
+                --dtypes float32 bfloat16 --transports cuda_ipc tcp --out "$OUT/hf_greedy.json" ;;
+      triton) step triton 150 python3 -m pytest -q -p no:cacheprovider -rfE \
+                tests/kernels/test_triton_backend.py ;;
       suite) step suite 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels ;;
       decode) model; step decode 180 python3 benchmarks/decode_step.py --model /tmp/m1b \
                 --out "$OUT/decode_step" ;;
