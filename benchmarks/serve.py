@@ -145,10 +145,27 @@ def targets(args) -> list[tuple[str, str | None, list[str]]]:
     for spec in args.baseline:
         name, _, url = spec.rpartition("=")
         out.append((name or url, url, []))
-    for key in args.shapes:
-        name, flags = SHAPES[key]
-        out.append((name, None, flags + shlex.split(args.up_args)))
+    launched = [(SHAPES[key][0], SHAPES[key][1] + shlex.split(args.up_args))
+                for key in args.shapes]
+    for name, flags in launched:
+        out.append((name, None, flags + _gpu_share(flags, len(launched))))
     return out
+
+
+def _gpu_share(flags: list[str], stacks: int) -> list[str]:
+    """The stacks run side by side: on a GPU each takes its part of the memory `pdserve up`
+    would give one (unless the flags name a fraction), as its workers split theirs."""
+    device = "cpu"
+    for i, f in enumerate(flags):  # the last one, as argparse reads them
+        if f.startswith("--device="):
+            device = f.split("=", 1)[1]
+        elif f == "--device" and i + 1 < len(flags):
+            device = flags[i + 1]
+    if stacks < 2 or device == "cpu" or any(
+            f.startswith("--gpu-memory-utilization") for f in flags):
+        return []
+    from services.launcher import GPU_MEMORY_SHARE
+    return ["--gpu-memory-utilization", f"{GPU_MEMORY_SHARE / stacks:.4f}"]
 
 
 def main() -> int:

@@ -6,13 +6,15 @@
 #   steps: tests greedy decode kernels kv serve sweep suite triton
 #
 # The GPU image's python3 has torch, triton and transformers; what pdserve needs beside them
-# travels as wheels in .whl (installed to /tmp/site). Figures go to the README by hand, with the
+# travels as wheels in .whl (benchmarks/gpu/wheels.sh fetches them here; installed to /tmp/site
+# there; the call carries .whl). Figures go to the README by hand, with the
 # device named (nvidia-smi's line is the first thing written).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
+if [ -d .whl ]; then  # afresh each time: a warm machine may hold an older set
+  rm -rf /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 fi

@@ -26,7 +26,7 @@ import httpx
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the repo: its kernels package
 from loadgen import launch  # noqa: E402
 
 TOP_K = 5  # a 16-bit divergence passes when the served token is among transformers' top five
@@ -111,8 +111,8 @@ def main() -> int:
         for transport, rows in compare(args.model, args.device, dtype, prompts, served,
                                        args.max_tokens).items():
             results[f"{dtype} {transport}"] = rows
-            print(f"{dtype} over {transport}: prompt tokens, equal, parted at, served token's "
-                  "rank and logit gap in transformers")
+            print(f"{dtype} over {transport}: prompt tokens, equal, verdict, parted at, "
+                  "served token's rank and logit gap in transformers")
             for r in rows:
                 ok = r["equal"] or (dtype != "float32" and r.get("rank", TOP_K) < TOP_K)
                 failed |= not ok

@@ -27,3 +27,24 @@ def test_a_figure_the_first_target_lacks_or_has_at_zero_gets_no_ratio():
     ratios = serve.seed_ratios({1: {"a": {0.0: {"goodput req/s": 0.0}},
                                     "b": {0.0: {"goodput req/s": 0.4}}}}, "a")
     assert ratios == {}
+
+
+def test_stacks_launched_side_by_side_on_a_gpu_split_its_memory():
+    def flags(shapes, up_args="", baseline=()):
+        args = serve.argparse.Namespace(shapes=shapes, up_args=up_args, baseline=list(baseline))
+        return [f for _, _, f in serve.targets(args)]
+
+    eager = serve.SHAPES["eager"][1]
+    assert flags(["default", "eager"], "--device cuda") == [
+        ["--device", "cuda", "--gpu-memory-utilization", "0.4500"],
+        [*eager, "--device", "cuda", "--gpu-memory-utilization", "0.4500"]]
+    assert flags(["default", "eager", "colocated"], "--device=cuda:1")[0] == [
+        "--device=cuda:1", "--gpu-memory-utilization", "0.3000"]
+    # one stack beside a running baseline keeps the launcher's own share
+    assert flags(["default"], "--device cuda", ["vllm=http://x"]) == [[], ["--device", "cuda"]]
+    assert flags(["default", "eager"]) == [[], eager]  # CPU stacks have no such memory
+    assert flags(["default", "eager"], "--device cuda --device cpu") == [
+        ["--device", "cuda", "--device", "cpu"], [*eager, "--device", "cuda", "--device", "cpu"]]
+    # a fraction given by hand is the user's
+    assert flags(["default", "eager"], "--device cuda --gpu-memory-utilization 0.8")[0] == [
+        "--device", "cuda", "--gpu-memory-utilization", "0.8"]
