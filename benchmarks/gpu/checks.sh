@@ -3,7 +3,7 @@
 # every step's output lands in $OUT (or benchmarks/results/gpu) as it finishes.
 #
 #   bash benchmarks/gpu/checks.sh [STEP ...]
-#   steps: tests greedy decode kernels kv serve sweep suite triton
+#   steps: tests greedy decode kernels kv idle serve sweep suite triton
 #
 # The GPU image's python3 has torch, triton and transformers; what pdserve needs beside them
 # travels as wheels in .whl (benchmarks/gpu/wheels.sh fetches them here; installed to /tmp/site
@@ -42,7 +42,7 @@ model() {  # the 1.1B bf16 bench Llama, made once
     --dtype bfloat16 > /dev/null
 }
 
-for s in "${@:-tests greedy decode kernels kv serve sweep}"; do
+for s in "${@:-tests greedy decode kernels kv idle serve sweep}"; do
   for s in $s; do
     case $s in
       tests) step tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs \
@@ -58,6 +58,9 @@ for s in "${@:-tests greedy decode kernels kv serve sweep}"; do
       kernels) step kernels 90 python3 benchmarks/kernels.py ;;
       sweep) step sweep 300 python3 benchmarks/kernels.py --sweep ;;
       kv) step kv 60 python3 benchmarks/kv_transfer.py --device cuda --sizes-mib 4 64 512 ;;
+      idle) model; step idle 200 python3 benchmarks/serve.py --model /tmp/m1b --workload idle \
+              --num-requests 12 --max-tokens 128 --shapes default eager \
+              --up-args "--device cuda" --out "$OUT/serve_idle" ;;
       serve) model; step serve 200 python3 benchmarks/serve.py --model /tmp/m1b \
                --workload random --rate 0 --num-requests 200 --max-tokens 128 \
                --shapes default eager --up-args "--device cuda" \
