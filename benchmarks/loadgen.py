@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -313,3 +314,12 @@ def launch(model: str, up_args: list[str], log: Path) -> tuple[subprocess.Popen,
             raise RuntimeError(log.read_text()[-3000:])
         time.sleep(0.3)
     return proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{sport}"
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Ends stacks `launch` started: SIGINT to each (`pdserve up` stops its services), then
+    waits for them."""
+    for proc in procs:
+        proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        proc.wait(60)

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import shlex
-import signal
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from loadgen import (  # noqa: E402
     launch,
     records_json,
     run_load,
+    stop,
     summarize,
     ttft_by_length,
     workload,
@@ -155,17 +155,13 @@ def targets(args) -> list[tuple[str, str | None, list[str]]]:
 def _gpu_share(flags: list[str], stacks: int) -> list[str]:
     """The stacks run side by side: on a GPU each takes its part of the memory `pdserve up`
     would give one (unless the flags name a fraction), as its workers split theirs."""
-    device = "cpu"
-    for i, f in enumerate(flags):  # the last one, as argparse reads them
-        if f.startswith("--device="):
-            device = f.split("=", 1)[1]
-        elif f == "--device" and i + 1 < len(flags):
-            device = flags[i + 1]
-    if stacks < 2 or device == "cpu" or any(
-            f.startswith("--gpu-memory-utilization") for f in flags):
+    from services import launcher
+    p = argparse.ArgumentParser()
+    launcher.add_arguments(p)  # the flags as `pdserve up` reads them
+    up = p.parse_args(flags)
+    if stacks < 2 or up.device == "cpu" or up.gpu_memory_utilization is not None:
         return []
-    from services.launcher import GPU_MEMORY_SHARE
-    return ["--gpu-memory-utilization", f"{GPU_MEMORY_SHARE / stacks:.4f}"]
+    return ["--gpu-memory-utilization", f"{launcher.GPU_MEMORY_SHARE / stacks:.4f}"]
 
 
 def main() -> int:
@@ -236,13 +232,6 @@ def start(args, order) -> tuple[list, dict[str, str]]:
         stop(procs)
         raise
     return procs, urls
-
-
-def stop(procs) -> None:
-    for proc in procs:
-        proc.send_signal(signal.SIGINT)
-    for proc in procs:
-        proc.wait(60)
 
 
 def run_draw(args, order, urls: dict[str, str], rates: list[float], prompts, seed: int,

@@ -22,14 +22,13 @@ import argparse
 import asyncio
 import json
 import random
-import signal
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import launch, records_json, run_load  # noqa: E402
+from loadgen import launch, records_json, run_load, stop  # noqa: E402
 
 HIGH = (5, 17, 300, 1200)  # tokens the output is held to
 LOW = tuple(range(1000, 1160, 10))
@@ -159,8 +158,7 @@ def main() -> int:
                              for j, (w, s) in enumerate((w, s) for w in args.workloads
                                                         for s in args.streams)}
         finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(60)
+            stop([proc])
     (args.out / "results.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
     base = next(iter(results.values()))

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ import torch
 import transformers
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the repo: its kernels package
-from loadgen import launch  # noqa: E402
+from loadgen import launch, stop  # noqa: E402
 
 TOP_K = 5  # a 16-bit divergence passes when the served token is among transformers' top five
 
@@ -105,8 +104,7 @@ def main() -> int:
             try:
                 served[transport] = asyncio.run(served_tokens(url, prompts, args.max_tokens))
             finally:
-                proc.send_signal(signal.SIGINT)
-                proc.wait(60)
+                stop([proc])
             print(f"{dtype} over {transport}: served in {time.monotonic() - t0:.0f} s")
         for transport, rows in compare(args.model, args.device, dtype, prompts, served,
                                        args.max_tokens).items():
