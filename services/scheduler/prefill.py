@@ -57,8 +57,9 @@ workers finish them, a decode worker takes its share beside its batch: a
 step of a few sequences costs nearly what a step of none does (the weights are read either
 way), so its core computes prompts instead of stepping nearly empty. While it holds a long
 prompt its steps carry the prompt tokens that fit in --decode-step-target-ms (200) at the pace
-of its last such step (--decode-long-prefill-tokens, 32, before one is timed): the TPOT its
-requests see meanwhile, whatever its batch, model or hardware.
+of its last such step on as many threads (--decode-long-prefill-tokens, 32, before one is
+timed): the TPOT its requests see meanwhile, whatever its batch, model, hardware or share of
+the cores.
 """
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ class TakeBack:
 class Prefill:
     def __init__(self, config: SchedulerConfig, workers: Workers, waiting: RequestQueue,
                  transfers: Transfers, placement: Placement, next_id: Callable[[], int],
-                 requeue: Callable[[Request], None], clock: Callable[[], float]):
+                 requeue: Callable[[Request], None], clock: Callable[[], float],
+                 threads: Callable[[WorkerState], int]):
         self.config = config
         self.workers = workers
         self.waiting = waiting
@@ -102,6 +104,7 @@ class Prefill:
         self._next_id = next_id
         self._requeue = requeue
         self._clock = clock  # a decode worker's pace on a long prompt it holds
+        self._threads = threads  # the threads a worker's next step runs on (cores.py)
         self.num_long_on_decode = 0  # long prompts decode workers took beside their batch
         self.num_long_taken_back = 0  # ... that went back to a prefill worker (`to_take_back`)
 
@@ -142,21 +145,27 @@ class Prefill:
                    for r in w.prefilling)  # held before, or taken in this step
 
     def held_tokens(self, w: WorkerState) -> int:
-        """Prompt tokens of decode worker w's next step while it holds a long prompt."""
-        return w.held_step_tokens or self.config.decode_long_prefill_tokens
+        """Prompt tokens of decode worker w's next step while it holds a long prompt: sized for
+        the threads that step runs on."""
+        return w.held_step_tokens.get(self._threads(w)) or self.config.decode_long_prefill_tokens
 
-    def held_step_timed(self, w: WorkerState, prompt_tokens: int, seconds: float) -> None:
-        """Sizes w's next steps beside its long prompt from one such step that computed
-        prompt_tokens in `seconds` (plan out to result in): as many as fit in
-        --decode-step-target-ms at that step's pace, between MIN_TIMED_PREFILL (however long
-        its batch makes the step, so that its steps stay timed) and --decode-prefill-tokens.
-        The step time is its batch's plus its prompt tokens', so sizing again from each step
-        converges on the target."""
+    def held_step_timed(self, w: WorkerState, threads: int, prompt_tokens: int,
+                        seconds: float) -> None:
+        """Sizes w's next steps beside its long prompt on `threads` threads from one such step
+        on as many that computed prompt_tokens in `seconds` (plan out to result in): as many as
+        fit in --decode-step-target-ms at that step's pace, between MIN_TIMED_PREFILL (however
+        long its batch makes the step, so that its steps stay timed) and
+        --decode-prefill-tokens. The step time is its batch's plus its prompt tokens', so
+        sizing again from each step converges on the target. Each thread count keeps its own
+        size: on shared cores a decode worker's steps go on two threads while the prefill
+        worker is free and on one while it computes, at about half the pace, and a size timed
+        on the one would make the next step on the other twice the target, or half."""
         target = self.config.decode_step_target_ms / 1000
         if not target or seconds <= 0:
             return
         fit = round(prompt_tokens * target / seconds)
-        w.held_step_tokens = max(MIN_TIMED_PREFILL, min(self.config.decode_prefill_tokens, fit))
+        w.held_step_tokens[threads] = max(MIN_TIMED_PREFILL,
+                                          min(self.config.decode_prefill_tokens, fit))
 
     def to_take_back(self, p: WorkerState) -> TakeBack | None:
         """With --prefill-take-back, the first long prompt a decode worker holds that prefill

@@ -89,7 +89,7 @@ class Scheduler:
         self._ids = itertools.count()
         self.prefill = Prefill(config, self.workers, self.waiting, self.transfers,
                                create_placement(config.placement), lambda: next(self._ids),
-                               requeue=life.requeue, clock=clock)
+                               requeue=life.requeue, clock=clock, threads=self._threads)
         self.decode = Decode(preempt=life.preempt,
                              max_model_len=lambda: self.workers.max_model_len,
                              next_id=lambda: next(self._ids))
@@ -213,6 +213,7 @@ class Scheduler:
                                   if self.requests[s.request_id].status is Status.PREFILLING)
         step.planned_at = self.clock()
         step.held = held
+        step.threads = plan.num_threads
         step.decodes_only = bool(
             plan.scheduled and not (plan.new_requests or plan.sends or plan.recvs or plan.copies)
             and all(s.num_tokens == 1 for s in plan.scheduled)
@@ -293,7 +294,7 @@ class Scheduler:
             seconds = self.clock() - step.planned_at
             w.prefill_speed.observe(step.prefill_tokens, seconds)
             if step.held:
-                self.prefill.held_step_timed(w, step.prefill_tokens, seconds)
+                self.prefill.held_step_timed(w, step.threads, step.prefill_tokens, seconds)
         ran = step.request_ids
         w.counters = result.counters
         self.transfers.receivers_ready(step.recvs)

@@ -60,8 +60,10 @@ class WorkerState:
     counters: WorkerCounters = WorkerCounters()
     prefill_speed: PrefillSpeed = field(default_factory=PrefillSpeed)
     leaving: bool = False  # it asked to leave: nothing new goes to it (Workers.of_role)
-    held_step_tokens: int = 0  # a decode worker holding a long prompt: the prompt tokens of its
-                               # next step, sized from the last such step's time (0: not yet)
+    # a decode worker holding a long prompt: the prompt tokens of its next step by the threads
+    # that step runs on (0: a worker whose threads are not managed), sized from the time of the
+    # last such step on as many threads (none yet: --decode-long-prefill-tokens)
+    held_step_tokens: dict[int, int] = field(default_factory=dict)
 
     @property
     def is_idle(self) -> bool:
@@ -114,6 +116,7 @@ class Step:
     planned_at: float = 0.0     # the scheduler's clock when its plan left; its worker was
                                 # idle then
     held: bool = False          # a decode worker's step beside a long prompt it holds
+    threads: int = 0            # the threads its plan runs on (0: the worker's own choice)
     lookahead: dict[str, int] = field(default_factory=dict)  # request id -> its draft slots:
                                 # the step may add up to that many tokens more than one
 

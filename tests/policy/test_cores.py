@@ -64,3 +64,46 @@ def test_thread_counts_follow_the_load():
         ("d0", 2, [("b", 1)]),
     ]
     c.assert_all_free()
+
+
+def _scheduled(plan):
+    return [(s.request_id, s.num_tokens) for s in plan.scheduled]
+
+
+def test_steps_beside_a_held_prompt_are_sized_for_the_threads_they_run_on():
+    """d0 computes a long prompt beside its batch on both cores while p0 is free, its steps
+    sized to --decode-step-target-ms (100) from the step before on as many threads: 16 tokens
+    (--decode-long-prefill-tokens) in 50 ms -> 32 in 50 ms -> 64. Then p0 takes a short prompt
+    and d0's next step runs on one core: it starts again from 16, not from the 64 timed on two
+    (a step twice the target or more), and is sized from its own time; once p0 is done, two
+    threads again and their 64."""
+    c = Cluster({"p0": 128, "d0": 256}, cpu_cores=(0, 1), prefill_bypass_threshold=4,
+                decode_prefill_tokens=64, decode_long_prefill_tokens=16, decode_step_target_ms=100)
+    c.submit("a", list(range(10, 14)), max_tokens=40)  # d0's batch
+    for _ in range(4):
+        c.step()
+    for wid in ("p0", "d0"):
+        while c.sent[wid]:
+            c.run_step(wid)
+    c.submit("long", list(range(1000, 1300)), max_tokens=1)
+    d0 = c.sched.workers["d0"]
+    held = []
+    for seconds in (0.05, 0.05):
+        plan = c.plan("d0")
+        held.append((plan.num_threads, _scheduled(plan)))
+        c.now += seconds
+        c.run_step("d0")
+    assert held == [(2, [("a", 1), ("long", 16)]), (2, [("a", 1), ("long", 32)])]
+    assert d0.held_step_tokens == {2: 64}
+    c.submit("b", list(range(2000, 2010)), max_tokens=1)
+    assert _scheduled(c.plan("p0")) == [("b", 10)]  # running: p0 computes
+    plan = c.plan("d0")
+    assert (plan.num_threads, _scheduled(plan)) == (1, [("a", 1), ("long", 16)])
+    c.now += 0.08
+    c.run_step("d0")
+    assert d0.held_step_tokens == {2: 64, 1: 20}
+    c.run_step("p0")
+    plan = c.plan("d0")
+    assert (plan.num_threads, _scheduled(plan)) == (2, [("a", 1), ("long", 64)])
+    c.run()
+    c.assert_all_free()

@@ -200,11 +200,11 @@ def test_steps_beside_a_long_prompt_are_sized_to_the_decode_step_target():
         c.run_step("d0")
     assert chunks == [[("long2", 16)], [("long2", 32)], [("long2", 20)], [("long2", 16)],
                       [("long2", 64)]]
-    assert c.sched.workers["d0"].held_step_tokens == 64
+    assert c.sched.workers["d0"].held_step_tokens == {0: 64}  # threads not managed: 0
     assert _scheduled(c.plan("d0")) == [("long2", 8)]
     c.now += 5.0  # the prompt's last 8 tokens: too few to time, the size stays
     c.run_step("d0")
-    assert c.sched.workers["d0"].held_step_tokens == 64
+    assert c.sched.workers["d0"].held_step_tokens == {0: 64}
     c.run()
     assert c.workers["d0"].prompt_tokens == 156 and c.workers["p0"].prompt_tokens == 200
     c.assert_all_free()
