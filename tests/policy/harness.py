@@ -36,6 +36,11 @@ def token_at(position: int) -> int:
     return position % 1000
 
 
+def scheduled(plan: StepPlan) -> list[tuple[str, int]]:
+    """A plan's scheduled tokens as (request id, tokens) pairs, in plan order."""
+    return [(s.request_id, s.num_tokens) for s in plan.scheduled]
+
+
 @dataclass
 class _Held:
     tokens: list[int]

@@ -3,7 +3,7 @@ from common.kv_layout import KVLayout
 from services.scheduler.cores import threads_for
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.worker_state import WorkerState
-from tests.policy.harness import Cluster
+from tests.policy.harness import Cluster, scheduled
 
 
 def _worker(wid: str, cores: tuple[int, ...], host: str = "h") -> WorkerState:
@@ -46,7 +46,7 @@ def test_thread_counts_follow_the_load():
             plan = make(wid)
             if plan is not None and plan.scheduled:
                 planned.append((wid, plan.num_threads,
-                                [(s.request_id, s.num_tokens) for s in plan.scheduled]))
+                                scheduled(plan)))
             return plan
         setattr(c.sched, name, record)
     c.submit("long", list(range(100, 116)), max_tokens=3)
@@ -64,10 +64,6 @@ def test_thread_counts_follow_the_load():
         ("d0", 2, [("b", 1)]),
     ]
     c.assert_all_free()
-
-
-def _scheduled(plan):
-    return [(s.request_id, s.num_tokens) for s in plan.scheduled]
 
 
 def test_steps_beside_a_held_prompt_are_sized_for_the_threads_they_run_on():
@@ -90,20 +86,20 @@ def test_steps_beside_a_held_prompt_are_sized_for_the_threads_they_run_on():
     held = []
     for seconds in (0.05, 0.05):
         plan = c.plan("d0")
-        held.append((plan.num_threads, _scheduled(plan)))
+        held.append((plan.num_threads, scheduled(plan)))
         c.now += seconds
         c.run_step("d0")
     assert held == [(2, [("a", 1), ("long", 16)]), (2, [("a", 1), ("long", 32)])]
     assert d0.held_step_tokens == {2: 64}
     c.submit("b", list(range(2000, 2010)), max_tokens=1)
-    assert _scheduled(c.plan("p0")) == [("b", 10)]  # running: p0 computes
+    assert scheduled(c.plan("p0")) == [("b", 10)]  # running: p0 computes
     plan = c.plan("d0")
-    assert (plan.num_threads, _scheduled(plan)) == (1, [("a", 1), ("long", 16)])
+    assert (plan.num_threads, scheduled(plan)) == (1, [("a", 1), ("long", 16)])
     c.now += 0.08
     c.run_step("d0")
     assert d0.held_step_tokens == {2: 64, 1: 20}
     c.run_step("p0")
     plan = c.plan("d0")
-    assert (plan.num_threads, _scheduled(plan)) == (2, [("a", 1), ("long", 64)])
+    assert (plan.num_threads, scheduled(plan)) == (2, [("a", 1), ("long", 64)])
     c.run()
     c.assert_all_free()

@@ -1,11 +1,7 @@
 """The decode batch: preemption takes the least important request (priority, then arrival) and
 returns its blocks at once; steps planned ahead decode the same batch with the blocks the
 running step's tokens need."""
-from tests.policy.harness import Cluster, token_at
-
-
-def _scheduled(plan):
-    return [(s.request_id, s.num_tokens) for s in plan.scheduled]
+from tests.policy.harness import Cluster, scheduled, token_at
 
 
 def test_preemption_takes_the_least_important_request():
@@ -22,7 +18,7 @@ def test_preemption_takes_the_least_important_request():
     assert {r: kv.get_block_ids(r) for r in kv.request_ids()} == {
         "late_but_urgent": [0], "early_but_idle": [1], "middle": [2]}
     plan = c.plan("d0")
-    assert _scheduled(plan) == [("late_but_urgent", 1), ("middle", 1)]
+    assert scheduled(plan) == [("late_but_urgent", 1), ("middle", 1)]
     assert [(d.request_id, d.new_block_ids) for d in plan.cached_requests] == [
         ("late_but_urgent", (3,)), ("middle", (4,))]
     assert plan.finished_request_ids == ["early_but_idle"]
@@ -42,11 +38,11 @@ def test_steps_planned_ahead_decode_the_same_batch():
     c.submit("b", list(range(10, 13)), max_tokens=2)
     c.run_step("d0") if c.plan("d0") else None  # prefill both: a in [0, 1], b in [2]
     first = c.plan("d0")  # computes a's 8th token: still block 1
-    assert _scheduled(first) == [("a", 1), ("b", 1)] and not first.cached_requests
+    assert scheduled(first) == [("a", 1), ("b", 1)] and not first.cached_requests
     # while `first` runs: b ends by length with it; a's 9th token needs a third block, taken
     # ahead of time from the free queue's front
     ahead = c.plan("d0")
-    assert _scheduled(ahead) == [("a", 1)]
+    assert scheduled(ahead) == [("a", 1)]
     assert [(d.request_id, d.new_block_ids) for d in ahead.cached_requests] == [("a", (3,))]
     assert c.plan("d0") is None  # one step ahead at most
     c.run_step("d0")

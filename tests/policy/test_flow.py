@@ -3,7 +3,7 @@ blocks each step uses and the exact KV each transfer moves."""
 import pytest
 
 from services.scheduler.request import Status
-from tests.policy.harness import Cluster, token_at
+from tests.policy.harness import Cluster, scheduled, token_at
 
 
 def test_a_disaggregated_request_moves_prefill_transfer_decode():
@@ -65,7 +65,7 @@ def test_prefix_hits_on_both_pools_skip_compute_and_transfer():
 
 
 def _scheduled(plan):
-    return [(s.request_id, s.num_tokens) for s in plan.scheduled] if plan else []
+    return scheduled(plan) if plan else []
 
 
 def test_a_free_prefill_worker_takes_short_prompts_too():

@@ -1,6 +1,6 @@
 """Samples of one prompt (n > 1): prefilled once, the full prompt blocks shared (reference
 counted), the partial last one copied for each sample before the step that first decodes it."""
-from tests.policy.harness import Cluster, token_at
+from tests.policy.harness import Cluster, scheduled, token_at
 
 
 def test_samples_share_full_blocks_and_copy_the_partial_one():
@@ -22,7 +22,7 @@ def test_samples_share_full_blocks_and_copy_the_partial_one():
         (1, 2, "s/1", "s"), (1, 3, "s/2", "s")]
     assert [(n.request_id, n.block_ids, n.num_computed_tokens) for n in plan.new_requests] == [
         ("s/1", (0, 2), 6), ("s/2", (0, 3), 6)]
-    assert _scheduled(plan) == [("s", 1), ("s/1", 1), ("s/2", 1)]
+    assert scheduled(plan) == [("s", 1), ("s/1", 1), ("s/2", 1)]
     c.run_step("d0")
     assert kv.pool.ref_cnt[:4] == [3, 1, 1, 1]  # the copies ran: the holds are gone
     c.run()
@@ -38,7 +38,3 @@ def test_a_sample_aborted_before_its_first_token_leaves_the_others_alone():
     c.run()
     assert c.tokens("s") == [token_at(6), token_at(7)] and c.tokens("s/1") == []
     c.assert_all_free()
-
-
-def _scheduled(plan):
-    return [(s.request_id, s.num_tokens) for s in plan.scheduled]

@@ -2,11 +2,7 @@
 the worker, with blocks held for their tokens (exact ids), answering after each step; the
 tokens stream as each step ends; a request that ends early gives back what it held; a step
 planned ahead holds blocks for the most the running plan may add."""
-from tests.policy.harness import Cluster, token_at
-
-
-def _scheduled(plan):
-    return [(s.request_id, s.num_tokens) for s in plan.scheduled]
+from tests.policy.harness import Cluster, scheduled, token_at
 
 
 def _new_blocks(plan):
@@ -22,7 +18,7 @@ def test_one_plan_runs_several_decode_steps_and_streams_each():
     c.run_step("d0")  # 6 tokens: blocks 0, 1
     plan = c.plan("d0")
     # its 6th token and 3 more steps: 9 tokens' KV, blocks 0-2
-    assert plan.num_steps == 4 and _scheduled(plan) == [("a", 1)]
+    assert plan.num_steps == 4 and scheduled(plan) == [("a", 1)]
     assert _new_blocks(plan) == [("a", (2,))]
     c.run_step("d0")
     # one output per decode step, as each ended

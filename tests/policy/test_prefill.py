@@ -1,10 +1,6 @@
 """Chunked and partial prefills under the step budget: short prompts pass long ones, at most one
 long prompt is partial at a time, and the prefill worker caching more of a prompt takes it."""
-from tests.policy.harness import Cluster
-
-
-def _scheduled(plan):
-    return [(s.request_id, s.num_tokens) for s in plan.scheduled]
+from tests.policy.harness import Cluster, scheduled
 
 
 def test_two_long_prompts_take_turns_while_a_short_one_passes():
@@ -16,7 +12,7 @@ def test_two_long_prompts_take_turns_while_a_short_one_passes():
     steps = []
     for _ in range(6):
         plan = c.plan("d0")
-        steps.append(_scheduled(plan))
+        steps.append(scheduled(plan))
         c.run_step("d0")
     assert steps == [
         [("long1", 8), ("short", 5)],  # long2 waits: one long partial at a time
@@ -36,12 +32,12 @@ def test_one_partial_prefill_at_a_time_when_asked():
                 max_long_partial_prefills=1)
     c.submit("long", list(range(30)), max_tokens=1)
     c.submit("short", list(range(200, 205)), max_tokens=1)
-    assert _scheduled(c.plan("d0")) == [("long", 16)]  # no budget left for short
+    assert scheduled(c.plan("d0")) == [("long", 16)]  # no budget left for short
     c.run_step("d0")
     # long's last chunk ends its partial prefill: short may start one with the 2 tokens left
-    assert _scheduled(c.plan("d0")) == [("long", 14), ("short", 2)]
+    assert scheduled(c.plan("d0")) == [("long", 14), ("short", 2)]
     c.run_step("d0")
-    assert _scheduled(c.plan("d0")) == [("short", 3)]  # long ended with its one token
+    assert scheduled(c.plan("d0")) == [("short", 3)]  # long ended with its one token
     c.run()
     c.assert_all_free()
 
