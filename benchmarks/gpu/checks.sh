@@ -3,7 +3,7 @@
 # every step's output lands in $OUT (or benchmarks/results/gpu) as it finishes.
 #
 #   bash benchmarks/gpu/checks.sh [STEP ...]
-#   steps: tests greedy decode kernels kv idle serve sweep suite triton
+#   steps: tests greedy decode kernels kv idle serve sweep suite triton spans
 #
 # The GPU image's python3 has torch, triton and transformers; what pdserve needs beside them
 # travels as wheels in .whl (benchmarks/gpu/wheels.sh fetches them here; installed to /tmp/site
@@ -65,6 +65,11 @@ for s in "${@:-tests greedy decode kernels kv idle serve sweep}"; do
                --workload random --rate 0 --num-requests 200 --max-tokens 128 \
                --shapes default eager --up-args "--device cuda" \
                --out "$OUT/serve_random" ;;
+      spans) model; step spans 240 bash -c 'e=--enforce-eager
+               for shape in "" "--prefill-worker-args=$e --decode-worker-args=$e"; do
+                 echo "== --device cuda $shape"; python3 benchmarks/request_spans.py \
+                   --model /tmp/m1b --up-args "--device cuda $shape" \
+                   --out "$1/spans${shape:+_eager}.json" || exit; done' _ "$OUT" ;;
       *) echo "unknown step $s"; exit 2 ;;
     esac
   done

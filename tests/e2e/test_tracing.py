@@ -1,64 +1,19 @@
 """Tracing end to end: the four real processes export to an OTLP receiver run by the test, and
 one request makes one trace whose spans are parented across every service."""
-import asyncio
-import threading
 import time
 
-import grpc
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from benchmarks.request_spans import Receiver, phase_table, request_traces
+from benchmarks.request_spans import attributes as _attrs
 from tests.e2e.conftest import Stack
 
 SERVICES = {"pdserve-gateway", "pdserve-scheduler", "pdserve-prefill-worker",
             "pdserve-decode-worker"}
 REQUEST_SPAN = "/pdserve.scheduler.Scheduler/Generate"
 MAX_TOKENS = 6
-
-
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace collector on 127.0.0.1 (port 0), on its own event loop thread."""
-
-    def __init__(self):
-        self.spans: list[tuple[str, Span]] = []  # (service.name, span)
-        self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        assert self._started.wait(30), "the OTLP receiver did not start"
-
-    async def Export(self, request, context):
-        with self._lock:
-            for rs in request.resource_spans:
-                service = next((a.value.string_value for a in rs.resource.attributes
-                                if a.key == "service.name"), "")
-                for ss in rs.scope_spans:
-                    self.spans.extend((service, s) for s in ss.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def _run(self):
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._start())
-        self._started.set()
-        self._loop.run_forever()
-
-    async def _start(self):
-        self._server = grpc.aio.server()
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
-        await self._server.start()
-
-    def snapshot(self) -> list[tuple[str, Span]]:
-        with self._lock:
-            return list(self.spans)
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +26,6 @@ def traced(tiny_llama, tmp_path_factory):
     yield stack, receiver
     stack.stop()
     receiver.close()
-
-
-def _attrs(span: Span) -> dict:
-    out = {}
-    for a in span.attributes:
-        v = a.value
-        out[a.key] = getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
-    return out
 
 
 def _wait_for(receiver: Receiver, names: set[str], timeout: float = 60.0):
@@ -177,3 +124,12 @@ def test_one_request_is_one_trace_across_the_four_services(traced):
     assert sum(_attrs(s)["pdserve.tokens"] for s in named["pdserve-prefill-worker",
                                                            "worker.prefill"]) == len(prompt)
     assert "worker.decode_step" not in {s.name for _, s in spans}  # only with --detailed-traces
+
+    # benchmarks/request_spans.py reads the same spans as one request's phases, in order
+    (trace,) = request_traces(spans)
+    times = [(name, start, end) for _, name, start, end, _ in trace["spans"]]
+    assert all(0 <= start <= end for _, start, end in times)
+    table = phase_table(trace)
+    assert [line.split()[0] for line in table] == [
+        "gateway.tokenize", "scheduler.queue", "scheduler.placement", "worker.prefill",
+        "kv.send", "kv.receive", "worker.decode"]
