@@ -6,14 +6,21 @@ read from memory once per group, not once per query head. The group is padded to
 rows because `tl.dot` needs it on tensor cores; decode is memory-bound, the padding is free.
 
 Split-KV (flash-decoding): with few sequences and long contexts, (batch x kv heads) programs
-cannot fill the GPU, so the context is cut into NUM_SPLITS ranges of SPLIT_LEN positions, each
+cannot fill the GPU, so the context is cut into num_splits ranges of split_len positions, each
 writes a partial (max, sum, unnormalized output) and a second kernel combines them:
 
-    positions  [0, SPLIT_LEN) | [SPLIT_LEN, 2 * SPLIT_LEN) | ... | [.., seq_len)
+    positions  [0, split_len) | [split_len, 2 * split_len) | ... | [.., seq_len)
     partials       m0, l0, o0 |                m1, l1, o1 | ...
     out = sum_i 2^(m_i - M) o_i / sum_i 2^(m_i - M) l_i,   M = max_i m_i
 
 Scores live in the log2 domain (scale * log2(e) folded into the scale) so that exp2 is used.
+
+Nothing that follows the context's length is a compile-time constant or a specialized argument:
+split_len, num_splits and the block table's row stride change from step to step where steps run
+eagerly (mixed steps, batches past the largest CUDA graph, --enforce-eager), and Triton compiles
+a kernel again (0.5-0.7 s on an H200) for each new constant, and for each new case of an integer
+argument being 1, a multiple of 16 or neither. Two variants remain (one split or several), both
+compiled when a worker captures its CUDA graphs.
 """
 from __future__ import annotations
 
@@ -48,26 +55,27 @@ def default_decode_config(dtype: torch.dtype) -> DecodeConfig:
     return DecodeConfig(num_warps=2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "split_len", "num_splits"])
 def _decode_kernel(
     q_ptr,                       # [batch, num_heads, head_dim]
     cache_ptr,                   # [2, num_blocks, block_size, num_kv_heads, head_dim]
     table_ptr,                   # [batch, max_blocks]
     seq_lens_ptr,                # [batch]
-    out_ptr,                     # [batch, num_heads, head_dim]          (NUM_SPLITS == 1)
-    part_out_ptr,                # [batch, num_heads, NUM_SPLITS, head_dim] fp32  (NUM_SPLITS > 1)
-    part_m_ptr, part_l_ptr,      # [batch, num_heads, NUM_SPLITS] fp32
+    out_ptr,                     # [batch, num_heads, head_dim]          (not SPLIT)
+    part_out_ptr,                # [batch, num_heads, num_splits, head_dim] fp32  (SPLIT)
+    part_m_ptr, part_l_ptr,      # [batch, num_heads, num_splits] fp32
     scale_log2,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     stride_ckv, stride_cb, stride_cs, stride_ch,
+    split_len, num_splits,       # a multiple of TILE_N; the grid's third dimension
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * SPLIT_LEN
-    end = tl.minimum(seq_len, start + SPLIT_LEN)
+    start = split * split_len
+    end = tl.minimum(seq_len, start + split_len)
 
     offs_g = tl.arange(0, GROUP_P2)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -102,33 +110,33 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         # a padding row (seq_len 0) writes zeros, not NaN
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         num_heads = tl.num_programs(1) * GROUP
-        part = (seq * num_heads + heads) * NUM_SPLITS + split             # [GROUP_P2]
+        part = (seq * num_heads + heads) * num_splits + split             # [GROUP_P2]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=g_mask[:, None])
         tl.store(part_m_ptr + part, m_i, mask=g_mask)
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
-    part_out_ptr,                # [batch, num_heads, NUM_SPLITS, head_dim] fp32
-    part_m_ptr, part_l_ptr,      # [batch, num_heads, NUM_SPLITS] fp32
+    part_out_ptr,                # [batch, num_heads, num_splits, head_dim] fp32
+    part_m_ptr, part_l_ptr,      # [batch, num_heads, num_splits] fp32
     out_ptr,                     # [batch, num_heads, head_dim]
-    stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     seq, head = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < NUM_SPLITS
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + offs_s        # [SPLITS_P2]
+    s_mask = offs_s < num_splits
+    part = (seq * tl.num_programs(1) + head) * num_splits + offs_s        # [SPLITS_P2]
     # an empty split (past its sequence's end) has m = -inf, l = 0, o = 0: weight 0
     m_part = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
     l_part = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
@@ -197,15 +205,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        split_len, num_splits,
         GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, SPLIT_LEN=split_len, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, SPLIT=num_splits > 1,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1:  # one variant for every count it picks: tiny partials, masked past it
         _combine_kernel[(batch, num_heads)](
-            part_out, part_m, part_l, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            SPLITS_P2=triton.next_power_of_2(num_splits),
+            part_out, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(max(num_splits, MAX_SPLITS)),
         )
     return out
 

@@ -70,7 +70,7 @@ def _attend_tile(q, m_i, l_i, acc, tile, k_base, v_base, table_ptr, q_pos, kv_en
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # the table's width follows the longest sequence
 def _prefill_kernel(
     q_ptr,                       # [num_tokens, num_heads, head_dim]
     cache_ptr,                   # [2, num_blocks, block_size, num_kv_heads, head_dim]
