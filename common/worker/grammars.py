@@ -14,22 +14,33 @@ into a fresh matcher and goes on where it stood.
 
 A matcher that accepted a stop token is done: a request that goes on past it (ignore_eos)
 samples freely.
+
+xgrammar and the tokenizer load at the first guided request a worker sees (as vLLM's grammar
+backend does), not at start-up: importing them is ~2.5 CPU seconds of a worker's ~5.5, paid by
+every worker that never serves one; the first guided request waits for them once.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
-from common.models.hf_tokenizer import load_hf_tokenizer
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 log = logging.getLogger(__name__)
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept, across requests
+
+
+def xgrammar():
+    """The xgrammar module, imported on first use."""
+    return importlib.import_module("xgrammar")
 
 
 class GrammarError(Exception):
@@ -38,8 +49,8 @@ class GrammarError(Exception):
 
 
 class Grammars:
-    """Compiles grammars for one model's vocabulary. The tokenizer loads on first use, or in the
-    background from `warm()`, so that the first guided request need not wait for it."""
+    """Compiles grammars for one model's vocabulary; xgrammar and the tokenizer load on first
+    use."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int):
         self.model_dir = model_dir
@@ -47,15 +58,6 @@ class Grammars:
         self._compiler: xgr.GrammarCompiler | None = None
         self._failed: OSError | ValueError | None = None  # the tokenizer did not load: it won't
         self._lock = threading.Lock()
-
-    def warm(self) -> None:
-        threading.Thread(target=self._warm, name="grammars-warm", daemon=True).start()
-
-    def _warm(self) -> None:
-        try:
-            self.compiler()
-        except (OSError, ValueError) as e:  # a request that needs it fails with the reason
-            log.warning("no grammar compiler for %s: %s", self.model_dir, e)
 
     def compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
@@ -68,7 +70,9 @@ class Grammars:
                 raise
 
     def _build(self) -> xgr.GrammarCompiler:
+        from common.models.hf_tokenizer import load_hf_tokenizer
         start = time.monotonic()
+        xgr = xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(load_hf_tokenizer(self.model_dir),
                                                   vocab_size=self.vocab_size)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
@@ -88,7 +92,7 @@ class Grammars:
             compiled = compiler.compile_grammar(grammar)
         except RuntimeError as e:  # what xgrammar raises for what it cannot parse or support
             raise GrammarError(f"the request's grammar does not compile: {e}") from None
-        return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        return xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
 
 
 class Guide:
@@ -152,6 +156,7 @@ def mask_logits(logits: torch.Tensor, guides: list[Guide | None], vocab_size: in
     """logits: [B, >= vocab_size]; row i keeps only what guides[i] allows (None: every token)
     after the tokens it has taken and then ahead[i] (draft tokens before row i's position, when
     given). In place."""
+    xgr = xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(guides), vocab_size)  # [B, ceil(V / 32)] int32
     rows = [i for i, g in enumerate(guides)
             if g is not None and g.fill(bitmask, i, ahead[i] if ahead else [])]

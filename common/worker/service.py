@@ -138,8 +138,7 @@ def build_worker(cfg: WorkerConfig, place: RankPlace | None = None
                               cfg.max_cudagraph_capture_size)
         with on_device(device):
             graphs.capture()
-    grammars = Grammars(cfg.model, mc.vocab_size)
-    grammars.warm()
+    grammars = Grammars(cfg.model, mc.vocab_size)  # xgrammar loads at the first guided request
     speculative = cfg.speculative()
     sampler = Sampler(mc.vocab_size, cfg.seed, cpu_kernels=cpu_kernels(backend, device))
     draft = None

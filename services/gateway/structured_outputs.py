@@ -17,12 +17,11 @@ model can fill its whole budget with it.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import re
 from dataclasses import dataclass, fields
 from typing import Any
-
-import xgrammar as xgr
 
 from services.gateway.errors import bad_request
 from services.gateway.protocol import SamplingRequest
@@ -155,7 +154,10 @@ def _schema_text(schema: str | dict[str, Any], param: str) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _grammar(kind: str, spec: str, any_whitespace: bool) -> str:
-    """EBNF text of one ask; raises RuntimeError (xgrammar's) for one it cannot serve."""
+    """EBNF text of one ask; raises RuntimeError (xgrammar's) for one it cannot serve.
+    xgrammar is imported here, at the first guided request, not when the gateway starts: its
+    package imports torch's kernels' modules, a second of every gateway that never sees one."""
+    xgr = importlib.import_module("xgrammar")
     if kind == "json":
         ebnf = str(xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace))
         grammar = xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS))
