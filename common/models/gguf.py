@@ -59,6 +59,18 @@ def find_gguf(path: str | Path) -> Path | None:
     return files[0] if files else None
 
 
+def tokenizer_from_metadata(path: str | Path) -> bool:
+    """Whether the model at `path` is a GGUF file whose tokenizer transformers must convert from
+    the file's metadata (it does so with torch): one without tokenizer.json and
+    tokenizer_config.json beside it (`pdserve fetch-model` writes them)."""
+    gguf_file = find_gguf(path)
+    if gguf_file is None:
+        return False
+    beside = gguf_file.parent
+    return not ((beside / "tokenizer.json").is_file() and
+                (beside / "tokenizer_config.json").is_file())
+
+
 @dataclass(frozen=True)
 class GGUFInfo:
     context_length: int

@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedConfig
 
-from common.models.gguf import find_gguf
+from common.models.gguf import find_gguf, tokenizer_from_metadata
 
 
 def load_hf_tokenizer(model_dir: str | Path) -> Any:
@@ -18,10 +18,9 @@ def load_hf_tokenizer(model_dir: str | Path) -> Any:
     gguf_file = find_gguf(model_dir)
     if gguf_file is None:
         return auto_tokenizer(model_dir)
-    beside = gguf_file.parent
-    if (beside / "tokenizer.json").is_file() and (beside / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(beside))
-    return AutoTokenizer.from_pretrained(str(beside), gguf_file=gguf_file.name)
+    if not tokenizer_from_metadata(gguf_file):
+        return AutoTokenizer.from_pretrained(str(gguf_file.parent))
+    return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
 
 
 def auto_tokenizer(model_dir: Path) -> Any:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from common import tracing
+from common import torch_free, tracing
 from common.heap import freeze_startup_heap
 from common.tls import add_tls_args, is_loopback, tls_from_args
 from services.gateway.tools import PARSERS
@@ -21,9 +21,9 @@ from services.gateway.tools import PARSERS
 if TYPE_CHECKING:
     from services.gateway.config import GatewayConfig
 
-# The serving modules (transformers, xgrammar, torch under them: ~6 s) are imported by
-# config_from_args and serve, before the gateway listens, not here: `pdserve gateway --help`
-# and the argument parser need none of them.
+# The serving modules (transformers: ~3 s) are imported by config_from_args and serve, before
+# the gateway listens, not here: `pdserve gateway --help` and the argument parser need none of
+# them. torch is kept out of the process (torch_free.py).
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; 0 on a clean shutdown, 2 on a bad config, 1 otherwise."""
+    torch_free.keep_out(args.model)
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -52,6 +52,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def _child(config: GatewayConfig, log_level: str, sock: socket.socket,
            otlp_endpoint: str | None, parent: int) -> None:
+    from common import torch_free
+    torch_free.keep_out(config.model)  # before the serving modules' imports
     from common import tracing
     from services.gateway.main import serve
 

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from common import torch_free
 from services.gateway.errors import bad_request
 from services.gateway.protocol import SamplingRequest
 
@@ -156,7 +157,8 @@ def _schema_text(schema: str | dict[str, Any], param: str) -> str:
 def _grammar(kind: str, spec: str, any_whitespace: bool) -> str:
     """EBNF text of one ask; raises RuntimeError (xgrammar's) for one it cannot serve.
     xgrammar is imported here, at the first guided request, not when the gateway starts: its
-    package imports torch's kernels' modules, a second of every gateway that never sees one."""
+    package imports torch, which a gateway process otherwise keeps out (torch_free.py)."""
+    torch_free.let_in()
     xgr = importlib.import_module("xgrammar")
     if kind == "json":
         ebnf = str(xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace))
