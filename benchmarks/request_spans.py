@@ -94,8 +94,8 @@ def request_traces(spans: list[tuple[str, Span]]) -> list[dict]:
             continue
         roots = [s for _, s in group if not s.parent_span_id]
         t0 = min(s.start_time_unix_nano for s in roots or [s for _, s in group])
-        rows = sorted((svc, s.name, (s.start_time_unix_nano - t0) / 1e6,
-                       (s.end_time_unix_nano - t0) / 1e6, attributes(s)) for svc, s in group)
+        rows = [(svc, s.name, (s.start_time_unix_nano - t0) / 1e6,
+                 (s.end_time_unix_nano - t0) / 1e6, attributes(s)) for svc, s in group]
         out.append({"start_ns": t0, "spans": sorted(rows, key=lambda r: r[2])})
     return sorted(out, key=lambda t: t["start_ns"])
 

@@ -21,7 +21,6 @@ every worker that never serves one; the first guided request waits for them once
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
@@ -36,11 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept, across requests
-
-
-def xgrammar():
-    """The xgrammar module, imported on first use."""
-    return importlib.import_module("xgrammar")
 
 
 class GrammarError(Exception):
@@ -70,9 +64,10 @@ class Grammars:
                 raise
 
     def _build(self) -> xgr.GrammarCompiler:
+        import xgrammar as xgr
+
         from common.models.hf_tokenizer import load_hf_tokenizer
         start = time.monotonic()
-        xgr = xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(load_hf_tokenizer(self.model_dir),
                                                   vocab_size=self.vocab_size)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
@@ -92,7 +87,8 @@ class Grammars:
             compiled = compiler.compile_grammar(grammar)
         except RuntimeError as e:  # what xgrammar raises for what it cannot parse or support
             raise GrammarError(f"the request's grammar does not compile: {e}") from None
-        return xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        import xgrammar as xgr
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
 
 
 class Guide:
@@ -156,7 +152,7 @@ def mask_logits(logits: torch.Tensor, guides: list[Guide | None], vocab_size: in
     """logits: [B, >= vocab_size]; row i keeps only what guides[i] allows (None: every token)
     after the tokens it has taken and then ahead[i] (draft tokens before row i's position, when
     given). In place."""
-    xgr = xgrammar()
+    import xgrammar as xgr
     bitmask = xgr.allocate_token_bitmask(len(guides), vocab_size)  # [B, ceil(V / 32)] int32
     rows = [i for i, g in enumerate(guides)
             if g is not None and g.fill(bitmask, i, ahead[i] if ahead else [])]

@@ -17,7 +17,6 @@ model can fill its whole budget with it.
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import re
 from dataclasses import dataclass, fields
@@ -159,7 +158,7 @@ def _grammar(kind: str, spec: str, any_whitespace: bool) -> str:
     xgrammar is imported here, at the first guided request, not when the gateway starts: its
     package imports torch, which a gateway process otherwise keeps out (torch_free.py)."""
     torch_free.let_in()
-    xgr = importlib.import_module("xgrammar")
+    import xgrammar as xgr
     if kind == "json":
         ebnf = str(xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace))
         grammar = xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS))
