@@ -3,7 +3,7 @@
 # every step's output lands in $OUT (or benchmarks/results/gpu) as it finishes.
 #
 #   bash benchmarks/gpu/checks.sh [STEP ...]
-#   steps: tests greedy decode kernels kv idle serve sweep suite triton spans
+#   steps: tests greedy decode kernels kv idle serve sweep suite triton spans variants
 #
 # The GPU image's python3 has torch, triton and transformers; what pdserve needs beside them
 # travels as wheels in .whl (benchmarks/gpu/wheels.sh fetches them here; installed to /tmp/site
@@ -65,11 +65,15 @@ for s in "${@:-tests greedy decode kernels kv idle serve sweep}"; do
                --workload random --rate 0 --num-requests 200 --max-tokens 128 \
                --shapes default eager --up-args "--device cuda" \
                --out "$OUT/serve_random" ;;
-      spans) model; step spans 240 bash -c 'e=--enforce-eager
-               for shape in "" "--prefill-worker-args=$e --decode-worker-args=$e"; do
+      spans) model; step spans 330 bash -c 'e=--enforce-eager n="--num-kv-blocks 4096"
+               for shape in "" "--prefill-worker-args=$e --decode-worker-args=$e" \
+                   "--prefill-worker-args=\"$e $n\" --decode-worker-args=\"$e $n\""; do
+                 name=spans; case $shape in *num-kv*) name+=_eager_blocks;; ?*) name+=_eager;; esac
                  echo "== --device cuda $shape"; python3 benchmarks/request_spans.py \
                    --model /tmp/m1b --up-args "--device cuda $shape" \
-                   --out "$1/spans${shape:+_eager}.json" || exit; done' _ "$OUT" ;;
+                   --out "$1/$name.json" || exit; done' _ "$OUT" ;;
+      variants) step variants 120 python3 -m pytest -q -p no:cacheprovider -rfE \
+                  tests/kernels/test_kernel_variants.py ;;
       *) echo "unknown step $s"; exit 2 ;;
     esac
   done

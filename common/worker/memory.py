@@ -71,6 +71,29 @@ def profile_step(model: LlamaForCausalLM, layout: KVLayout, num_tokens: int,
     cache.close()
 
 
+def warm_up_kernels(model: LlamaForCausalLM, layout: KVLayout, device: torch.device) -> None:
+    """Steps over a scratch cache that reach every variant the GPU attention kernels compile (a
+    decode whose context splits and one whose context does not, a prefill over a cached prefix
+    at an unaligned width, a mixed step), so that no user's request waits for a compilation:
+    CUDA graph capture covers only pure decode batches, and the memory profile runs only where
+    neither --num-kv-blocks nor --kv-cache-memory-mib is given. Block ids repeat: attention
+    reads whatever the blocks hold."""
+    span = 640  # past two of the decode kernel's shortest splits: batch 1 splits it
+    cache = PagedKVCache(layout, 2, device=device)
+    steps = [([(span - 1, [0] * -(-span // layout.block_size))], []),     # split
+             ([(4, [0]), (5, [1]), (6, [0])], []),                          # not split
+             ([(8, [1])], [(16, 17, [0, 1, 0]), (0, 16, [1])])]             # mixed, prefix
+    for decodes, prefills in steps:
+        meta = AttentionMetadata.build(decodes, prefills, layout.block_size)
+        positions = [n for n, _ in decodes] + [p for n, k, _ in prefills for p in range(n, n + k)]
+        ids = torch.zeros(len(positions), dtype=torch.long, device=device)
+        hidden = model(ids, torch.tensor(positions, device=device), cache.layers,
+                       meta.to(device) if device.type != "cpu" else meta)
+        if model.lm_head is not None:  # the last pipeline stage
+            model.compute_logits(hidden[:len(decodes)])
+    cache.close()
+
+
 def num_kv_blocks(num_blocks: int, memory_mib: int, utilization: float, max_step_tokens: int,
                   model: LlamaForCausalLM, layout: KVLayout, device: torch.device) -> int:
     """The worker's KV block count, by the rules in this module's docstring."""

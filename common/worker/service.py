@@ -45,7 +45,7 @@ from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.draft import DraftModel
 from common.worker.grammars import Grammars
 from common.worker.group import GroupBroken, GroupLeader, RankPlace, connect, rank_cores
-from common.worker.memory import GIB, num_kv_blocks
+from common.worker.memory import GIB, num_kv_blocks, warm_up_kernels
 from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
 from common.worker.speculative import SpeculativeConfig
@@ -132,6 +132,12 @@ def build_worker(cfg: WorkerConfig, place: RankPlace | None = None
                     "--kv-secret still authenticates its frames")
     receiver = KVReceiver()
     max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    if device.type == "cuda":
+        start = time.monotonic()
+        with on_device(device):
+            warm_up_kernels(model, layout, device)
+        torch.cuda.synchronize(device)
+        log.info("attention kernels warmed up in %.1f s", time.monotonic() - start)
     graphs = None
     if device.type == "cuda" and not cfg.enforce_eager:
         graphs = DecodeGraphs(model, cache.layers, cfg.block_size, max_len,

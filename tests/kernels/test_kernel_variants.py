@@ -92,3 +92,28 @@ def test_prefill_compiles_one_variant_at_any_length(recorders, dtype):
                                             0.125)
     assert len(recorders["_prefill_kernel"].launches) == 3 * len(WIDTHS)
     assert len(recorders["_prefill_kernel"].variants()) == 1
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the recorders leave outputs unwritten
+def test_start_up_warm_up_reaches_every_variant(recorders, tiny_llama):
+    """The worker's warm-up on a GPU launches each kernel in every variant serving compiles (the
+    two decode variants, the combine, the prefill over a cached prefix), so none compiles on a
+    user's request; with the recorders, the model on the triton backend."""
+    from common.kv_layout import KVLayout
+    from common.models.attention import create_attention_backend
+    from common.models.llama import load_model
+    from common.worker.memory import warm_up_kernels
+    from tests.kernels.paged import DEVICE
+
+    model = load_model(tiny_llama, create_attention_backend("triton", DEVICE), torch.float32,
+                       DEVICE, progress=False)
+    c = model.config
+    layout = KVLayout(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                      head_dim=c.head_dim, block_size=BLOCK, dtype="float32")
+    warm_up_kernels(model, layout, torch.device(DEVICE))
+    kernel, combine, pre = (recorders[k] for k in ("_decode_kernel", "_combine_kernel",
+                                                   "_prefill_kernel"))
+    assert {kw["SPLIT"] for _, kw in kernel.launches} == {False, True}
+    assert len(kernel.variants()) == 2 and len(combine.variants()) == 1
+    assert len(pre.variants()) == 1
+    assert len(pre.launches) == c.num_layers  # the mixed step's, one per layer
