@@ -154,7 +154,12 @@ def main() -> int:
     finally:
         stop([proc])
         receiver.close()
-    traces = traces[-len(prompts):]  # the warm-up request's trace comes first
+    warm_up = traces[:-len(prompts)]  # the load client's warm-up request's trace comes first
+    traces = traces[-len(prompts):]
+    if warm_up:  # the first request a fresh stack serves: what start-up left to it shows here
+        span = warm_up[0]["spans"]
+        print(f"warm-up request: {max(r[3] for r in span):.1f} ms from arrival to its last span")
+        print("\n".join(phase_table(warm_up[0])))
     for rec, trace in zip(records, traces):
         print(f"{rec.prompt_tokens} prompt tokens: TTFT {rec.ttft * 1000:.1f} ms (client), "
               f"first gap {rec.gaps[0] * 1000 if rec.gaps else float('nan'):.1f} ms")
@@ -164,7 +169,8 @@ def main() -> int:
         args.out.write_text(json.dumps(
             [{"prompt_tokens": r.prompt_tokens, "ttft_ms": r.ttft * 1000,
               "gaps_ms": [g * 1000 for g in r.gaps], "spans": t["spans"]}
-             for r, t in zip(records, traces)], indent=1))
+             for r, t in zip(records, traces)]
+            + [{"warm_up": True, "spans": t["spans"]} for t in warm_up], indent=1))
     return 0
 
 
