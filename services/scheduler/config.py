@@ -25,7 +25,6 @@ class SchedulerConfig:
     decode_prefill_tokens: int = 256   # most prompt tokens a decode worker computes in a step
     decode_long_prefill_tokens: int = 32  # ... while it holds a long prompt, until timed
     decode_step_target_ms: float = 200.0  # ... then sized to steps of this length (0: fixed)
-    decode_step_backlog_ms: float = 100.0  # ... and this much longer while long prompts wait
     decode_hold_margin: float = 1.0    # ... taken if done in 1/margin of a prefill worker's time
     prefill_take_back: bool = False    # ... and taken back by a prefill worker done sooner
     max_num_partial_prefills: int = 2  # a short prompt's fast lane beside one long prompt
@@ -61,8 +60,6 @@ class SchedulerConfig:
                              "--max-num-partial-prefills")
         if self.decode_long_prefill_tokens < 1:
             raise ValueError("--decode-long-prefill-tokens must be >= 1")
-        if self.decode_step_backlog_ms < 0:
-            raise ValueError("--decode-step-backlog-ms must be >= 0")
         if self.decode_step_target_ms < 0:
             raise ValueError("--decode-step-target-ms must be >= 0")
         if self.decode_hold_margin < 1:

@@ -74,11 +74,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measured steps say fit in this many ms beside its batch: about the "
                         "TPOT its requests see meanwhile; 0: always "
                         "--decode-long-prefill-tokens")
-    p.add_argument("--decode-step-backlog-ms", type=float, default=d.decode_step_backlog_ms,
-                   help="while a long prompt waits for a worker, a decode worker holding "
-                        "another makes its steps this many ms longer than "
-                        "--decode-step-target-ms: more of its time to the prompts, its "
-                        "decodes' TPOT rising as much meanwhile; 0: the target alone")
     p.add_argument("--decode-hold-margin", type=float, default=d.decode_hold_margin,
                    help="under --saturated-prefill-bypass a decode worker takes a long prompt "
                         "only if, at the measured speeds, it would finish it in 1/margin of "
@@ -143,7 +138,6 @@ def config_from_args(args) -> SchedulerConfig:
                            decode_prefill_tokens=args.decode_prefill_tokens,
                            decode_long_prefill_tokens=args.decode_long_prefill_tokens,
                            decode_step_target_ms=args.decode_step_target_ms,
-                           decode_step_backlog_ms=args.decode_step_backlog_ms,
                            decode_hold_margin=args.decode_hold_margin,
                            prefill_take_back=args.prefill_take_back,
                            max_num_partial_prefills=args.max_num_partial_prefills,

@@ -146,23 +146,8 @@ class Prefill:
 
     def held_tokens(self, w: WorkerState) -> int:
         """Prompt tokens of decode worker w's next step while it holds a long prompt: sized for
-        the threads that step runs on, to --decode-step-target-ms, and longer by
-        --decode-step-backlog-ms while another long prompt waits for a worker (its prompt
-        tokens scaled by as much: the batch's share of the step does not grow, so the step
-        stays within it)."""
-        timed = w.held_step_tokens.get(self._threads(w))
-        if timed is None:
-            return self.config.decode_long_prefill_tokens
-        target, more = self.config.decode_step_target_ms, self.config.decode_step_backlog_ms
-        if not (target and more and self._long_waiting()):
-            return timed
-        return max(timed, min(self.config.decode_prefill_tokens,
-                              round(timed * (target + more) / target)))
-
-    def _long_waiting(self) -> bool:
-        """Whether a prompt longer than --prefill-bypass-threshold waits for a worker, among
-        the first of the queue (short ones leave it soon, a long one reaches the head)."""
-        return any(self._long_here(r) for r in itertools.islice(self.waiting, self.lookahead))
+        the threads that step runs on."""
+        return w.held_step_tokens.get(self._threads(w)) or self.config.decode_long_prefill_tokens
 
     def held_step_timed(self, w: WorkerState, threads: int, prompt_tokens: int,
                         seconds: float) -> None:

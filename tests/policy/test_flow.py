@@ -210,36 +210,6 @@ def test_steps_beside_a_long_prompt_are_sized_to_the_decode_step_target():
     c.assert_all_free()
 
 
-def test_steps_beside_a_long_prompt_grow_by_the_backlog_while_another_one_waits():
-    """p0 computes long1, d0 holds long2 and long3 waits for a worker: d0's steps, timed to
-    --decode-step-target-ms (100), carry the tokens of 100 + --decode-step-backlog-ms (50):
-    16 in 50 ms -> 32, x 1.5 = 48; 48 in 240 ms -> 20 -> 30. Once long3 has left the queue
-    (p0 took it), the target alone: 30 in 100 ms -> 30."""
-    c = Cluster({"p0": 256, "d0": 256}, prefill_bypass_threshold=4, decode_prefill_tokens=64,
-                decode_long_prefill_tokens=16, decode_step_target_ms=100,
-                decode_step_backlog_ms=50, max_num_partial_prefills=1)
-    c.submit("long1", list(range(1000, 1040)), max_tokens=1)
-    assert _scheduled(c.plan("p0")) == [("long1", 40)]
-    c.submit("long2", list(range(2000, 2200)), max_tokens=1)
-    c.submit("long3", list(range(3000, 3100)), max_tokens=1)
-    chunks = []
-    for seconds in (0.050, 0.240):
-        chunks.append(_scheduled(c.plan("d0")))
-        c.now += seconds
-        c.run_step("d0")
-    assert chunks == [[("long2", 16)], [("long2", 48)]]
-    assert c.sched.workers["d0"].held_step_tokens == {0: 20}
-    assert _scheduled(c.plan("d0")) == [("long2", 30)]
-    c.now += 0.100
-    c.run_step("d0")
-    c.run_step("p0")
-    assert _scheduled(c.plan("p0")) == [("long3", 100)]  # long3 leaves the queue
-    assert _scheduled(c.plan("d0")) == [("long2", 30)]
-    c.run()
-    assert c.workers["d0"].prompt_tokens == 200 and c.workers["p0"].prompt_tokens == 140
-    c.assert_all_free()
-
-
 def test_a_decode_step_target_of_zero_keeps_the_long_prompt_chunk_fixed():
     c = Cluster({"p0": 128, "d0": 256}, prefill_bypass_threshold=4, decode_prefill_tokens=64,
                 decode_long_prefill_tokens=16, decode_step_target_ms=0)
