@@ -56,7 +56,7 @@ prefill worker stays free for the next one. When long prompts arrive faster than
 workers finish them, a decode worker takes its share beside its batch: a
 step of a few sequences costs nearly what a step of none does (the weights are read either
 way), so its core computes prompts instead of stepping nearly empty. While it holds a long
-prompt its steps carry the prompt tokens that fit in --decode-step-target-ms (200) at the pace
+prompt its steps carry the prompt tokens that fit in --decode-step-target-ms (250) at the pace
 of its last such step on as many threads (--decode-long-prefill-tokens, 32, before one is
 timed): the TPOT its requests see meanwhile, whatever its batch, model, hardware or share of
 the cores.
