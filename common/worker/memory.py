@@ -50,20 +50,27 @@ def kv_cache_bytes(total: int, utilization: float, in_use: int, free: int) -> in
     return budget
 
 
+def _scratch_forward(model: LlamaForCausalLM, cache: PagedKVCache,
+                     decodes: list[tuple[int, list[int]]],
+                     prefills: list[tuple[int, int, list[int]]], device: torch.device
+                     ) -> torch.Tensor:
+    """The hidden states of one step (decodes and prefills as AttentionMetadata.build takes
+    them) through the model on a scratch cache, every token id 0."""
+    meta = AttentionMetadata.build(decodes, prefills, cache.layout.block_size).to(device)
+    positions = [n for n, _ in decodes] + [p for n, k, _ in prefills for p in range(n, n + k)]
+    positions_t = torch.tensor(positions, dtype=torch.long) % model.config.max_position_embeddings
+    ids = torch.zeros(len(positions), dtype=torch.long, device=device)
+    return model(ids, positions_t.to(device), cache.layers, meta)
+
+
 def profile_step(model: LlamaForCausalLM, layout: KVLayout, num_tokens: int,
                  device: torch.device) -> None:
     """One prefill of num_tokens through the model on a scratch cache: the largest step the
     worker will be planned for, so that its activations reach their peak."""
     num_blocks = -(-num_tokens // layout.block_size)
     cache = PagedKVCache(layout, num_blocks, device=device)
-    meta = AttentionMetadata.build([], [(0, num_tokens, list(range(num_blocks)))],
-                                   layout.block_size)
-    if device.type != "cpu":
-        meta = meta.to(device)
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    positions = torch.arange(num_tokens, dtype=torch.long, device=device)
-    positions %= model.config.max_position_embeddings
-    hidden = model(ids, positions, cache.layers, meta)
+    hidden = _scratch_forward(model, cache, [], [(0, num_tokens, list(range(num_blocks)))],
+                              device)
     # a decode step samples up to a row per token: logits and the sampler's sort and softmax
     logits = model.compute_logits(hidden[:min(num_tokens, SAMPLED_ROWS)])
     logits.sort(dim=-1)
@@ -84,11 +91,7 @@ def warm_up_kernels(model: LlamaForCausalLM, layout: KVLayout, device: torch.dev
              ([(4, [0]), (5, [1]), (6, [0])], []),                          # not split
              ([(8, [1])], [(16, 17, [0, 1, 0]), (0, 16, [1])])]             # mixed, prefix
     for decodes, prefills in steps:
-        meta = AttentionMetadata.build(decodes, prefills, layout.block_size)
-        positions = [n for n, _ in decodes] + [p for n, k, _ in prefills for p in range(n, n + k)]
-        ids = torch.zeros(len(positions), dtype=torch.long, device=device)
-        hidden = model(ids, torch.tensor(positions, device=device), cache.layers,
-                       meta.to(device) if device.type != "cpu" else meta)
+        hidden = _scratch_forward(model, cache, decodes, prefills, device)
         if model.lm_head is not None:  # the last pipeline stage
             model.compute_logits(hidden[:len(decodes)])
     cache.close()
