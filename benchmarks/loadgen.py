@@ -185,6 +185,9 @@ class Record:
     gaps: list[float] = field(default_factory=list)  # between consecutive tokens
     tokens: int = 0
     error: str = ""
+    id: str = ""                  # the server's id of the response
+    sent_unix: float = float("nan")  # `start` in wall-clock time (spans.attach)
+    phases: list = field(default_factory=list)  # the server's spans: [phase, start, end, where]
 
     @property
     def ttft(self) -> float:
@@ -206,6 +209,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: Prompt, max_tokens
     else:
         path, body["prompt"] = "/v1/completions", prompt
         rec = Record(len(prompt), time.perf_counter() - t0)
+    rec.sent_unix = time.time()
     times: list[float] = []
     try:
         async with client.stream("POST", path, json=body) as r:
@@ -214,6 +218,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: Prompt, max_tokens
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                rec.id = rec.id or chunk.get("id", "")
                 if chunk.get("usage") and not rec.prompt_tokens:
                     rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 for c in chunk.get("choices", []):

@@ -30,23 +30,53 @@ def cdfs(runs: dict[str, list[Record]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+# a request's phases from the server's spans (spans.py), drawn over its client-side bar
+PHASE_COLORS = {"queue": ("0.6", "queued at the scheduler"),
+                "prefill": ("tab:red", "prefill step on a prefill worker"),
+                "local": ("tab:orange", "prefill step on its decode worker"),
+                "kv": ("tab:green", "KV sent"),
+                "decode": ("tab:blue", "decode")}
+
+
 def timeline(runs: dict[str, list[Record]], path: Path, title: str, long_at: int = 1000) -> None:
-    """One row per request in arrival order: waiting + prefill (+ KV transfer) until its first
-    token, then decode until its last; long prompts in a darker shade."""
+    """One row per request in arrival order. From the client: waiting + prefill (+ KV transfer)
+    until its first token, then decode until its last; long prompts in a darker shade. Where
+    the server's spans came with a request (serve.py --spans), its phases instead, over a thin
+    grey bar of what the client saw, long prompts' rows thicker."""
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2 + 0.12 * max(
         len(r) for r in runs.values()) * len(runs)), squeeze=False)
     for ax, (name, records) in zip(axes[:, 0], runs.items()):
+        traced = any(r.phases for r in records)
         for i, r in enumerate(sorted(records, key=lambda r: r.start)):
             long = r.prompt_tokens >= long_at
+            if traced:
+                ax.plot([r.start, r.end], [i, i], color="0.85", lw=1)
+                for phase, start, end, _ in r.phases:
+                    # KV goes out chunk by chunk while a prompt computes: thinner, over it
+                    width = (4 if long else 2.5) / (3 if phase == "kv" else 1)
+                    ax.plot([start, max(end, start + 0.01)], [i, i], lw=width,
+                            color=PHASE_COLORS[phase][0], solid_capstyle="butt")
+                continue
             ax.plot([r.start, r.first], [i, i], color="tab:red" if long else "salmon", lw=3)
             ax.plot([r.first, r.end], [i, i], color="tab:blue" if long else "lightblue", lw=3)
-        ax.set_title(f"{name}: until the first token (red) and decode (blue); dark = "
-                     f"prompts of {long_at}+ tokens", fontsize=9)
+        if traced:
+            ax.set_title(f"{name}: each request's spans in the server (thick rows: prompts of "
+                         f"{long_at}+ tokens; grey: the client's view, arrival to last token)",
+                         fontsize=9)
+        else:
+            ax.set_title(f"{name}: until the first token (red) and decode (blue); dark = "
+                         f"prompts of {long_at}+ tokens", fontsize=9)
         ax.set_ylabel("request")
         ax.invert_yaxis()
     axes[-1, 0].set_xlabel("seconds since the first request")
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))
+    bottom = 0.0
+    if any(r.phases for records in runs.values() for r in records):
+        fig.legend(handles=[plt.Line2D([], [], color=c, lw=4, label=label)
+                            for c, label in PHASE_COLORS.values()],
+                   loc="lower center", ncol=len(PHASE_COLORS), fontsize=8)
+        bottom = 0.35 / fig.get_figheight()
+    fig.tight_layout(rect=(0, bottom, 1, 1 - 0.4 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -16,88 +16,15 @@ import os
 import shlex
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.trace.v1.trace_pb2 import Span
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spans import EXPORT_DELAY_MS, Receiver, request_traces  # noqa: E402
 
-REQUEST_SPAN = "/pdserve.scheduler.Scheduler/Generate"
 # the phases printed, in the order a request meets them; others are kept in --out only
 PHASES = ("gateway.tokenize", "scheduler.queue", "scheduler.placement", "worker.prefill",
           "kv.send", "kv.receive", "worker.decode_step", "worker.decode")
-
-
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace collector on 127.0.0.1 (port 0), on its own event loop thread."""
-
-    def __init__(self):
-        self.spans: list[tuple[str, Span]] = []  # (service.name, span)
-        self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        assert self._started.wait(30), "the OTLP receiver did not start"
-
-    async def Export(self, request, context):
-        with self._lock:
-            for rs in request.resource_spans:
-                service = next((a.value.string_value for a in rs.resource.attributes
-                                if a.key == "service.name"), "")
-                for ss in rs.scope_spans:
-                    self.spans.extend((service, s) for s in ss.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def _run(self):
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._start())
-        self._started.set()
-        self._loop.run_forever()
-
-    async def _start(self):
-        self._server = grpc.aio.server()
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
-        await self._server.start()
-
-    def snapshot(self) -> list[tuple[str, Span]]:
-        with self._lock:
-            return list(self.spans)
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-
-def attributes(span: Span) -> dict:
-    out = {}
-    for a in span.attributes:
-        kind = a.value.WhichOneof("value")
-        out[a.key] = getattr(a.value, kind) if kind else None
-    return out
-
-
-def request_traces(spans: list[tuple[str, Span]]) -> list[dict]:
-    """One entry per completed request (a trace with the scheduler's request span), in order of
-    arrival: its root's start (ns) and its spans as (service, name, start ms, end ms, attrs)
-    from that start."""
-    by_trace: dict[bytes, list[tuple[str, Span]]] = {}
-    for svc, s in spans:
-        by_trace.setdefault(s.trace_id, []).append((svc, s))
-    out = []
-    for group in by_trace.values():
-        if not any(s.name == REQUEST_SPAN and svc == "pdserve-scheduler" for svc, s in group):
-            continue
-        roots = [s for _, s in group if not s.parent_span_id]
-        t0 = min(s.start_time_unix_nano for s in roots or [s for _, s in group])
-        rows = [(svc, s.name, (s.start_time_unix_nano - t0) / 1e6,
-                 (s.end_time_unix_nano - t0) / 1e6, attributes(s)) for svc, s in group]
-        out.append({"start_ns": t0, "spans": sorted(rows, key=lambda r: r[2])})
-    return sorted(out, key=lambda t: t["start_ns"])
 
 
 def phase_table(trace: dict) -> list[str]:
@@ -137,14 +64,13 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="every request's spans as JSON")
     args = p.parse_args()
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from loadgen import launch, run_load, stop, workload
 
     receiver = Receiver()
     log = Path(tempfile.gettempdir()) / "pdserve-request-spans.log"
     flags = [*shlex.split(args.up_args), "--detailed-traces",
-             "--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.port}"]
-    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # the services export within 0.2 s
+             "--otlp-traces-endpoint", receiver.endpoint]
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = EXPORT_DELAY_MS
     proc, url, _ = launch(args.model, flags, log)
     try:
         tokens = workload("random", 1, 0)[0] * (max(args.prompts) // 256 + 1)

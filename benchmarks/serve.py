@@ -16,6 +16,13 @@ target's ratio to the first one (the baseline, if given), and for idle the media
 prompt length.
 `--replot DIR` redraws a run's figures and table from its JSON files.
 
+`--spans [PORT]` runs an OTLP receiver here (on PORT, or any free port) and has the launched
+shapes export their traces to it; a pdserve stack passed as a baseline joins in when it was
+started with `--otlp-traces-endpoint http://127.0.0.1:PORT`. Each request's spans (queue,
+prefill steps and the worker they ran on, KV send, decode) then go into requests.json and the
+timeline, and the table lists where each long prompt's time went. Tracing costs the services a
+little: compare figures of runs made the same way.
+
 `--seeds S1 S2 ...` runs one draw of the workload per seed against the same servers (launched
 once), turning the order of the targets by one place from each seed to the next (a server
 measured right after another one finds the machine in the state that one left: caches, memory,
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -35,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plots  # noqa: E402
+import spans  # noqa: E402
 from loadgen import (  # noqa: E402
     LONG_PROMPTS,
     WORKLOADS,
@@ -129,10 +138,36 @@ def report(out: Path, meta: dict, records: dict[str, dict[float, list[Record]]],
     for rate in rates:
         print(f"\n{meta['workload']} {_at(rate)}")
         print_table({n: by[rate] for n, by in summaries.items()})
+    for name, by in records.items():
+        if any(r.phases for r in by[first]):
+            print(f"\n{name}: long prompts {_at(first)}, from the server's spans")
+            print("\n".join(long_prompts(by[first], LONG_PROMPTS.get(meta["workload"],
+                                                                    (0, (1000,)))[1][0])))
     if meta["workload"] == "idle":
         print("\nmedian TTFT by prompt length, one request at a time")
         print_table({n: {f"{k} tok": v for k, v in ttft_by_length(by[first]).items()}
                      for n, by in records.items()})
+
+
+def long_prompts(records: list[Record], long_at: int) -> list[str]:
+    """A line per traced prompt of long_at tokens or more, in arrival order: when it came, its
+    TTFT, and where that went (s): queued, prefill steps on a prefill worker and on the
+    decode worker (first start to last end, and how many), the KV send."""
+    lines = [f"{'arrived':>8} {'tokens':>6} {'TTFT':>6} {'queued':>6}  {'prefill worker':>20}  "
+             f"{'decode worker':>20} {'KV':>5}"]
+    for r in sorted(records, key=lambda r: r.start):
+        if r.prompt_tokens < long_at or not r.phases:
+            continue
+        cells = []
+        for phase in ("prefill", "local"):
+            steps = [(a, b) for p, a, b, _ in r.phases if p == phase]
+            cells.append(f"{steps[0][0] - r.start:6.2f}-{max(b for _, b in steps) - r.start:6.2f} "
+                         f"x{len(steps):<3}" if steps else "")
+        queued = sum(b - a for p, a, b, _ in r.phases if p == "queue")
+        kv = sum(b - a for p, a, b, _ in r.phases if p == "kv")
+        lines.append(f"{r.start:8.2f} {r.prompt_tokens:6d} {r.ttft:6.2f} {queued:6.2f}  "
+                     f"{cells[0]:>20}  {cells[1]:>20} {kv:5.2f}")
+    return lines
 
 
 def _at(rate: float) -> str:
@@ -145,7 +180,9 @@ def targets(args) -> list[tuple[str, str | None, list[str]]]:
     for spec in args.baseline:
         name, _, url = spec.rpartition("=")
         out.append((name or url, url, []))
-    launched = [(SHAPES[key][0], SHAPES[key][1] + shlex.split(args.up_args))
+    traced = ["--otlp-traces-endpoint", args.receiver.endpoint] \
+        if getattr(args, "receiver", None) is not None else []
+    launched = [(SHAPES[key][0], SHAPES[key][1] + shlex.split(args.up_args) + traced)
                 for key in args.shapes]
     for name, flags in launched:
         out.append((name, None, flags + _gpu_share(flags, len(launched))))
@@ -187,6 +224,9 @@ def main() -> int:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--out", default="benchmarks/results/serve", help="directory for the files")
     p.add_argument("--replot", metavar="DIR", help="redraw DIR's figures from its JSON files")
+    p.add_argument("--spans", type=int, nargs="?", const=0, metavar="PORT",
+                   help="take the pdserve stacks' spans on an OTLP receiver here (on PORT; "
+                        "without it any free port): timeline phases and long prompts' table")
     args = p.parse_args()
     if args.replot:
         report(Path(args.replot), *load(Path(args.replot)))
@@ -198,16 +238,25 @@ def main() -> int:
             and not Path(args.model, "config.json").exists():
         from common.models.tiny import make_tiny_model
         make_tiny_model(args.model)
-    if args.seeds:
-        return run_seeds(args, rates, out)
-    prompts = workload(args.workload, args.num_requests, args.seed)
-    describe(args, prompts, rates)
-    order = targets(args)
-    procs, urls = start(args, order)
+    args.receiver = None
+    if args.spans is not None:
+        args.receiver = spans.Receiver(args.spans)
+        os.environ["OTEL_BSP_SCHEDULE_DELAY"] = spans.EXPORT_DELAY_MS  # the launched stacks'
+        print(f"OTLP receiver for the stacks' spans at {args.receiver.endpoint}")
     try:
-        run_draw(args, order, urls, rates, prompts, args.seed, out)
+        if args.seeds:
+            return run_seeds(args, rates, out)
+        prompts = workload(args.workload, args.num_requests, args.seed)
+        describe(args, prompts, rates)
+        order = targets(args)
+        procs, urls = start(args, order)
+        try:
+            run_draw(args, order, urls, rates, prompts, args.seed, out)
+        finally:
+            stop(procs)
     finally:
-        stop(procs)
+        if args.receiver is not None:
+            args.receiver.close()
     return 0
 
 
@@ -245,6 +294,8 @@ def run_draw(args, order, urls: dict[str, str], rates: list[float], prompts, see
             recs, wall = asyncio.run(run_load(urls[name], prompts, rate, args.max_tokens, seed,
                                               f"{name} @ {rate:g} req/s",
                                               {"temperature": args.temperature}))
+            if args.receiver is not None:
+                spans.attach(recs, args.receiver)
             records.setdefault(name, {})[rate] = recs
             summaries.setdefault(name, {})[rate] = summarize(
                 recs, wall, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,

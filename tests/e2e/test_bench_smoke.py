@@ -13,13 +13,21 @@ def test_the_serving_benchmark_writes_its_files(tiny_llama, tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--model", str(tiny_llama),
          "--workload", "mixed", "--num-requests", "3", "--rates", "4", "8", "--max-tokens", "3",
-         "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+         "--spans", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     for name in ("requests.json", "summary.json", "ttft_tpot_cdf.png", "timeline.png",
                  "goodput.png"):
         assert (out / name).stat().st_size > 0, name
     summary = json.loads((out / "summary.json").read_text())["targets"]["pdserve (defaults)"]
     assert set(summary) == {"4.0", "8.0"} and summary["4.0"]["failed"] == 0
+    # --spans: each request's phases from the stack's own spans, on the client's clock
+    for rate, recs in json.loads((out / "requests.json").read_text())[
+            "pdserve (defaults)"].items():
+        for r in recs:
+            names = [p[0] for p in r["phases"]]
+            assert names[0] == "queue" and names[-1] == "decode", (rate, names)
+            assert {"prefill", "local"} & set(names), (rate, names)
+            assert r["start"] - 0.05 <= r["phases"][0][1] <= r["phases"][-1][2] <= r["end"] + 0.05
 
 
 def test_the_idle_workload_sends_one_request_at_a_time(tiny_llama, tmp_path):

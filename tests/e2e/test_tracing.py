@@ -6,8 +6,9 @@ import httpx
 import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from benchmarks.request_spans import Receiver, phase_table, request_traces
-from benchmarks.request_spans import attributes as _attrs
+from benchmarks.request_spans import phase_table
+from benchmarks.spans import Receiver, request_traces
+from benchmarks.spans import attributes as _attrs
 from tests.e2e.conftest import Stack
 
 SERVICES = {"pdserve-gateway", "pdserve-scheduler", "pdserve-prefill-worker",
