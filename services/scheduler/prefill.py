@@ -130,14 +130,16 @@ class Prefill:
         held = [r for r in partials if self._beside_batch(w, r)]
         if held:
             budget = min(budget, self.held_tokens(w))
+        completes = False  # a prompt started before gets its first token from this step
         for req in partials:
             if budget <= 0:
                 break
             if req not in held:
                 budget -= self._schedule_chunk(w, plan, req, budget)
+                completes |= req.num_computed_tokens == req.num_tokens
         if (back := self.to_take_back(w)) is not None:
             self._take_back(w, back)
-        budget = self._admit(w, plan, budget)
+        budget = self._admit(w, plan, budget, completes)
         for req in held:
             if budget > 0:
                 budget -= self._schedule_chunk(w, plan, req, budget)
@@ -231,14 +233,15 @@ class Prefill:
         computed = min(req.num_computed_tokens // bs, hashed)
         return max(0, computed - cached)
 
-    def _admit(self, w: WorkerState, plan: StepPlan, budget: int) -> int:
-        """New prompts from the waiting queue while the budget lasts; returns what is left."""
+    def _admit(self, w: WorkerState, plan: StepPlan, budget: int, completes: bool) -> int:
+        """New prompts from the waiting queue while the budget lasts; returns what is left.
+        `completes`: the step finishes a prompt started before (see `_try_admit`)."""
         if not self.admits(w):
             return budget
         for req in list(itertools.islice(self.waiting, self.lookahead)):
             if budget <= 0 or w.num_seqs >= self.config.max_num_seqs:
                 break
-            verdict = self._try_admit(w, plan, req, budget)
+            verdict = self._try_admit(w, plan, req, budget, completes)
             if verdict is None:
                 break  # no room anywhere: keep the queue's order
             budget -= verdict
@@ -253,9 +256,14 @@ class Prefill:
         return any(r.status is Status.PREFILLING for r in w.prefilling)
 
     def _try_admit(self, w: WorkerState, plan: StepPlan, req: Request,
-                   budget: int) -> int | None:
+                   budget: int, completes: bool) -> int | None:
         """Starts req on w; returns the tokens it scheduled (0: req skipped, later ones may
-        go) or None (stop admitting this step)."""
+        go) or None (stop admitting this step). A long prompt (`_is_long`) that would not
+        finish in this step waits for the next one when this step finishes a prompt started
+        before: its first chunk would lengthen the step by about its own time, delaying that
+        prompt's first token by as much, and gain it little (the step after starts it that much
+        sooner; only one step's fixed cost more). Short prompts still fill the step: their
+        chunks cost little beside a step's fixed cost (its weight reads)."""
         n = req.num_tokens
         hashes = req.hashes(w.kv.block_size)
         prefix = w.kv.find_prefix(hashes, n)
@@ -274,7 +282,8 @@ class Prefill:
             return 0  # a decode worker sharing its cores takes it beside its batch
         if w.role == "prefill" and self._better_prefill(w, req, hashes, hit):
             return 0  # another prefill worker holds more of its prefix: leave it to that one
-        if todo > min(budget, self._chunk_cap()) and not self._may_start_partial(w, req):
+        if todo > min(budget, self._chunk_cap()) and (completes and self._is_long(req) or
+                                                      not self._may_start_partial(w, req)):
             return 0
         dst = dst_prefix = None
         if w.role == "prefill":

@@ -1,5 +1,6 @@
 """Chunked and partial prefills under the step budget: short prompts pass long ones, at most one
-long prompt is partial at a time, and the prefill worker caching more of a prompt takes it."""
+long prompt is partial at a time and none starts in the step another ends in, and the prefill
+worker caching more of a prompt takes it."""
 from tests.policy.harness import Cluster, scheduled
 
 
@@ -18,12 +19,32 @@ def test_two_long_prompts_take_turns_while_a_short_one_passes():
         [("long1", 8), ("short", 5)],  # long2 waits: one long partial at a time
         [("short", 1), ("long1", 8)],  # short decodes; the budget's other half stays unused
         [("short", 1), ("long1", 8)],
-        [("long1", 6), ("long2", 8)],  # long1 ends (its last 6), long2 starts beside it
+        # long1 ends (its last 6); long2 starts in the next step, not beside it, where its 8
+        # tokens would hold back long1's first token
+        [("long1", 6)],
         [("long2", 8)],
         [("long2", 8)],
     ]
     c.run()
     assert c.workers["d0"].prompt_tokens == 65
+    c.assert_all_free()
+
+
+def test_a_short_prompt_joins_the_step_a_long_one_ends_in_and_the_next_long_one_waits():
+    c = Cluster({"d0": 64}, max_num_batched_tokens=16, max_num_partial_prefills=2)
+    c.submit("long1", list(range(20)), max_tokens=1)
+    assert scheduled(c.plan("d0")) == [("long1", 8)]
+    c.run_step("d0")
+    assert scheduled(c.plan("d0")) == [("long1", 8)]
+    c.run_step("d0")
+    c.submit("long2", list(range(100, 130)), max_tokens=1)
+    c.submit("short", list(range(200, 205)), max_tokens=1)
+    # long1's last 4 end its prefill: short, whole, joins them; long2, ahead of it, waits
+    assert scheduled(c.plan("d0")) == [("long1", 4), ("short", 5)]
+    c.run_step("d0")
+    assert scheduled(c.plan("d0")) == [("long2", 8)]
+    c.run()
+    assert c.workers["d0"].prompt_tokens == 55
     c.assert_all_free()
 
 

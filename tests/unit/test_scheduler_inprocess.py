@@ -480,8 +480,10 @@ def test_the_prefill_worker_holding_the_prefix_takes_the_request(cluster, hf):
 
 @pytest.mark.parametrize("bypass", [False, True])
 def test_saturated_prefill_pool_sends_prompts_to_a_decode_worker_with_room(cluster, hf, bypass):
+    # P, free once it has finished the long prompt, would lend D its cores for `other`
     c = cluster([("prefill", 64), ("decode", 64)], max_num_batched_tokens=8,
-                prefill_bypass_threshold=8, saturated_prefill_bypass=bypass)
+                prefill_bypass_threshold=8, saturated_prefill_bypass=bypass,
+                shared_cores_prefill_bypass=False)
     long, other = _prompt(40, 700), _prompt(20, 701)
     c.submit("long", long, max_tokens=3)
     p = _by_role(c, "prefill")
