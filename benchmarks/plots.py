@@ -51,7 +51,7 @@ def timeline(runs: dict[str, list[Record]], path: Path, title: str, long_at: int
             long = r.prompt_tokens >= long_at
             if traced:
                 ax.plot([r.start, r.end], [i, i], color="0.85", lw=1)
-                for phase, start, end, _ in r.phases:
+                for phase, start, end, *_ in r.phases:
                     # KV goes out chunk by chunk while a prompt computes: thinner, over it
                     width = (4 if long else 2.5) / (3 if phase == "kv" else 1)
                     ax.plot([start, max(end, start + 0.01)], [i, i], lw=width,

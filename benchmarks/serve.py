@@ -160,11 +160,11 @@ def long_prompts(records: list[Record], long_at: int) -> list[str]:
             continue
         cells = []
         for phase in ("prefill", "local"):
-            steps = [(a, b) for p, a, b, _ in r.phases if p == phase]
+            steps = [(a, b) for p, a, b, *_ in r.phases if p == phase]
             cells.append(f"{steps[0][0] - r.start:6.2f}-{max(b for _, b in steps) - r.start:6.2f} "
                          f"x{len(steps):<3}" if steps else "")
-        queued = sum(b - a for p, a, b, _ in r.phases if p == "queue")
-        kv = sum(b - a for p, a, b, _ in r.phases if p == "kv")
+        queued = sum(b - a for p, a, b, *_ in r.phases if p == "queue")
+        kv = sum(b - a for p, a, b, *_ in r.phases if p == "kv")
         lines.append(f"{r.start:8.2f} {r.prompt_tokens:6d} {r.ttft:6.2f} {queued:6.2f}  "
                      f"{cells[0]:>20}  {cells[1]:>20} {kv:5.2f}")
     return lines

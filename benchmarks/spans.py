@@ -104,10 +104,11 @@ def request_id(trace: dict) -> str:
 
 
 def phases(trace: dict, sent_unix: float, sent: float) -> list[list]:
-    """A trace's timeline phases as [phase, start, end, where] in seconds on the client's
-    clock (the request was sent at `sent` there, at `sent_unix` wall-clock time): the queue,
-    each prefill step ("prefill" on its prefill worker, "local" on the worker that decodes
-    it), the KV send, the decode."""
+    """A trace's timeline phases as [phase, start, end, where, tokens, threads], times in
+    seconds on the client's clock (the request was sent at `sent` there, at `sent_unix`
+    wall-clock time): the queue, each prefill step ("prefill" on its prefill worker, "local"
+    on the worker that decodes it; with its prompt tokens and the CPU threads the scheduler
+    gave it, 0 where unset), the KV send, the decode."""
     placement = next((r[4] for r in trace["spans"] if r[1] == "scheduler.placement"), {})
     decoder = placement.get("pdserve.decode_worker", "")
     shift = trace["start_ns"] / 1e9 - sent_unix + sent
@@ -119,7 +120,8 @@ def phases(trace: dict, sent_unix: float, sent: float) -> list[list]:
         where = attrs.get("pdserve.worker_id", "")
         if phase == "prefill" and where and where == decoder:
             phase = "local"
-        out.append([phase, shift + start / 1000, shift + end / 1000, where])
+        out.append([phase, shift + start / 1000, shift + end / 1000, where,
+                    attrs.get("pdserve.tokens", 0), attrs.get("pdserve.threads", 0)])
     return out
 
 

@@ -157,6 +157,8 @@ class WorkerTelemetry:
         for t, rid, n, is_decode, computed in self._step:
             attrs = {"pdserve.request_id": rid, "pdserve.step_id": plan.step_id,
                      "pdserve.worker_id": self.worker_id}
+            if plan.num_threads:  # the CPU threads the scheduler gave the step (cores.py)
+                attrs["pdserve.threads"] = plan.num_threads
             if not is_decode:
                 attrs.update({"pdserve.tokens": n, "pdserve.computed_tokens": computed,
                               "pdserve.sampled": rid in sampled})
