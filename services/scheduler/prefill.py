@@ -4,7 +4,8 @@ token budget, and, on a prefill worker, which decode worker their KV goes to.
 A prompt is a *partial* prefill from the step that starts it until the step that finishes it.
 At most max_num_partial_prefills are partial on a worker at once, at most
 max_long_partial_prefills of them long; a prompt that fits whole in what is left of the budget
-may always start, so short prompts pass long ones.
+may always start, so short prompts pass long ones, and a long one does not start in the step
+that ends another prompt's prefill (it would hold back that prompt's first token).
 
 Who prefills a prompt:
 
