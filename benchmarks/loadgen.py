@@ -187,7 +187,7 @@ class Record:
     error: str = ""
     id: str = ""                  # the server's id of the response
     sent_unix: float = float("nan")  # `start` in wall-clock time (spans.attach)
-    phases: list = field(default_factory=list)  # the server's spans: [phase, start, end, where]
+    phases: list = field(default_factory=list)  # its spans in the server (spans.phases)
 
     @property
     def ttft(self) -> float:
