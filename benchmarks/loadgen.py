@@ -4,9 +4,9 @@ against any compatible server (pdserve or a baseline such as vLLM, with the same
 per-request timings, and their summary.
 
 Every request streams with ignore_eos (greedy unless the caller sets a temperature), so each
-server produces exactly max_tokens tokens. TTFT is the time to the first non-empty token chunk, TPOT the mean gap
-between a request's later tokens, ITL every single gap; goodput counts the requests per second
-that met both the TTFT and the TPOT objective.
+server produces exactly max_tokens tokens. TTFT is the time to the first non-empty token chunk,
+TPOT the mean gap between a request's later tokens, ITL every single gap; goodput counts the
+requests per second that met both the TTFT and the TPOT objective.
 """
 from __future__ import annotations
 
