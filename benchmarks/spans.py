@@ -14,7 +14,8 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-REQUEST_SPAN = "/pdserve.scheduler.Scheduler/Generate"
+from common.tracing import REQUEST_SPAN
+
 # what a timeline draws of a request, in the order a request meets them
 TIMELINE_PHASES = {"scheduler.queue": "queue", "worker.prefill": "prefill",
                    "kv.send": "kv", "worker.decode": "decode"}

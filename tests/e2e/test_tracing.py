@@ -9,11 +9,11 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from benchmarks.request_spans import phase_table
 from benchmarks.spans import Receiver, request_traces
 from benchmarks.spans import attributes as _attrs
+from common.tracing import REQUEST_SPAN
 from tests.e2e.conftest import Stack
 
 SERVICES = {"pdserve-gateway", "pdserve-scheduler", "pdserve-prefill-worker",
             "pdserve-decode-worker"}
-REQUEST_SPAN = "/pdserve.scheduler.Scheduler/Generate"
 MAX_TOKENS = 6
 
 
