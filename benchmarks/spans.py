@@ -65,6 +65,12 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         with self._lock:
             return list(self.spans)
 
+    def take(self) -> list[tuple[str, Span]]:
+        """The spans received since the last take (or the start), no longer kept here."""
+        with self._lock:
+            spans, self.spans = self.spans, []
+            return spans
+
     def close(self):
         asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -129,12 +135,15 @@ def phases(trace: dict, sent_unix: float, sent: float) -> list[list]:
 def attach(records: list, receiver: Receiver, timeout_s: float = 10.0) -> int:
     """Gives each record (loadgen.Record with its response id) the phases of its request's
     trace, once the services have exported them (within timeout_s); returns how many found
-    theirs."""
+    theirs. It takes the receiver's spans: a run's spans are read once, not again with each
+    later run's (a warm-up request's, or one's that came too late, are dropped)."""
     want = {r.id for r in records if r.id and not r.error}
     deadline = time.monotonic() + timeout_s
+    received: list[tuple[str, Span]] = []
     while True:
+        received += receiver.take()
         by_id = {}
-        for trace in request_traces(receiver.snapshot()):
+        for trace in request_traces(received):
             rid = request_id(trace)
             if rid in want and any(r[1] == "worker.decode" for r in trace["spans"]):
                 by_id[rid] = trace
