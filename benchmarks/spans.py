@@ -116,7 +116,7 @@ def phases(trace: dict, sent_unix: float, sent: float) -> list[list]:
     wall-clock time): the queue, each prefill step ("prefill" on its prefill worker, "local"
     on the worker that decodes it; with its prompt tokens and the CPU threads the scheduler
     gave it, 0 where unset), the KV send, the decode."""
-    placement = next((r[4] for r in trace["spans"] if r[1] == "scheduler.placement"), {})
+    placement: dict = next((r[4] for r in trace["spans"] if r[1] == "scheduler.placement"), {})
     decoder = placement.get("pdserve.decode_worker", "")
     shift = trace["start_ns"] / 1e9 - sent_unix + sent
     out = []
