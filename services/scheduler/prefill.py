@@ -283,7 +283,7 @@ class Prefill:
             return 0  # a decode worker sharing its cores takes it beside its batch
         if w.role == "prefill" and self._better_prefill(w, req, hashes, hit):
             return 0  # another prefill worker holds more of its prefix: leave it to that one
-        if todo > min(budget, self._chunk_cap()) and (completes and self._is_long(req) or
+        if todo > min(budget, self._chunk_cap()) and ((completes and self._is_long(req)) or
                                                       not self._may_start_partial(w, req)):
             return 0
         dst = dst_prefix = None
