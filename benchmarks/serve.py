@@ -180,7 +180,8 @@ def targets(args) -> list[tuple[str, str | None, list[str]]]:
     for spec in args.baseline:
         name, _, url = spec.rpartition("=")
         out.append((name or url, url, []))
-    traced = ["--otlp-traces-endpoint", args.receiver.endpoint] if args.receiver else []
+    traced = ["--otlp-traces-endpoint", args.receiver.endpoint] \
+        if getattr(args, "receiver", None) is not None else []
     launched = [(SHAPES[key][0], SHAPES[key][1] + shlex.split(args.up_args) + traced)
                 for key in args.shapes]
     for name, flags in launched:
@@ -227,7 +228,6 @@ def main() -> int:
                    help="take the pdserve stacks' spans on an OTLP receiver here (on PORT; "
                         "without it any free port): timeline phases and long prompts' table")
     args = p.parse_args()
-    args.receiver = None  # with --spans, started below
     if args.replot:
         report(Path(args.replot), *load(Path(args.replot)))
         return 0
@@ -238,6 +238,7 @@ def main() -> int:
             and not Path(args.model, "config.json").exists():
         from common.models.tiny import make_tiny_model
         make_tiny_model(args.model)
+    args.receiver = None
     if args.spans is not None:
         args.receiver = spans.Receiver(args.spans)
         os.environ["OTEL_BSP_SCHEDULE_DELAY"] = spans.EXPORT_DELAY_MS  # the launched stacks'
