@@ -41,6 +41,7 @@ from common.ports import free_port
 from common.shm_segments import SEGMENT_PREFIX, sweep_stale_segments
 from common.tls import grpc_channel_credentials, scheduler_channel_options, warn_if_exposed
 from common.worker.config import WorkerConfig
+from common.worker.core_board import CoreBoard
 from common.worker.cuda_graphs import DecodeGraphs
 from common.worker.draft import DraftModel
 from common.worker.grammars import Grammars
@@ -158,7 +159,10 @@ def build_worker(cfg: WorkerConfig, place: RankPlace | None = None
                     receiver,
                     {t: create_listener(t, cache, receiver, tcfg, shard if size > 1 else None)
                      for t in cfg.kv_transports},
-                    tier, group_size=size, pipeline=place.last_stage if place else None)
+                    tier, group_size=size, pipeline=place.last_stage if place else None,
+                    # workers sharing cores give lent ones back mid-step (core_board.py)
+                    board=CoreBoard(cfg.worker_id, group_cores, f"{host_id}|{cfg.scheduler}")
+                    if device.type == "cpu" and size == 1 else None)
     reg = Registration(
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
         num_blocks=num_blocks, layout=group_layout, transports=cfg.kv_transports,
@@ -484,6 +488,8 @@ async def _serve(cfg: WorkerConfig, steps: ThreadPoolExecutor,
         if health is not None:
             await health.stop()
         worker.cache.close()
+        if worker.board is not None:
+            worker.board.close()
         if worker.tier is not None:
             worker.tier.close()
         for sender in worker.senders.values():

@@ -28,6 +28,7 @@ from common.plans import (
     TransfersDone,
     WorkerCounters,
 )
+from common.worker.core_board import CoreBoard
 from common.worker.layer_streamer import LayerStreamer
 from common.worker.model_runner import ModelRunner, RequestState, stops
 from common.worker.pipeline import LastStage, Outcome
@@ -63,7 +64,7 @@ class Worker:
     def __init__(self, runner: ModelRunner, cache: PagedKVCache, senders: dict[str, KVSender],
                  receiver: KVReceiver, listeners: dict[str, KVListener],
                  tier: LocalTier | SharedTier | None = None, group_size: int = 1,
-                 pipeline: LastStage | None = None):
+                 pipeline: LastStage | None = None, board: CoreBoard | None = None):
         self.runner = runner
         self.cache = cache
         self.tier = tier  # the second KV tier: blocks laid out as the cache's, in host memory
@@ -72,6 +73,8 @@ class Worker:
         self.listeners = listeners
         self.group_size = group_size  # ranks of its group sharing a plan's threads (group.py)
         self.pipeline = pipeline  # a pipeline group's: the last stage samples for every rank
+        self.board = board  # a CPU worker's: which peers sharing its cores step now
+        self.yielded = 0  # steps that gave lent cores back to a peer (core_board.py)
         self._streamer: LayerStreamer | None = None  # sends of the step that ran last
         self.requests: dict[str, RequestState] = {}
         # block id -> hash of the tokens it holds, as the scheduler announced it, for as long as
@@ -113,10 +116,47 @@ class Worker:
         threads = max(1, plan.num_threads // self.group_size)
         if plan.num_threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-        with on_device(self.cache.tensor.device):
-            if sub_step == 0:
-                return self._execute(plan)
-            return self._next_step(plan, sub_step)
+        board = self.board if plan.scheduled else None  # steps that compute tokens
+        if board is not None:
+            board.stepping(True)
+        try:
+            with on_device(self.cache.tensor.device):
+                if sub_step == 0:
+                    return self._execute(plan)
+                return self._next_step(plan, sub_step)
+        finally:
+            if board is not None:
+                board.stepping(False)
+
+    def _yield_check(self) -> Callable[[int], None] | None:
+        """For a step on more threads than this worker's share of its cores: gives the lent
+        ones back now, or after the first layer that ends with a peer sharing them stepping
+        (core_board.py); None when there is nothing to give back."""
+        board = self.board
+        if board is None or torch.get_num_threads() <= 1:
+            return None
+
+        def check(_layer: int = -1) -> None:
+            share = board.share()
+            if share < torch.get_num_threads():
+                torch.set_num_threads(share)
+                self.yielded += 1
+
+        check()
+        return check if torch.get_num_threads() > 1 else None
+
+    def _layer_hook(self) -> Callable[[int], None] | None:
+        """What runs after each layer of this step's forward: the layer-wise KV sends, the
+        check whether lent cores go back."""
+        hooks = [h for h in (self._streamer.on_layer if self._streamer else None,
+                             self._yield_check()) if h is not None]
+        if len(hooks) < 2:
+            return hooks[0] if hooks else None
+
+        def both(layer: int) -> None:
+            for h in hooks:
+                h(layer)
+        return both
 
     def _next_step(self, plan: StepPlan, sub_step: int) -> StepResult:
         assert self._decoding and sub_step < plan.num_steps, \
@@ -126,7 +166,7 @@ class Worker:
         for r, _ in scheduled:
             self._overwritten(r.block_ids[r.num_computed_tokens // bs:
                                           r.num_computed_tokens // bs + 1])
-        out, stats = self.runner.execute(scheduled)
+        out, stats = self.runner.execute(scheduled, self._yield_check())
         self._counts.decoded += stats.decode_tokens
         self._counts.steps += 1
         sampled, errors, _ = self._outcome(out, stats)
@@ -217,8 +257,7 @@ class Worker:
         prompt_logprobs: list[PromptLogprobs] = []
         if scheduled:
             try:
-                out, stats = self.runner.execute(
-                    scheduled, self._streamer.on_layer if self._streamer else None, lookahead)
+                out, stats = self.runner.execute(scheduled, self._layer_hook(), lookahead)
             except BaseException:
                 if self._streamer is not None:
                     self._streamer.abort()

@@ -58,6 +58,8 @@ class Cluster:
         torch.set_num_threads(self.threads)
         for w in self.workers.values():
             w.cache.close()
+            if w.board is not None:
+                w.board.close()
             if w.tier is not None:
                 w.tier.close()
             for s in w.senders.values():

@@ -1,0 +1,130 @@
+"""Workers sharing cores give lent ones back mid-step (common/worker/core_board.py): which peers
+a board counts as stepping, and a real worker's step dropping to its share at the first layer
+that ends with a peer stepping, its tokens unchanged."""
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from common.worker.core_board import BOARD_PREFIX, RESCAN_S, CoreBoard, core_mask
+from tests.unit.test_scheduler_inprocess import _greedy, _prompt, cluster, hf  # noqa: F401
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_peer_counts_while_it_steps_on_a_shared_core(tmp_path):
+    clock = Clock()
+    a = CoreBoard("a", [0, 1], "host|sched", shm_dir=tmp_path, clock=clock)
+    b = CoreBoard("b", [1, 2], "host|sched", shm_dir=tmp_path, clock=clock)
+    apart = CoreBoard("c", [3], "host|sched", shm_dir=tmp_path, clock=clock)
+    other = CoreBoard("d", [0, 1], "host|other-sched", shm_dir=tmp_path, clock=clock)
+    a.stepping(True)  # looks for its peers: b and c (d answers another scheduler)
+    assert (a.peers_stepping(), a.share()) == (0, 2)
+    b.stepping(True)
+    apart.stepping(True)  # no core of a's
+    other.stepping(True)  # not a's scheduler's
+    assert (a.peers_stepping(), a.share()) == (1, 1)
+    b.stepping(False)
+    assert (a.peers_stepping(), a.share()) == (0, 2)
+    assert core_mask([0, 2]) == 0b101
+    with pytest.raises(ValueError):
+        core_mask([63])
+
+
+def test_peers_are_found_again_at_most_once_a_second(tmp_path):
+    clock = Clock()
+    a = CoreBoard("a", [0, 1], "g", shm_dir=tmp_path, clock=clock)
+    a.stepping(True)
+    late = CoreBoard("late", [0], "g", shm_dir=tmp_path, clock=clock)
+    late.stepping(True)
+    a.stepping(False)
+    a.stepping(True)  # looked less than RESCAN_S ago: not yet
+    assert a.peers_stepping() == 0
+    clock.now += RESCAN_S
+    a.stepping(True)
+    assert a.peers_stepping() == 1
+    late.close()  # its segment goes: dropped at the next look
+    a.stepping(True)
+    assert a.peers_stepping() == 0  # close() marks it not stepping first
+    clock.now += RESCAN_S
+    a.stepping(True)
+    assert a._peers == {}
+
+
+def _die_stepping(shm_dir):
+    CoreBoard("dead", [0, 1], "g", shm_dir=shm_dir).stepping(True)
+    os._exit(0)  # no cleanup: as a SIGKILL would leave it
+
+
+def test_a_dead_workers_segment_is_swept_and_never_counts(tmp_path):
+    p = multiprocessing.get_context("fork").Process(target=_die_stepping, args=(tmp_path,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    dead = [f for f in os.listdir(tmp_path) if f.startswith(BOARD_PREFIX)]
+    assert len(dead) == 1  # left behind, marked stepping
+    a = CoreBoard("a", [0, 1], "g", shm_dir=tmp_path)
+    a.stepping(True)
+    assert a.peers_stepping() == 0
+    assert not (tmp_path / dead[0]).exists()
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _board_cluster(cluster, tmp_path):
+    """A colocated worker on two threads whose board (and its peer's) lives in tmp_path."""
+    c = cluster([("decode", 64)])
+    (wid, worker), = c.workers.items()
+    worker.board.close()  # the host's board: other workers of this machine are not its peers
+    worker.board = CoreBoard(wid, [0, 1], "g", shm_dir=tmp_path)
+    peer = CoreBoard("peer", [0, 1], "g", shm_dir=tmp_path)
+    return c, worker, peer
+
+
+def test_a_step_on_lent_cores_gives_them_back_after_the_layer_a_peer_starts_in(
+        cluster, hf, tmp_path, two_threads):
+    c, worker, peer = _board_cluster(cluster, tmp_path)
+    layers = []
+    layer0 = worker.runner.model.layers[0]
+
+    def peer_starts(*_):  # the peer starts a step while layer 0 runs
+        layers.append(torch.get_num_threads())
+        peer.stepping(True)
+    hook = layer0.register_forward_hook(peer_starts)
+    prompt = _prompt(21, 5)
+    c.submit("a", prompt, max_tokens=5)
+    torch.set_num_threads(2)
+    c.step()  # the prompt: layer 0 on both threads, the rest on one
+    hook.remove()
+    assert layers == [2]
+    assert torch.get_num_threads() == 1
+    assert worker.yielded == 1
+    c.run()  # the next steps start with the peer stepping: one thread from the start
+    assert torch.get_num_threads() == 1
+    assert c.tokens("a") == _greedy(hf, prompt, 5)
+    c.assert_all_free()
+
+
+def test_a_step_keeps_its_threads_while_no_peer_steps(cluster, hf, tmp_path, two_threads):
+    c, worker, peer = _board_cluster(cluster, tmp_path)
+    peer.stepping(True)
+    peer.stepping(False)
+    prompt = _prompt(9, 6)
+    c.submit("a", prompt, max_tokens=4)
+    torch.set_num_threads(2)
+    c.run()
+    assert torch.get_num_threads() == 2
+    assert worker.yielded == 0
+    assert c.tokens("a") == _greedy(hf, prompt, 4)
