@@ -222,6 +222,13 @@ class _CountersCollector:
             m = CounterMetricFamily(PREFIX + name, doc, labels=["worker_id", "role"])
             m.add_metric(self.key, value)
             yield m
+        if self.worker.board is not None:
+            m = CounterMetricFamily(
+                PREFIX + "worker_cpu_cores_yielded",
+                "Steps that gave CPU cores lent to them back mid-step, a peer sharing them "
+                "having started one.", labels=["worker_id", "role"])
+            m.add_metric(self.key, self.worker.yielded)
+            yield m
         if not self.worker.runner.num_speculative_tokens:
             return
         for name, value, doc in (

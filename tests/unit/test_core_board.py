@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.worker.core_board import BOARD_PREFIX, RESCAN_S, CoreBoard, core_mask
+from common.worker.telemetry import _CountersCollector
 from tests.unit.test_scheduler_inprocess import _greedy, _prompt, cluster, hf  # noqa: F401
 
 
@@ -111,6 +112,9 @@ def test_a_step_on_lent_cores_gives_them_back_after_the_layer_a_peer_starts_in(
     assert layers == [2]
     assert torch.get_num_threads() == 1
     assert worker.yielded == 1
+    metric, = [m for m in _CountersCollector(worker, "w", "decode").collect()
+               if m.name == "pdserve:worker_cpu_cores_yielded"]
+    assert metric.samples[0].value == 1
     c.run()  # the next steps start with the peer stepping: one thread from the start
     assert torch.get_num_threads() == 1
     assert c.tokens("a") == _greedy(hf, prompt, 5)
