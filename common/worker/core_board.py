@@ -1,6 +1,8 @@
 """Which CPU workers of this host step now: a step planned on more threads than a worker's share
 of its cores (the scheduler lends a free peer's cores, services/scheduler/cores.py) gives the
-lent ones back at its next layer once a peer sharing them starts a step.
+lent ones back after its next layer while a peer sharing them runs a step, and takes them again
+after the layer in which that step ends (a decode step of a small model may be over long
+before the prefill step beside it).
 
 The scheduler plans each step's threads from what it knows when it plans: a prefill step given
 both cores of an idle decode worker keeps them when a request reaches that decode worker a

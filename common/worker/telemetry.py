@@ -225,8 +225,9 @@ class _CountersCollector:
         if self.worker.board is not None:
             m = CounterMetricFamily(
                 PREFIX + "worker_cpu_cores_yielded",
-                "Steps that gave CPU cores lent to them back mid-step, a peer sharing them "
-                "having started one.", labels=["worker_id", "role"])
+                "Times a step gave CPU cores lent to it back mid-step, a peer sharing them "
+                "having started one (it takes them again once the peer's step ends).",
+                labels=["worker_id", "role"])
             m.add_metric(self.key, self.worker.yielded)
             yield m
         if not self.worker.runner.num_speculative_tokens:

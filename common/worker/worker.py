@@ -74,7 +74,7 @@ class Worker:
         self.group_size = group_size  # ranks of its group sharing a plan's threads (group.py)
         self.pipeline = pipeline  # a pipeline group's: the last stage samples for every rank
         self.board = board  # a CPU worker's: which peers sharing its cores step now
-        self.yielded = 0  # steps that gave lent cores back to a peer (core_board.py)
+        self.yielded = 0  # times a step gave lent cores back to a peer (core_board.py)
         self._streamer: LayerStreamer | None = None  # sends of the step that ran last
         self.requests: dict[str, RequestState] = {}
         # block id -> hash of the tokens it holds, as the scheduler announced it, for as long as
@@ -129,21 +129,23 @@ class Worker:
                 board.stepping(False)
 
     def _yield_check(self) -> Callable[[int], None] | None:
-        """For a step on more threads than this worker's share of its cores: gives the lent
-        ones back now, or after the first layer that ends with a peer sharing them stepping
-        (core_board.py); None when there is nothing to give back."""
+        """For a step on more threads than this worker's share of its cores: after each layer
+        (and now), its share while a peer sharing them steps, the threads planned while none
+        does (core_board.py); None when there is nothing to give back."""
         board = self.board
-        if board is None or torch.get_num_threads() <= 1:
+        planned = torch.get_num_threads()
+        if board is None or planned <= 1:
             return None
 
         def check(_layer: int = -1) -> None:
-            share = board.share()
-            if share < torch.get_num_threads():
-                torch.set_num_threads(share)
-                self.yielded += 1
+            want = min(planned, board.share())
+            now = torch.get_num_threads()
+            if want != now:
+                torch.set_num_threads(want)
+                self.yielded += want < now
 
         check()
-        return check if torch.get_num_threads() > 1 else None
+        return check
 
     def _layer_hook(self) -> Callable[[int], None] | None:
         """What runs after each layer of this step's forward: the layer-wise KV sends, the

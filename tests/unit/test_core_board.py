@@ -94,29 +94,41 @@ def _board_cluster(cluster, tmp_path):
     return c, worker, peer
 
 
-def test_a_step_on_lent_cores_gives_them_back_after_the_layer_a_peer_starts_in(
-        cluster, hf, tmp_path, two_threads):
+def test_a_step_on_lent_cores_gives_them_back_while_a_peer_steps(cluster, hf, tmp_path,
+                                                                  two_threads):
+    """The peer starts a step while layer 0 runs and ends it while layer 2 does: layers 1 and 2
+    run on one thread, layer 3 on both again; then a step that starts while the peer steps runs
+    on one from its start. The tokens stay HuggingFace's."""
     c, worker, peer = _board_cluster(cluster, tmp_path)
-    layers = []
-    layer0 = worker.runner.model.layers[0]
+    layers = worker.runner.model.layers
+    assert len(layers) == 4
+    seen = []
 
-    def peer_starts(*_):  # the peer starts a step while layer 0 runs
-        layers.append(torch.get_num_threads())
-        peer.stepping(True)
-    hook = layer0.register_forward_hook(peer_starts)
+    def at(i, peer_steps=None):
+        def hook(*_):
+            seen.append(torch.get_num_threads())
+            if peer_steps is not None:
+                peer.stepping(peer_steps)
+        return layers[i].register_forward_hook(hook)
+    hooks = [at(0, True), at(1), at(2, False), at(3)]
     prompt = _prompt(21, 5)
     c.submit("a", prompt, max_tokens=5)
     torch.set_num_threads(2)
-    c.step()  # the prompt: layer 0 on both threads, the rest on one
-    hook.remove()
-    assert layers == [2]
-    assert torch.get_num_threads() == 1
+    c.step()  # the prompt
+    for h in hooks:
+        h.remove()
+    assert seen == [2, 1, 1, 2]
     assert worker.yielded == 1
     metric, = [m for m in _CountersCollector(worker, "w", "decode").collect()
                if m.name == "pdserve:worker_cpu_cores_yielded"]
     assert metric.samples[0].value == 1
-    c.run()  # the next steps start with the peer stepping: one thread from the start
-    assert torch.get_num_threads() == 1
+    peer.stepping(True)
+    seen.clear()
+    hook = at(0)
+    c.step()  # a decode step while the peer steps throughout
+    hook.remove()
+    assert seen == [1] and worker.yielded == 2
+    c.run()
     assert c.tokens("a") == _greedy(hf, prompt, 5)
     c.assert_all_free()
 
