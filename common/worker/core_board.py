@@ -62,8 +62,8 @@ class _Segment:
 
 
 class CoreBoard:
-    """This worker's segment and its peers'; `threads(n)`: the threads a step planned on n
-    should run on now."""
+    """This worker's segment and its peers'; `share()`: the threads its step should run on
+    while they step."""
 
     def __init__(self, worker_id: str, cores: Iterable[int], group: str,
                  shm_dir: Path = SHM_DIR, clock: Callable[[], float] = time.monotonic):
@@ -74,6 +74,7 @@ class CoreBoard:
         # the workers of one scheduler on this host: those whose cores it splits (cores.py)
         self._prefix = f"{BOARD_PREFIX}{hashlib.sha256(group.encode()).hexdigest()[:12]}-"
         path = shm_dir / f"{self._prefix}{worker_id}"
+        remove_if_unheld(path)  # left by this worker id's last run, killed (a restart)
         self._own = _Segment(path, create_segment(path, 16))
         self._own.words[_CORES] = self.mask
         self._peers: dict[Path, _Segment] = {}

@@ -77,6 +77,20 @@ def test_a_dead_workers_segment_is_swept_and_never_counts(tmp_path):
     assert not (tmp_path / dead[0]).exists()
 
 
+def test_a_worker_restarted_under_its_id_takes_its_dead_runs_place(tmp_path):
+    p = multiprocessing.get_context("fork").Process(target=_die_stepping, args=(tmp_path,))
+    p.start()
+    p.join(30)
+    again = CoreBoard("dead", [0, 1], "g", shm_dir=tmp_path)  # the same id, restarted
+    peer = CoreBoard("peer", [0, 1], "g", shm_dir=tmp_path)
+    peer.stepping(True)
+    assert peer.peers_stepping() == 0  # the restarted one is not stepping yet
+    again.stepping(True)
+    assert peer.peers_stepping() == 1
+    with pytest.raises(FileExistsError):  # a live worker's id stays its own
+        CoreBoard("dead", [0, 1], "g", shm_dir=tmp_path)
+
+
 @pytest.fixture
 def two_threads():
     before = torch.get_num_threads()
