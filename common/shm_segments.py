@@ -9,6 +9,7 @@ from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "pdserve-kv-"
+BOARD_PREFIX = "pdserve-cores-"  # a CPU worker's steps, for the peers sharing its cores
 
 
 def create_segment(path: Path, nbytes: int) -> int:
@@ -31,9 +32,11 @@ def create_segment(path: Path, nbytes: int) -> int:
 
 
 def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Removes the KV segments of workers that died without cleaning up (a crash, SIGKILL);
-    works across containers sharing /dev/shm, where process ids mean nothing."""
-    return [path.name for path in shm_dir.glob(f"{SEGMENT_PREFIX}*") if remove_if_unheld(path)]
+    """Removes the KV segments and core board segments (core_board.py) of workers that died
+    without cleaning up (a crash, SIGKILL); works across containers sharing /dev/shm, where
+    process ids mean nothing."""
+    return [path.name for prefix in (SEGMENT_PREFIX, BOARD_PREFIX)
+            for path in shm_dir.glob(f"{prefix}*") if remove_if_unheld(path)]
 
 
 def remove_if_unheld(path: Path) -> bool:

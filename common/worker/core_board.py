@@ -30,11 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common.shm_segments import SHM_DIR, create_segment, remove_if_unheld
+from common.shm_segments import BOARD_PREFIX, SHM_DIR, create_segment, remove_if_unheld
 
 log = logging.getLogger(__name__)
 
-BOARD_PREFIX = "pdserve-cores-"
 RESCAN_S = 1.0  # peers that start or die are seen within this (at the next step's start)
 _CORES, _STEPPING = 0, 1  # a segment: int64 core mask, int64 stepping (1) or not (0)
 

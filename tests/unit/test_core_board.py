@@ -158,3 +158,14 @@ def test_a_step_keeps_its_threads_while_no_peer_steps(cluster, hf, tmp_path, two
     assert torch.get_num_threads() == 2
     assert worker.yielded == 0
     assert c.tokens("a") == _greedy(hf, prompt, 4)
+
+
+def test_a_workers_start_sweeps_dead_workers_boards_of_every_scheduler(tmp_path):
+    from common.shm_segments import sweep_stale_segments
+    p = multiprocessing.get_context("fork").Process(target=_die_stepping, args=(tmp_path,))
+    p.start()
+    p.join(30)
+    live = CoreBoard("live", [0], "another scheduler", shm_dir=tmp_path)
+    dead = [f for f in os.listdir(tmp_path) if f.endswith("-dead")]
+    assert sweep_stale_segments(tmp_path) == dead
+    assert os.listdir(tmp_path) == [live._own.path.name]
