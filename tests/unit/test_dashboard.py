@@ -63,13 +63,12 @@ def exported_metrics() -> dict[str, tuple[str, set[str] | None]]:
         layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4,
                         dtype="float32"),
         transports=("shm",), kv_endpoints={"shm": "x"}))
-    board_dir = tempfile.TemporaryDirectory()
     worker = SimpleNamespace(cache=SimpleNamespace(layout=SimpleNamespace(block_bytes=64)),
                              counters=WorkerCounters(), on_send=None, requests={},
                              runner=SimpleNamespace(num_speculative_tokens=2),  # speculates
-                             # a CPU worker sharing its cores
-                             board=CoreBoard("p0", [0], "g", shm_dir=Path(board_dir.name)),
                              yielded=0)
+    with tempfile.TemporaryDirectory() as board_dir:  # a CPU worker sharing its cores
+        worker.board = CoreBoard("p0", [0], "g", shm_dir=Path(board_dir))
     worker_telemetry = WorkerTelemetry(worker, "p0", "prefill")
     send = KVSend("t", "r", (0,), (1,), "peer", "tcp")
     worker_telemetry.on_send(send, 0.0, 0.1, "")       # a labelled child of each KV metric
@@ -77,18 +76,17 @@ def exported_metrics() -> dict[str, tuple[str, set[str] | None]]:
     registries = [GatewayMetrics("m").registry, SchedulerTelemetry(sched).registry,
                   worker_telemetry.registry]
     out: dict[str, tuple[str, set[str] | None]] = {}
-    with board_dir:
-        families = [f for registry in registries for f in registry.collect()]
-    for family in families:
-        if not family.samples:  # labelled and never used: its series names by type
-            for suffix in SUFFIXES.get(family.type, ("",)):
-                out[family.name + suffix] = (family.name, None)
-        for s in family.samples:
-            if s.name.endswith("_created"):
-                continue  # prometheus_client's creation timestamps: nothing to chart
-            labels = out.get(s.name, (family.name, set()))[1] or set()
-            out[s.name] = (family.name, labels | set(s.labels) - {"le"} |
-                           ({"le"} if s.name.endswith("_bucket") else set()))
+    for registry in registries:
+        for family in registry.collect():
+            if not family.samples:  # labelled and never used: its series names by type
+                for suffix in SUFFIXES.get(family.type, ("",)):
+                    out[family.name + suffix] = (family.name, None)
+            for s in family.samples:
+                if s.name.endswith("_created"):
+                    continue  # prometheus_client's creation timestamps: nothing to chart
+                labels = out.get(s.name, (family.name, set()))[1] or set()
+                out[s.name] = (family.name, labels | set(s.labels) - {"le"} |
+                               ({"le"} if s.name.endswith("_bucket") else set()))
     return out
 
 
