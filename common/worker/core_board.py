@@ -35,14 +35,16 @@ from common.shm_segments import BOARD_PREFIX, SHM_DIR, create_segment, remove_if
 log = logging.getLogger(__name__)
 
 RESCAN_S = 1.0  # peers that start or die are seen within this (at the next step's start)
-_CORES, _STEPPING = 0, 1  # a segment: int64 core mask, int64 stepping (1) or not (0)
+# a segment: an int64 word, 1 while a step runs; then the core mask, little-endian, in as many
+# 64-bit words as the highest core needs (peers' masks may differ in length)
+_STEPPING_BYTES = 8
 
 
 def core_mask(cores: Iterable[int]) -> int:
     mask = 0
     for c in cores:
-        if not 0 <= c < 63:
-            raise ValueError(f"core {c}: the board tells cores 0-62 apart")
+        if c < 0:
+            raise ValueError(f"core {c}: core ids are not negative")
         mask |= 1 << c
     return mask
 
@@ -51,11 +53,27 @@ class _Segment:
     def __init__(self, path: Path, fd: int, writable: bool = True):
         self.path = path
         self.fd = fd
-        self.map = mmap.mmap(fd, 16, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
-        self.words = np.frombuffer(self.map, dtype=np.int64)
+        self.map = mmap.mmap(fd, os.fstat(fd).st_size,
+                             prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        self.step_word = np.frombuffer(self.map, dtype=np.int64, count=1)
+        self._mask = 0
+
+    @staticmethod
+    def size(mask: int) -> int:
+        return _STEPPING_BYTES + 8 * (mask.bit_length() // 64 + 1)
+
+    def write_mask(self, mask: int) -> None:
+        self.map[_STEPPING_BYTES:] = mask.to_bytes(len(self.map) - _STEPPING_BYTES, "little")
+
+    def mask(self) -> int:
+        """The owner's cores; read until found (its owner writes them just after the segment
+        appears) and then kept: they do not change while it lives."""
+        if not self._mask:
+            self._mask = int.from_bytes(self.map[_STEPPING_BYTES:], "little")
+        return self._mask
 
     def close(self) -> None:
-        del self.words  # the buffer's export, before the map closes
+        del self.step_word  # the buffer's export, before the map closes
         self.map.close()
         os.close(self.fd)
 
@@ -73,23 +91,21 @@ class CoreBoard:
         # the workers of one scheduler on this host: those whose cores it splits (cores.py)
         self._prefix = f"{BOARD_PREFIX}{hashlib.sha256(group.encode()).hexdigest()[:12]}-"
         path = shm_dir / f"{self._prefix}{worker_id}"
-        remove_if_unheld(path)  # left by this worker id's last run, killed (a restart)
-        self._own = _Segment(path, create_segment(path, 16))
-        self._own.words[_CORES] = self.mask
+        self._own = _Segment(path, create_segment(path, _Segment.size(self.mask)))
+        self._own.write_mask(self.mask)
         self._peers: dict[Path, _Segment] = {}
         self._scanned = float("-inf")
 
     def stepping(self, on: bool) -> None:
         """Marks a step of this worker as running (on) or ended; at a step's start, finds the
         peers again when the last look is older than RESCAN_S."""
-        self._own.words[_STEPPING] = int(on)
+        self._own.step_word[0] = int(on)
         if on and self._clock() - self._scanned >= RESCAN_S:
             self._rescan()
 
     def peers_stepping(self) -> int:
         """Peers sharing a core with this worker that run a step now."""
-        return sum(1 for p in self._peers.values()
-                   if p.words[_STEPPING] and p.words[_CORES] & self.mask)
+        return sum(1 for p in self._peers.values() if p.step_word[0] and p.mask() & self.mask)
 
     def share(self) -> int:
         """This worker's threads while its stepping peers run theirs: its cores split among
@@ -118,5 +134,5 @@ class CoreBoard:
     def close(self) -> None:
         """Takes this worker off the board (its mappings go with the process: a step may still
         read them)."""
-        self._own.words[_STEPPING] = 0
+        self._own.step_word[0] = 0
         self._own.path.unlink(missing_ok=True)

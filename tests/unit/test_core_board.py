@@ -36,7 +36,22 @@ def test_a_peer_counts_while_it_steps_on_a_shared_core(tmp_path):
     assert (a.peers_stepping(), a.share()) == (0, 2)
     assert core_mask([0, 2]) == 0b101
     with pytest.raises(ValueError):
-        core_mask([63])
+        core_mask([-1])
+
+
+def test_cores_past_the_first_64_are_told_apart(tmp_path):
+    """A host of hundreds of cores: masks longer than one word, of different lengths."""
+    a = CoreBoard("a", [0, 200], "g", shm_dir=tmp_path)
+    near = CoreBoard("near", [64, 65], "g", shm_dir=tmp_path)
+    far = CoreBoard("far", [200, 201, 1500], "g", shm_dir=tmp_path)
+    for board in (near, far):
+        board.stepping(True)
+    a.stepping(True)
+    assert (a.peers_stepping(), a.share()) == (1, 1)  # far shares core 200; near shares none
+    near.stepping(True)
+    assert near.peers_stepping() == 0  # cores 64-65 are nobody else's
+    far.stepping(False)
+    assert a.peers_stepping() == 0
 
 
 def test_peers_are_found_again_at_most_once_a_second(tmp_path):
@@ -81,6 +96,8 @@ def test_a_worker_restarted_under_its_id_takes_its_dead_runs_place(tmp_path):
     p = multiprocessing.get_context("fork").Process(target=_die_stepping, args=(tmp_path,))
     p.start()
     p.join(30)
+    from common.shm_segments import sweep_stale_segments
+    sweep_stale_segments(tmp_path)  # as a worker's start does (build_worker)
     again = CoreBoard("dead", [0, 1], "g", shm_dir=tmp_path)  # the same id, restarted
     peer = CoreBoard("peer", [0, 1], "g", shm_dir=tmp_path)
     peer.stepping(True)
