@@ -3,7 +3,7 @@
 # every step's output lands in $OUT (or benchmarks/results/gpu) as it finishes.
 #
 #   bash benchmarks/gpu/checks.sh [STEP ...]
-#   steps: tests greedy decode kernels kv idle serve sweep suite triton spans variants
+#   steps: tests greedy decode kernels kv idle serve sweep suite triton spans variants hostcpu
 #
 # The GPU image's python3 has torch, triton and transformers; what pdserve needs beside them
 # travels as wheels in .whl (benchmarks/gpu/wheels.sh fetches them here; installed to /tmp/site
@@ -74,6 +74,7 @@ for s in "${@:-tests greedy decode kernels kv idle serve sweep}"; do
                    --out "$1/$name.json" || exit; done' _ "$OUT" ;;
       variants) step variants 120 python3 -m pytest -q -p no:cacheprovider -rfE \
                   tests/kernels/test_kernel_variants.py ;;
+      hostcpu) step hostcpu 480 bash benchmarks/gpu/host_cpu.sh "$OUT" ;;
       *) echo "unknown step $s"; exit 2 ;;
     esac
   done

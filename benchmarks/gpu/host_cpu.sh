@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU machine's own CPU, the GPU hidden, as a two-core CPU server: the CPU figures of a
+# processor with native bfloat16 (AMX or AVX512-BF16) where the machine here has none. Two
+# cores on different physical cores, as the 2-core machines the CPU figures come from; the
+# kernels built first on every core. Everything lands in OUT/hostcpu.tgz (the device call
+# returns at most 8 files), packed again after each part so a part cut off leaves the others.
+#
+#   bash benchmarks/gpu/host_cpu.sh OUT
+set -u
+out=$1 res=/tmp/hostcpu
+mkdir -p "$res"
+export CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1
+pack() { tar -czf "$out/hostcpu.tgz" -C /tmp hostcpu; }
+part() {  # part NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "-- $name $(date +%T)"
+  timeout -k 5 "$limit" "$@" > "$res/$name.txt" 2>&1
+  echo "-- $name: exit $?"; tail -n 12 "$res/$name.txt"; pack
+}
+{ lscpu; echo; lscpu -e; } > "$res/lscpu.txt"
+grep -m1 'model name' /proc/cpuinfo
+grep -o -w 'avx512f\|avx512_bf16\|amx_bf16\|amx_tile' /proc/cpuinfo | sort | uniq -c
+# the first logical CPU of each of the first two physical cores
+cores=$(lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | head -2 | cut -d, -f1 | paste -sd,)
+echo "pinned to CPUs $cores"
+g++ --version | head -1 || exit 1
+[ -f /tmp/m56/config.json ] || python3 benchmarks/make_bench_model.py /tmp/m56 --size 56m > /dev/null
+python3 -c 'import torch; from kernels.cpu_attention import load, cpu_isa
+print("torch", torch.__version__, torch.backends.cpu.get_cpu_capability(), cpu_isa()); load()' || exit 1
+pin="taskset -c $cores"
+part attention 150 $pin python3 benchmarks/attention.py --reps 5 --out "$res/attention"
+part step_profile 90 $pin python3 benchmarks/step_profile.py --model /tmp/m56 --reps 5 \
+  --out "$res/step_profile"
+for dtype in bfloat16 float32; do
+  part "serve_$dtype" 150 $pin python3 benchmarks/serve.py --model /tmp/m56 --workload random \
+    --rate 0 --num-requests 60 --max-tokens 64 --seeds 21 22 --shapes default torch-attention \
+    --up-args "--device cpu --dtype $dtype" --out "$res/serve_$dtype"
+done
