@@ -157,12 +157,23 @@ def test_writes_only_its_rows_of_a_shared_output(ops):
     assert (big[0] == 7).all() and (big[3] == 7).all()
 
 
-def test_a_bad_plan_raises_instead_of_reading_outside_the_cache(ops):
+def test_a_bad_plan_raises_instead_of_reading_outside_the_cache(ops, threads):
+    """Only the blocks a sequence's positions need are read, and checked: on every thread
+    count (the check runs inside the parallel region)."""
     q, cache, tables, lens = _decode_case([20, 5], torch.float32, 64, 4, 16, seed=4)
     bad = tables.clone()
     bad[1, 0] = cache.shape[1]  # one past the last block
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu_attention.paged_decode_attention(q, cache, bad, lens, 0.125, ops=ops)
+    bad = tables.clone()
+    bad[0, 1] = -1  # the second block of a sequence of 20 positions
+    with pytest.raises(RuntimeError, match="block id -1 outside the cache"):
+        cpu_attention.paged_decode_attention(q, cache, bad, lens, 0.125, ops=ops)
+    bad = tables.clone()
+    bad[1, 1:] = cache.shape[1]  # past what a sequence of 5 positions reads: harmless
+    out = cpu_attention.paged_decode_attention(q, cache, bad, lens, 0.125, ops=ops)
+    torch.testing.assert_close(out, reference.decode_attention(q, cache, tables, lens, 0.125),
+                               **ATTN_TOL[torch.float32])
     with pytest.raises(RuntimeError, match="block table holds"):
         cpu_attention.paged_decode_attention(q, cache, tables, torch.tensor([20, 33]), 0.125,
                                              ops=ops)
@@ -170,7 +181,23 @@ def test_a_bad_plan_raises_instead_of_reading_outside_the_cache(ops):
         cpu_attention.paged_decode_attention(q.bfloat16(), cache, tables, lens, 0.125, ops=ops)
 
 
-@pytest.mark.parametrize("tokens", [1, 60, 700])
+
+@pytest.mark.parametrize("dtype, gemm", [
+    (torch.float32, cpu_attention.PREFILL_FLOAT), (torch.bfloat16, cpu_attention.PREFILL_FLOAT),
+    (torch.bfloat16, cpu_attention.PREFILL_MKL_BF16),
+    (torch.bfloat16, cpu_attention.PREFILL_DOT_BF16)], ids=["fp32", "bf16-float", "bf16-mkl",
+                                                            "bf16-dot"])
+def test_a_bad_prefill_plan_raises_instead_of_reading_outside_the_cache(ops, threads, dtype,
+                                                                        gemm):
+    """A block of the cached prefix or of the chunk outside the cache, in every prefill path."""
+    q, cache, tables, starts, cached = _prefill_case([(40, 30), (0, 9)], dtype, 64, 2, 16,
+                                                     seed=5)
+    for seq, block in ((0, 1), (0, 4), (1, 0)):  # prefix, chunk, a sequence without a prefix
+        bad = tables.clone()
+        bad[seq, block] = cache.shape[1]
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            cpu_attention.paged_prefill_attention(q, cache, bad, starts, cached, 0.125,
+                                                  ops=ops, gemm=gemm)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 def test_write_kv_equals_the_reference(ops, threads, dtype, tokens):
     """Every row lands in its slot bit for bit, from rows that are views of one projection
