@@ -198,6 +198,9 @@ def test_a_bad_prefill_plan_raises_instead_of_reading_outside_the_cache(ops, thr
         with pytest.raises(RuntimeError, match="outside the cache"):
             cpu_attention.paged_prefill_attention(q, cache, bad, starts, cached, 0.125,
                                                   ops=ops, gemm=gemm)
+
+
+@pytest.mark.parametrize("tokens", [1, 60, 700])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 def test_write_kv_equals_the_reference(ops, threads, dtype, tokens):
     """Every row lands in its slot bit for bit, from rows that are views of one projection
