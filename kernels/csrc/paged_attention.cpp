@@ -149,13 +149,23 @@ inline fVec lane_sums(const float* v) {
 template <int kG, int kD, typename T>
 inline void group_parts(const float* q, const T* k, int64_t D, float* part, int64_t p) {
   if constexpr (kD != 0) D = kD;
-  fVec acc[kG];
-  for (int g = 0; g < kG; ++g) acc[g] = fVec(0.f);
-  for (int64_t d = 0; d < D; d += kVec) {
+  // two accumulators per head (even and odd vectors of the head dim): half as long a chain of
+  // dependent multiply-adds per position
+  fVec acc[kG], acc2[kG];
+  for (int g = 0; g < kG; ++g) acc[g] = acc2[g] = fVec(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kVec <= D; d += 2 * kVec) {
+    const fVec kv = load(k + d), kv2 = load(k + d + kVec);
+    for (int g = 0; g < kG; ++g) {
+      acc[g] = at::vec::fmadd(fVec::loadu(q + g * D + d), kv, acc[g]);
+      acc2[g] = at::vec::fmadd(fVec::loadu(q + g * D + d + kVec), kv2, acc2[g]);
+    }
+  }
+  if (d < D) {
     const fVec kv = load(k + d);
     for (int g = 0; g < kG; ++g) acc[g] = at::vec::fmadd(fVec::loadu(q + g * D + d), kv, acc[g]);
   }
-  for (int g = 0; g < kG; ++g) acc[g].store(part + (g * kVec + p) * kVec);
+  for (int g = 0; g < kG; ++g) (acc[g] + acc2[g]).store(part + (g * kVec + p) * kVec);
 }
 
 template <int kD, typename T>
@@ -184,12 +194,32 @@ inline void chunk_parts(const float* q, const T* const* rows, int64_t m, int64_t
 // the m value rows x[p] = rows[p] + off: the heads' accumulators stay in registers over the
 // rows, a vector of the head dim at a time (the chunk's rows stay in L1 between vectors). The
 // same part of the rows ahead is asked for first (pre[p], p < pm). Whole vectors only.
+// kNB vectors of the head dim at a time: kG * kNB independent accumulators (at most 8), so the
+// multiply-adds of one row do not wait on each other (with one vector at a time each
+// accumulator's chain of m dependent adds set the pace).
 template <int kG, int kD, typename T>
 inline void chunk_axpy_n(float* acc, const float* w, int64_t stride, const T* const* rows,
                          int64_t m, int64_t off, int64_t D, const T* const* pre, int64_t pm) {
   if constexpr (kD != 0) D = kD;
+  constexpr int kNB = kG <= 2 ? 4 : 2;
   for (int64_t p = 0; p < pm; ++p) prefetch(pre[p] + off, D * sizeof(T));
-  for (int64_t d = 0; d < D; d += kVec) {
+  int64_t d = 0;
+  for (; d + kNB * kVec <= D; d += kNB * kVec) {
+    fVec a[kG][kNB];
+    for (int g = 0; g < kG; ++g)
+      for (int b = 0; b < kNB; ++b) a[g][b] = fVec::loadu(acc + g * D + d + b * kVec);
+    for (int64_t p = 0; p < m; ++p) {
+      fVec xv[kNB];
+      for (int b = 0; b < kNB; ++b) xv[b] = load(rows[p] + off + d + b * kVec);
+      for (int g = 0; g < kG; ++g) {
+        const fVec wv(w[g * stride + p]);
+        for (int b = 0; b < kNB; ++b) a[g][b] = at::vec::fmadd(wv, xv[b], a[g][b]);
+      }
+    }
+    for (int g = 0; g < kG; ++g)
+      for (int b = 0; b < kNB; ++b) a[g][b].store(acc + g * D + d + b * kVec);
+  }
+  for (; d < D; d += kVec) {
     fVec a[kG];
     for (int g = 0; g < kG; ++g) a[g] = fVec::loadu(acc + g * D + d);
     for (int64_t p = 0; p < m; ++p) {
