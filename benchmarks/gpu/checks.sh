@@ -74,7 +74,7 @@ for s in "${@:-tests greedy decode kernels kv idle serve sweep}"; do
                    --out "$1/$name.json" || exit; done' _ "$OUT" ;;
       variants) step variants 120 python3 -m pytest -q -p no:cacheprovider -rfE \
                   tests/kernels/test_kernel_variants.py ;;
-      hostcpu) step hostcpu 480 bash benchmarks/gpu/host_cpu.sh "$OUT" ;;
+      hostcpu) step hostcpu 560 bash benchmarks/gpu/host_cpu.sh "$OUT" ;;
       *) echo "unknown step $s"; exit 2 ;;
     esac
   done

@@ -29,6 +29,10 @@ python3 -c 'import torch; from kernels.cpu_attention import load, cpu_isa
 print("torch", torch.__version__, torch.backends.cpu.get_cpu_capability(), cpu_isa()); load()' || exit 1
 pin="taskset -c $cores"
 part attention 150 $pin python3 benchmarks/attention.py --reps 5 --out "$res/attention"
+part resident 60 taskset -c "${cores%%,*}" python3 benchmarks/attention_resident.py
+# bfloat16 decode: the pairwise key product (vdpbf16ps) against keys widened to float
+part decode_dp 150 $pin python3 benchmarks/kernel_ab.py --new-flags -DPDSERVE_NO_DECODE_DP \
+  --dtypes bfloat16 --reps 9
 part step_profile 90 $pin python3 benchmarks/step_profile.py --model /tmp/m56 --reps 5 \
   --out "$res/step_profile"
 for dtype in bfloat16 float32; do

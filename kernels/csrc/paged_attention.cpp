@@ -438,7 +438,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   std::vector<int64_t> costs(items.size());
   for (size_t i = 0; i < items.size(); ++i) costs[i] = items[i].end - items[i].begin + 16;
   const bool whole = D % kVec == 0;
-#if PDSERVE_ISA == 2
+#if PDSERVE_ISA == 2 && !defined(PDSERVE_NO_DECODE_DP)  // (a build for benchmarks/kernel_ab.py)
   // bfloat16 keys multiplied as pairs against the unscaled bfloat16 query (exact products,
   // float sums), the scale applied to the scores
   const bool dp = std::is_same_v<T, BFloat16> && dp_runs(D);
