@@ -199,13 +199,32 @@ inline void chunk_parts(const float* q, const T* const* rows, int64_t m, int64_t
   }
 }
 
+// acc[g][d, d + kNB * kVec) += sum over p < m of w[g * stride + p] * x[p][d, ...): kG * kNB
+// accumulators in registers over the rows, so the multiply-adds of one row do not wait on each
+// other (one vector at a time, each accumulator's chain of m dependent adds set the pace).
+template <int kG, int kNB, typename T>
+inline void rows_axpy(float* acc, const float* w, int64_t stride, const T* const* rows,
+                      int64_t m, int64_t off, int64_t D, int64_t d) {
+  fVec a[kG][kNB];
+  for (int g = 0; g < kG; ++g)
+    for (int b = 0; b < kNB; ++b) a[g][b] = fVec::loadu(acc + g * D + d + b * kVec);
+  for (int64_t p = 0; p < m; ++p) {
+    fVec xv[kNB];
+    for (int b = 0; b < kNB; ++b) xv[b] = load(rows[p] + off + d + b * kVec);
+    for (int g = 0; g < kG; ++g) {
+      const fVec wv(w[g * stride + p]);
+      for (int b = 0; b < kNB; ++b) a[g][b] = at::vec::fmadd(wv, xv[b], a[g][b]);
+    }
+  }
+  for (int g = 0; g < kG; ++g)
+    for (int b = 0; b < kNB; ++b) a[g][b].store(acc + g * D + d + b * kVec);
+}
+
 // acc[g] += sum over p < m of w[g * stride + p] * x[p] for the G query heads of one kv head and
-// the m value rows x[p] = rows[p] + off: the heads' accumulators stay in registers over the
-// rows, a vector of the head dim at a time (the chunk's rows stay in L1 between vectors). The
-// same part of the rows ahead is asked for first (pre[p], p < pm). Whole vectors only.
-// kNB vectors of the head dim at a time: kG * kNB independent accumulators (at most 8), so the
-// multiply-adds of one row do not wait on each other (with one vector at a time each
-// accumulator's chain of m dependent adds set the pace).
+// the m value rows x[p] = rows[p] + off, kNB vectors of the head dim at a time (at most 8
+// accumulators; the chunk's rows stay in L1 between them). The same part of the rows ahead is
+// asked for first (pre[p], p < pm; the key pass asked for them too, chunk_parts). Whole vectors
+// only.
 template <int kG, int kD, typename T>
 inline void chunk_axpy_n(float* acc, const float* w, int64_t stride, const T* const* rows,
                          int64_t m, int64_t off, int64_t D, const T* const* pre, int64_t pm) {
@@ -213,30 +232,9 @@ inline void chunk_axpy_n(float* acc, const float* w, int64_t stride, const T* co
   constexpr int kNB = kG <= 2 ? 4 : 2;
   for (int64_t p = 0; p < pm; ++p) prefetch(pre[p] + off, D * sizeof(T));
   int64_t d = 0;
-  for (; d + kNB * kVec <= D; d += kNB * kVec) {
-    fVec a[kG][kNB];
-    for (int g = 0; g < kG; ++g)
-      for (int b = 0; b < kNB; ++b) a[g][b] = fVec::loadu(acc + g * D + d + b * kVec);
-    for (int64_t p = 0; p < m; ++p) {
-      fVec xv[kNB];
-      for (int b = 0; b < kNB; ++b) xv[b] = load(rows[p] + off + d + b * kVec);
-      for (int g = 0; g < kG; ++g) {
-        const fVec wv(w[g * stride + p]);
-        for (int b = 0; b < kNB; ++b) a[g][b] = at::vec::fmadd(wv, xv[b], a[g][b]);
-      }
-    }
-    for (int g = 0; g < kG; ++g)
-      for (int b = 0; b < kNB; ++b) a[g][b].store(acc + g * D + d + b * kVec);
-  }
-  for (; d < D; d += kVec) {
-    fVec a[kG];
-    for (int g = 0; g < kG; ++g) a[g] = fVec::loadu(acc + g * D + d);
-    for (int64_t p = 0; p < m; ++p) {
-      const fVec xv = load(rows[p] + off + d);
-      for (int g = 0; g < kG; ++g) a[g] = at::vec::fmadd(fVec(w[g * stride + p]), xv, a[g]);
-    }
-    for (int g = 0; g < kG; ++g) a[g].store(acc + g * D + d);
-  }
+  for (; d + kNB * kVec <= D; d += kNB * kVec)
+    rows_axpy<kG, kNB>(acc, w, stride, rows, m, off, D, d);
+  for (; d < D; d += kVec) rows_axpy<kG, 1>(acc, w, stride, rows, m, off, D, d);
 }
 
 template <int kD, typename T>
