@@ -12,24 +12,20 @@ from __future__ import annotations
 import itertools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, scattered_blocks, timed  # noqa: E402
 from kernels.cpu_attention import cpu_isa, load, paged_decode_attention  # noqa: E402
 
-BLOCK, KV_HEADS, HEAD_DIM, HEADS, BATCH = 16, 4, 64, 8, 64
+BATCH = 64
 
 
-def timed(fn, reps: int = 15) -> tuple[float, float, float]:
-    fn()
-    ts = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - start)
+def spread(fn, reps: int = 15) -> tuple[float, float, float]:
+    """Median, min and max seconds of `reps` calls (after a warm one)."""
+    ts = timed(fn, reps)
     return statistics.median(ts), min(ts), max(ts)
 
 
@@ -48,19 +44,17 @@ def main() -> None:
             lens = torch.full((BATCH,), ctx)
             cache = torch.randn((2, blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
             per = BATCH * ctx * KV_HEADS / 1e9
-            m, lo, hi = timed(lambda q=q, c=cache, t=tables, n=lens:
+            m, lo, hi = spread(lambda q=q, c=cache, t=tables, n=lens:
                               paged_decode_attention(q, c, t, n, scale))
             print(f"resident  {name:9s} {BATCH}x{ctx:<5d} {m / per:5.1f} ns/position/kv head "
                   f"[{lo / per:.1f}-{hi / per:.1f}]", flush=True)
         for ctx in (320, 2000):
-            need = -(-ctx // BLOCK)
-            num_blocks = BATCH * need + 8
-            tables = torch.randperm(num_blocks, generator=gen)[:BATCH * need].view(BATCH, need)
-            lens = torch.full((BATCH,), ctx)
+            rows, num_blocks = scattered_blocks([ctx] * BATCH, gen)
+            tables, lens = torch.tensor(rows), torch.full((BATCH,), ctx)
             caches = [torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen)
                       .to(dtype) for _ in range(8)]
             turn = itertools.count()
-            m, lo, hi = timed(lambda q=q, cs=caches, i=turn, t=tables, n=lens:
+            m, lo, hi = spread(lambda q=q, cs=caches, i=turn, t=tables, n=lens:
                               paged_decode_attention(q, cs[next(i) % 8], t, n, scale))
             per = BATCH * ctx * KV_HEADS / 1e9
             gb = BATCH * ctx * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize / 1e9
@@ -68,8 +62,8 @@ def main() -> None:
                   f"{gb / m:.1f} GB/s [{gb / hi:.1f}-{gb / lo:.1f}]", flush=True)
     src = torch.ones(64 * 2**20)
     dst = torch.empty_like(src)
-    copy = timed(lambda: dst.copy_(src), 5)[0]
-    read = timed(lambda: src.sum(), 5)[0]
+    copy = spread(lambda: dst.copy_(src), 5)[0]
+    read = spread(lambda: src.sum(), 5)[0]
     print(f"one thread: copy {src.numel() * 4 / copy / 1e9:.1f} GB/s, "
           f"read (sum) {src.numel() * 4 / read / 1e9:.1f} GB/s")
 

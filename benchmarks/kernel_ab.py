@@ -28,8 +28,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.attention import BLOCK, DECODES, HEAD_DIM, HEADS, KV_HEADS  # noqa: E402
-from kernels.cpu_attention import ISA_FLAGS, SOURCES, cpu_isa, paged_decode_attention  # noqa: E402
+from benchmarks.attention import BLOCK, DECODES, HEAD_DIM, HEADS, KV_HEADS, scattered_blocks  # noqa: E402
+from kernels.cpu_attention import SOURCES, build_flags, cpu_isa, paged_decode_attention  # noqa: E402
 
 
 def sources_of(rev: str | None, into: Path) -> Path:
@@ -47,11 +47,10 @@ def build(name: str, src: Path, flags: list[str], build_root: Path):
     from torch.utils import cpp_extension
     out = build_root / name
     out.mkdir(parents=True, exist_ok=True)
+    cflags, ldflags = build_flags(name, cpu_isa(), flags)
     cpp_extension.load(name=name, sources=[str(src / p.name) for p in SOURCES],
-                       build_directory=str(out),
-                       extra_cflags=["-O3", "-fopenmp", f"-DPDSERVE_OPS={name}",
-                                     *ISA_FLAGS[cpu_isa()], *flags],
-                       extra_ldflags=["-fopenmp"], is_python_module=False)
+                       build_directory=str(out), extra_cflags=cflags, extra_ldflags=ldflags,
+                       is_python_module=False)
     return getattr(torch.ops, name)
 
 
@@ -79,14 +78,10 @@ def main() -> None:
             dtype = getattr(torch, dtype_name)
             torch.set_num_threads(threads)
             for case, lengths in DECODES.items():
-                need = [-(-n // BLOCK) for n in lengths]
-                num_blocks = sum(need) + 8
-                ids = torch.randperm(num_blocks, generator=gen).tolist()
-                rows, at = [], 0
-                for n in need:
-                    rows.append(ids[at:at + n] + [0] * (max(need) - n))
-                    at += n
-                tables, lens = torch.tensor(rows), torch.tensor(lengths)
+                rows, num_blocks = scattered_blocks(lengths, gen)
+                width = max(map(len, rows))
+                tables = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+                lens = torch.tensor(lengths)
                 caches = [torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen)
                           .to(dtype) for _ in range(8)]
                 q = torch.randn((len(lengths), HEADS, HEAD_DIM), generator=gen).to(dtype)

@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.attention import cpu_flags  # noqa: E402
 from common.kv_cache import PagedKVCache  # noqa: E402
 from common.kv_layout import KVLayout  # noqa: E402
-from common.models.attention import (AttentionMetadata, CpuAttentionBackend,  # noqa: E402
-                                     TorchAttentionBackend)
+from common.models.attention import AttentionMetadata, CpuAttentionBackend, TorchAttentionBackend  # noqa: E402
 from common.models.llama import load_model  # noqa: E402
 
 BACKENDS = {"paged cpu kernels": CpuAttentionBackend, "gather + SDPA": TorchAttentionBackend}

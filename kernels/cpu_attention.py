@@ -76,6 +76,16 @@ def _build_lock(build: Path, wait_s: float):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def build_flags(name: str, isa: str, extra: list[str] | None = None
+                ) -> tuple[list[str], list[str]]:
+    """cpp_extension.load's compiler and linker flags for the build `name` of the kernels for
+    `isa` (`extra`: more compiler flags, macros the sources read)."""
+    # at::parallel_for is inline OpenMP: the same libgomp as torch's (already loaded, same
+    # soname), so one thread pool
+    return (["-O3", "-fopenmp", f"-DPDSERVE_OPS={name}", *ISA_FLAGS[isa], *(extra or [])],
+            ["-fopenmp"])
+
+
 def load(isa: str | None = None, verbose: bool = False, wait_s: float = BUILD_WAIT_S):
     """The ops of the build for `isa` (default: this CPU's), compiling it on first use.
     Returns the `torch.ops` namespace holding paged_decode_attention, paged_prefill_attention,
@@ -97,14 +107,11 @@ def load(isa: str | None = None, verbose: bool = False, wait_s: float = BUILD_WA
             build.mkdir(parents=True, exist_ok=True)
             with _build_lock(build, wait_s):
                 try:
+                    cflags, ldflags = build_flags(name, isa)
                     cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
-                                       build_directory=str(build),
-                                       extra_cflags=["-O3", "-fopenmp", f"-DPDSERVE_OPS={name}",
-                                                     *ISA_FLAGS[isa]],
-                                       # at::parallel_for is inline OpenMP: the same libgomp as
-                                       # torch's (already loaded, same soname), so one thread pool
-                                       extra_ldflags=["-fopenmp"],
-                                       is_python_module=False, verbose=verbose)
+                                       build_directory=str(build), extra_cflags=cflags,
+                                       extra_ldflags=ldflags, is_python_module=False,
+                                       verbose=verbose)
                 except Exception as e:
                     _failed[isa] = e
                     raise
