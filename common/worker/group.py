@@ -301,7 +301,7 @@ def follower_main(cfg: WorkerConfig, rank: int, port: int, conn: Connection) -> 
         log.exception("rank %d failed", rank)
     finally:
         if worker is not None:
-            worker.cache.close()
+            worker.close()
         leave(status)
 
 

@@ -487,13 +487,7 @@ async def _serve(cfg: WorkerConfig, steps: ThreadPoolExecutor,
             watch.cancel()
         if health is not None:
             await health.stop()
-        worker.cache.close()
-        if worker.board is not None:
-            worker.board.close()
-        if worker.tier is not None:
-            worker.tier.close()
-        for sender in worker.senders.values():
-            sender.close()
+        worker.close()
         for listener in worker.listeners.values():
             await listener.close()
         steps.shutdown(wait=False)

@@ -87,12 +87,29 @@ class Worker:
                                           initializer=torch.set_num_threads, initargs=(1,))
         self._ahead: Future[int] | None = None  # the running step's
         self._copy_stream: torch.cuda.Stream | None = None  # its stream, beside a GPU
+        self._closed = False
 
     def reset(self) -> None:
         """Forgets every request: the scheduler that planned them is gone (the cache's content,
         block_hashes, stays for the next one)."""
         self.requests.clear()
         self.receiver.reset()
+
+    def close(self) -> None:
+        """Ends what the worker holds outside its process's memory: its shm cache and core
+        board segments, the second tier, the senders' connections (the listeners are async:
+        their owner closes them). Once: a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self.cache.close()
+        if self.board is not None:
+            self.board.close()
+        if self.tier is not None:
+            self.tier.close()
+        for sender in self.senders.values():
+            sender.close()
+        self._copier.shutdown(wait=False)
 
     @property
     def counters(self) -> WorkerCounters:

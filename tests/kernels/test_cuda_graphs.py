@@ -100,5 +100,5 @@ def test_a_worker_on_graphs_samples_what_an_eager_one_does(tiny_llama, dtype):
         if graphs is not None:
             assert graphs.replays == 12  # the 1- and 3-request decode steps; 9 > 8 ran eagerly
         runs.append(tokens)
-        w.cache.close()
+        w.close()
     assert runs[0] == runs[1]

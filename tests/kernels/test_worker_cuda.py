@@ -41,7 +41,7 @@ def test_cuda_worker_matches_the_cpu_worker(tiny_llama):
         assert _run(gpu, prompt, 12) == _run(cpu, prompt, 12)
     finally:
         for w in made:
-            w.cache.close()
+            w.close()
 
 
 def test_cuda_kv_streams_layer_by_layer_over_tcp(tiny_llama):

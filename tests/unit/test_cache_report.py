@@ -55,7 +55,7 @@ def worker(tiny_llama):
                                      worker_id=f"report-{uuid.uuid4().hex[:6]}",
                                      num_kv_blocks=32, dtype="float32"))
     yield w
-    w.cache.close()
+    w.close()
 
 
 def new(rid: str, n: int, blocks: tuple[int, ...], computed: int = 0) -> NewRequest:

@@ -80,7 +80,7 @@ def worker(tiny_llama):
         role="decode", model=str(tiny_llama), worker_id=f"grammars-{uuid.uuid4().hex[:6]}",
         num_kv_blocks=8 * BLOCKS_PER_REQUEST, dtype="float32", kv_transports=("shm",)))
     yield w
-    w.cache.close()
+    w.close()
 
 
 def _prompt(n: int, seed: int) -> tuple[int, ...]:

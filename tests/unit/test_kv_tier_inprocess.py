@@ -129,9 +129,7 @@ def test_a_worker_gone_mid_store_leaves_no_block_another_can_read(host_pair, hf)
     tier = c.sched.workers[b].kv.tier
     assert tier.find(_hashes(prompt)[:5], b) == []  # pending: not b's to read yet
     c.sched.remove_worker(a)
-    lost = c.workers.pop(a)
-    lost.tier.close()
-    lost.cache.close()
+    c.workers.pop(a).close()
     assert len(tier) == 0
     assert c.workers[b].tier.path.exists()
     c.submit("again", prompt, max_tokens=6)
@@ -139,10 +137,6 @@ def test_a_worker_gone_mid_store_leaves_no_block_another_can_read(host_pair, hf)
     assert c.tokens("again") == _greedy(hf, prompt, 6)
     assert _computed(c, b) == 23 and c.workers[b].counters.tier_blocks_loaded == 0
     c.assert_all_free()
-    for s in lost.senders.values():
-        s.close()
-    for listener in lost.listeners.values():
-        c._await(listener.close())
 
 
 def test_a_decode_worker_loads_from_the_host_tier_what_would_cross(cluster, hf):  # noqa: F811

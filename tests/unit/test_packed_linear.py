@@ -71,4 +71,4 @@ def test_worker_flag_chooses_the_linears(tiny_llama, prepack):
         assert isinstance(model.lm_head, PackedLinear) == prepack
         assert isinstance(model.layers[0].mlp.down_proj, PackedLinear) == prepack
     finally:
-        worker.cache.close()
+        worker.close()

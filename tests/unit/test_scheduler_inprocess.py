@@ -2,8 +2,9 @@
 greedy ones, and every block comes back through finishes, aborts, preemptions and lost workers.
 KV moves over the real transports (shm by default, tcp on loopback where a test asks)."""
 import asyncio
-import os
 import collections
+import itertools
+import os
 import threading
 from dataclasses import replace
 
@@ -20,12 +21,16 @@ from services.scheduler.request import Request
 from services.scheduler.scheduler import RegistrationError, Scheduler
 
 
+_CLUSTERS = itertools.count()  # worker ids unique in this process, whatever a test leaves open
+
+
 class Cluster:
     def __init__(self, model_dir, roles_blocks, worker_kw=None, **sched_kw):
         # a clock that stands still: no prefill speed is measured, so where a prompt goes does
         # not depend on how fast this machine runs the steps (tests/policy times them)
         self.sched = Scheduler(SchedulerConfig(**sched_kw), clock=lambda: 0.0)
         self.workers = {}
+        self.built = []  # every worker made, lost ones too: close() ends them all
         self.threads = torch.get_num_threads()  # plans of workers sharing cores change it
         self.loop = asyncio.new_event_loop()  # the workers' listeners run here
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -33,12 +38,13 @@ class Cluster:
             # float32, as the references are, whatever --dtype auto would pick on this host
             kw = {"kv_transports": ("shm",), "dtype": "float32", **(worker_kw or {})}
             worker, reg = build_worker(WorkerConfig(
-                role=role, model=str(model_dir), worker_id=f"test-{role}-{i}-{id(self)}",
+                role=role, model=str(model_dir), worker_id=f"test-{role}-{i}-c{next(_CLUSTERS)}",
                 num_kv_blocks=blocks, block_size=4, **kw))
             self._await(start_listeners(worker, reg))
             self.registrations = getattr(self, "registrations", []) + [reg]
             self.sched.add_worker(reg)
             self.workers[reg.worker_id] = worker
+            self.built.append(worker)
         self.outputs = {}
         self.hold_sends = False  # keep KV sends back, as a slow transport would
         self.sent = {}  # worker id -> plans sent, not yet run
@@ -54,16 +60,23 @@ class Cluster:
     def _await(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
 
+    def extra_worker(self, **cfg):
+        """A worker built beside the cluster's, not registered: the test decides what to do
+        with its registration. close() ends it."""
+        worker, reg = build_worker(WorkerConfig(
+            worker_id=f"test-extra-c{next(_CLUSTERS)}", num_kv_blocks=4, block_size=4, **cfg))
+        self.built.append(worker)
+        return worker, reg
+
+    def lose(self, wid):
+        """The worker is gone for the scheduler's driving; its cache is closed (its shm KV
+        unmapped) as a dead process's would be. close() ends the rest of it."""
+        self.workers.pop(wid).cache.close()
+
     def close(self):
         torch.set_num_threads(self.threads)
-        for w in self.workers.values():
-            w.cache.close()
-            if w.board is not None:
-                w.board.close()
-            if w.tier is not None:
-                w.tier.close()
-            for s in w.senders.values():
-                s.close()
+        for w in self.built:
+            w.close()
             for listener in w.listeners.values():
                 self._await(listener.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -225,7 +238,7 @@ def test_lost_decode_worker_requests_resume_elsewhere(cluster, hf):
     lost = next(w for w in c.sched.workers.values()
                 if w.role == "decode" and w.decoding)
     c.sched.remove_worker(lost.worker_id)
-    c.workers.pop(lost.worker_id).cache.close()
+    c.lose(lost.worker_id)
     c.run()
     for rid, p in prompts.items():
         assert c.tokens(rid) == _greedy(hf, p, 10), rid
@@ -248,9 +261,7 @@ def test_seeded_sampling_survives_preemption(cluster):
 
 def test_incompatible_worker_is_refused(cluster, tiny_models):
     c = cluster([("decode", 16)])
-    other, reg = build_worker(WorkerConfig(role="prefill", model=str(tiny_models["qwen3"]),
-                                           worker_id=f"test-other-{id(c)}", num_kv_blocks=4, block_size=4))
-    other.cache.close()
+    _, reg = c.extra_worker(role="prefill", model=str(tiny_models["qwen3"]))
     with pytest.raises(RegistrationError, match="fingerprint"):
         c.sched.add_worker(reg)
     reg = replace(reg, model_fingerprint=c.sched.workers[next(iter(c.sched.workers))].fingerprint,
@@ -310,7 +321,7 @@ def test_prefill_worker_lost_mid_transfer_recomputes_on_the_decode_worker(cluste
         c.step()
     pid = next(w for w in c.sched.workers.values() if w.role == "prefill").worker_id
     c.sched.remove_worker(pid)
-    c.workers.pop(pid).cache.close()
+    c.lose(pid)
     c.held.clear()
     c.run()  # no prefill worker left: the decode worker prefills prompt + first token itself
     assert c.tokens("a") == _greedy(hf, prompt, 10)
@@ -326,7 +337,7 @@ def test_decode_worker_lost_mid_transfer_frees_the_senders_blocks_when_done(clus
         c.step()
     did = next(iter(c.sched.transfers.by_id.values())).dst.worker_id
     c.sched.remove_worker(did)
-    c.workers.pop(did).cache.close()
+    c.lose(did)
     assert _free(c, "prefill") == 16 - 3  # the send still reads them
     c.deliver()  # the send fails or lands in a dead cache; either way the blocks come back
     c.hold_sends = False
@@ -405,9 +416,7 @@ def test_short_prompts_bypass_a_busy_prefill_pool(cluster, hf):
 
 def test_colocated_mode_refuses_prefill_workers(cluster, tiny_llama):
     c = cluster([("decode", 16)], mode="colocated")
-    w, reg = build_worker(WorkerConfig(role="prefill", model=str(tiny_llama), dtype="float32",
-                                       worker_id=f"test-p-{id(c)}", num_kv_blocks=4, block_size=4))
-    w.cache.close()
+    _, reg = c.extra_worker(role="prefill", model=str(tiny_llama), dtype="float32")
     with pytest.raises(RegistrationError, match="colocated"):
         c.sched.add_worker(reg)
 
@@ -643,7 +652,7 @@ def test_samples_survive_a_lost_worker(cluster, lost):
         c.step()
         victim = next(w for w in c.sched.workers.values() if w.role == "decode" and w.decoding)
     c.sched.remove_worker(victim.worker_id)
-    c.workers.pop(victim.worker_id).cache.close()
+    c.lose(victim.worker_id)
     c.run()
     assert [c.tokens(r) for r in ("g", "g/1", "g/2")] == expected
     c.assert_all_free()
@@ -819,7 +828,7 @@ def test_malformed_results_are_refused_whole_and_only_their_worker_goes(cluster,
 
     refused_whole()
     c.sched.remove_worker(wid)  # what the server does on a ProtocolError
-    c.workers.pop(wid).cache.close()
+    c.lose(wid)
     c.run()
     for rid, p in prompts.items():
         assert c.tokens(rid) == _greedy(hf, p, 10), rid

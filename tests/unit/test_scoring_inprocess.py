@@ -96,7 +96,7 @@ def test_a_prompt_scored_again_after_its_prefill_worker_is_lost(cluster, hf):
     assert not c.outputs["a"]
     pid = _by_role(c, "prefill").worker_id
     c.sched.remove_worker(pid)
-    c.workers.pop(pid).cache.close()
+    c.lose(pid)
     c.run()  # the decode worker prefills (and scores) it from its start
     _assert_scores(c.outputs["a"], hf, prompt, 3)
     assert c.tokens("a") == _greedy(hf, prompt, 4)

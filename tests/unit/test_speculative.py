@@ -254,7 +254,7 @@ def _run(cluster, roles, spec, prompts, lose_decode_after=0, **kw):
     if lose_decode_after:
         victim = next(w for w in c.sched.workers.values() if w.role == "decode" and w.decoding)
         c.sched.remove_worker(victim.worker_id)
-        c.workers.pop(victim.worker_id).cache.close()
+        c.lose(victim.worker_id)
     c.run()
     c.assert_all_free()
     return c
@@ -448,7 +448,7 @@ def test_draft_speculation_after_a_lost_worker_keeps_greedy_and_seeded_tokens(
                 c.step()
             victim = next(w for w in c.sched.workers.values() if decoding(w))
             c.sched.remove_worker(victim.worker_id)
-            c.workers.pop(victim.worker_id).cache.close()
+            c.lose(victim.worker_id)
         c.run()
         c.assert_all_free()
         if speculate:
