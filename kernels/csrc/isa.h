@@ -3,7 +3,7 @@
 // at::vec's CPU_CAPABILITY namespace) for the kernels that follow; each file closes it with
 // PDSERVE_ISA_END before its ops, which stay baseline so that any build loads on any x86 CPU.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

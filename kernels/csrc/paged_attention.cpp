@@ -27,6 +27,7 @@
 // (a target pragma, and at::vec's CPU_CAPABILITY namespace): the library's load-time code stays
 // baseline, so any build loads on any x86 CPU and only calling a kernel needs its instructions.
 // The op namespace comes from PDSERVE_OPS, so that two builds can be loaded side by side.
+#include <ATen/ops/from_blob.h>
 #include <dlfcn.h>
 #include <immintrin.h>
 

@@ -17,7 +17,7 @@ from tests.e2e.conftest import Stack, stream_completion
 from tests.e2e.test_serve import _prompt
 
 KEEPALIVE_S, PING_TIMEOUT_S = 1, 2
-MAX_TOKENS = 1500
+MAX_TOKENS = 400  # the stream outlasts the poll that finds it at 20 tokens and the SIGSTOP
 
 
 def _greedy_through_eos(hf, prompt: list[int], n: int) -> list[int]:
@@ -43,15 +43,17 @@ def _pid_holding(stack: Stack, worker_id: str) -> int:
 
 def test_a_frozen_decode_worker_is_dropped_in_seconds_and_its_stream_resumes(tiny_llama,
                                                                              tmp_path):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama,
-                                                           dtype=torch.float32).eval()
-    prompt = _prompt(12, 71)
-    want = _greedy_through_eos(hf, prompt, MAX_TOKENS)
     stack = Stack(tiny_llama, tmp_path, "--num-kv-blocks", "256", "--decode-workers", "2",
                   f"--scheduler-args=--keepalive-time {KEEPALIVE_S} "
-                  f"--keepalive-timeout {PING_TIMEOUT_S}")
+                  f"--keepalive-timeout {PING_TIMEOUT_S}", wait=False)
     frozen = None
     try:
+        # the reference while the stack starts
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama,
+                                                               dtype=torch.float32).eval()
+        prompt = _prompt(12, 71)
+        want = _greedy_through_eos(hf, prompt, MAX_TOKENS)
+        stack.wait_up()
         with grpc.insecure_channel(f"127.0.0.1:{stack.sched_port}") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
 

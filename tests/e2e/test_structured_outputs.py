@@ -85,7 +85,7 @@ async def _both(url: str, model: str, schema: dict, seed: int):
         return await asyncio.gather(chat, streamed())
 
 
-@settings(max_examples=50, deadline=None, derandomize=True)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(schema=SCHEMAS, seed=st.integers(0, 2**32))
 def test_random_bounded_schemas_hold_whole_and_streamed(stack, model, schema, seed):
     whole, (text, finishes) = asyncio.run(_both(stack.url, model, schema, seed))
