@@ -11,7 +11,7 @@ TINY_MODEL := models/tiny-llama
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt constraints.txt pyproject.toml kernels/csrc/paged_attention.cpp kernels/csrc/sampling.cpp kernels/csrc/isa.h kernels/csrc/vec_helpers.h
+$(STAMP): requirements.txt constraints.txt pyproject.toml $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --disable-pip-version-check -q torch==2.13.0
 	$(PIP) install --disable-pip-version-check -q -c constraints.txt -r requirements.txt

@@ -48,7 +48,8 @@ def build(name: str, src: Path, flags: list[str], build_root: Path):
     out = build_root / name
     out.mkdir(parents=True, exist_ok=True)
     cflags, ldflags = build_flags(name, cpu_isa(), flags)
-    cpp_extension.load(name=name, sources=[str(src / p.name) for p in SOURCES],
+    # every .cpp of that revision's csrc (a revision's file list may differ from this tree's)
+    cpp_extension.load(name=name, sources=sorted(str(p) for p in src.glob("*.cpp")),
                        build_directory=str(out), extra_cflags=cflags, extra_ldflags=ldflags,
                        is_python_module=False)
     return getattr(torch.ops, name)

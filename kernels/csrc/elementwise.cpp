@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "isa.h"
+#include "ops.h"
 #include "vec_helpers.h"
 
 namespace {
@@ -128,7 +129,7 @@ void rope_kernel(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 
 PDSERVE_ISA_END
 
-namespace {
+namespace PDSERVE_OPS {
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
@@ -190,13 +191,4 @@ void rope(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
     rope_kernel<BFloat16>(x, cos, sin);
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(PDSERVE_OPS, m) {
-  m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
-  m.def("rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
-  m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
-  m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
-  m.impl("rope", c10::DispatchKey::CPU, &rope);
-}
+}  // namespace PDSERVE_OPS

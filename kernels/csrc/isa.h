@@ -5,11 +5,6 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#ifndef PDSERVE_OPS
-#define PDSERVE_OPS pdserve_cpu
-#endif
 #ifndef PDSERVE_ISA
 #define PDSERVE_ISA 0
 #endif

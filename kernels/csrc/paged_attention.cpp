@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "ops.h"
 #include "vec_helpers.h"
 
 namespace {
@@ -968,7 +969,7 @@ PDSERVE_ISA_END
 
 // ---- the ops: checks and dispatch, compiled for any CPU ----
 
-namespace {
+namespace PDSERVE_OPS {
 
 void check_cache(const at::Tensor& kv_cache) {
   TORCH_CHECK(kv_cache.device().is_cpu(), "CPU tensors expected");
@@ -1088,16 +1089,4 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
   });
 }
 
-}  // namespace
-
-TORCH_LIBRARY(PDSERVE_OPS, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
-  m.def("paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor num_cached, float scale, int gemm, "
-        "Tensor(a!) out) -> ()");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
-  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
-  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
-  m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
-}
+}  // namespace PDSERVE_OPS

@@ -25,6 +25,7 @@
 #include <limits>
 
 #include "isa.h"
+#include "ops.h"
 #include "vec_helpers.h"
 
 namespace {
@@ -226,13 +227,13 @@ int64_t argmax_row(const float* x, int64_t n) {
 
 PDSERVE_ISA_END
 
-namespace {
+namespace PDSERVE_OPS {
 
 // probs: [rows, vocab] float32 (rows need not sum to 1), or with `logits` log-weights;
 // keys: [rows] int64; cut (with `logits` only): [rows] float32, each row's logits below it
 // weigh nothing; out: [rows] int64
 void exponential_race(const at::Tensor& probs, const at::Tensor& keys, bool logits,
-                      const c10::optional<at::Tensor>& cut, at::Tensor out) {
+                      const std::optional<at::Tensor>& cut, at::Tensor out) {
   TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat && probs.dim() == 2 &&
                   probs.stride(1) == 1,
               "probs: a float32 [rows, vocab] CPU tensor with contiguous rows");
@@ -275,12 +276,4 @@ void argmax_rows(const at::Tensor& x, at::Tensor out) {
   });
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(PDSERVE_OPS, m) {
-  m.def("exponential_race(Tensor probs, Tensor keys, bool logits, Tensor? cut, Tensor(a!) out) "
-        "-> ()");
-  m.impl("exponential_race", c10::DispatchKey::CPU, &exponential_race);
-  m.def("argmax_rows(Tensor x, Tensor(a!) out) -> ()");
-  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
-}
+}  // namespace PDSERVE_OPS

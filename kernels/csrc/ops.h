@@ -1,0 +1,37 @@
+// The ops' entry points, checked and dispatched to the kernels of this build's instruction set;
+// registered with the dispatcher in registration.cpp, the one file of a build that includes
+// torch/library.h (about 10 s of compiling on its own). They live in the build's op namespace,
+// so two builds loaded side by side keep their own.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+#ifndef PDSERVE_OPS
+#define PDSERVE_OPS pdserve_cpu
+#endif
+
+namespace PDSERVE_OPS {
+
+// paged_attention.cpp
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale, at::Tensor out);
+void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                             const at::Tensor& num_cached, double scale, int64_t gemm,
+                             at::Tensor out);
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+              const at::Tensor& slot_mapping);
+// sampling.cpp
+void exponential_race(const at::Tensor& probs, const at::Tensor& keys, bool logits,
+                      const std::optional<at::Tensor>& cut, at::Tensor out);
+void argmax_rows(const at::Tensor& x, at::Tensor out);
+// elementwise.cpp
+void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor out);
+void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+              const at::Tensor& weight, double eps, at::Tensor out);
+void rope(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+
+}  // namespace PDSERVE_OPS

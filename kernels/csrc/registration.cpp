@@ -1,0 +1,29 @@
+// The ops' schemas and their CPU implementations (ops.h), one library per build: its name is
+// the build's op namespace (PDSERVE_OPS), so two builds can be loaded side by side.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(PDSERVE_OPS, m) {
+  using namespace PDSERVE_OPS;
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+  m.def("paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor num_cached, float scale, int gemm, "
+        "Tensor(a!) out) -> ()");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("exponential_race(Tensor probs, Tensor keys, bool logits, Tensor? cut, Tensor(a!) out) "
+        "-> ()");
+  m.def("argmax_rows(Tensor x, Tensor(a!) out) -> ()");
+  m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
+  m.def("rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
+  m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
+  m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
+  m.impl("exponential_race", c10::DispatchKey::CPU, &exponential_race);
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
+  m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("rope", c10::DispatchKey::CPU, &rope);
+}
