@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import torch
@@ -23,6 +24,28 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models):
     return tiny_models["llama"]
+
+
+def _segments_held() -> set[str]:
+    """The pdserve /dev/shm segments (KV caches, tiers, core boards) this process holds open
+    under their names: a worker built here and not closed keeps its segment, and a later worker
+    given the same id fails to start beside it."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("/dev/shm/pdserve-") and not target.endswith(" (deleted)"):
+                held.add(target)
+    return held
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_segment_left_open(request):
+    """Every test module closes the workers, caches and boards it makes (Worker.close)."""
+    before = _segments_held()
+    yield
+    left = sorted(_segments_held() - before)
+    assert not left, f"{request.module.__name__} left shm segments open: {left}"
 
 
 def pytest_collection_modifyitems(config, items):
