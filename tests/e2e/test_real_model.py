@@ -59,13 +59,16 @@ def hf(smollm2, starting, tmp_path_factory):
     on the tokenizer files that fetch-model wrote beside it; built while the stack starts (each
     takes ~30 s here, mostly reading the file). transformers parses the file once for the
     tokenizer, once for the config and once for the weights (gguf.GGUFReader, 5-8 s each
-    here): the three share one parse, the same reader each would build."""
+    here): the three share one parse, the same reader each would build. Its weight map asks
+    gguf for the tensor name map of (architecture, layers) once per module (397 times, 12 s
+    here): built once, it is the map each call would build."""
     gguf_file = find_gguf(smollm2)
     alone = tmp_path_factory.mktemp("gguf")
     (alone / gguf_file.name).symlink_to(gguf_file)
     with pytest.MonkeyPatch.context() as mp:
         parse = functools.cache(gguf.GGUFReader)  # by the file, not the name it is read by
         mp.setattr(gguf, "GGUFReader", lambda path, *a: parse(Path(path).resolve(), *a))
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         tokenizer = transformers.AutoTokenizer.from_pretrained(alone, gguf_file=gguf_file.name)
         config = transformers.AutoConfig.from_pretrained(alone, gguf_file=gguf_file.name)
         model = transformers.LlamaForCausalLM(config)
