@@ -132,15 +132,15 @@ PDSERVE_ISA_END
 namespace PDSERVE_OPS {
 
 void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
-              ": a CPU [rows, n] tensor with contiguous rows");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              ": float32 or bfloat16");
+  PDSERVE_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1,
+                "%s: a CPU [rows, n] tensor with contiguous rows", name);
+  PDSERVE_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+                "%s: float32 or bfloat16", name);
 }
 
 void same_shape(const at::Tensor& a, const at::Tensor& b, const char* name) {
-  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(), name,
-              ": the shape and dtype of the first input");
+  PDSERVE_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
+                "%s: the shape and dtype of the first input", name);
 }
 
 void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor out) {

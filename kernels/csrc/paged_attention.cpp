@@ -322,8 +322,9 @@ void parallel_by_cost(const std::vector<int64_t>& costs, const Fn& fn) {
 // outside the cache.
 inline int64_t block_at(const int64_t* table, int64_t p, const Cache& c) {
   const int64_t block = table[p / c.block_size];
-  TORCH_CHECK(block >= 0 && block < c.num_blocks, "block id ", block, " outside the cache of ",
-              c.num_blocks, " blocks");
+  PDSERVE_CHECK(block >= 0 && block < c.num_blocks,
+                "block id %lld outside the cache of %lld blocks", static_cast<long long>(block),
+                static_cast<long long>(c.num_blocks));
   return block;
 }
 
@@ -396,8 +397,10 @@ std::vector<DecodeItem> decode_items(const int64_t* seq_lens, int64_t batch, int
   int64_t partials = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = seq_lens[b];
-    TORCH_CHECK(len >= 1 && len <= max_len, "sequence ", b, " has ", len,
-                " positions; its block table holds ", max_len);
+    PDSERVE_CHECK(len >= 1 && len <= max_len,
+                  "sequence %lld has %lld positions; its block table holds %lld",
+                  static_cast<long long>(b), static_cast<long long>(len),
+                  static_cast<long long>(max_len));
     const int64_t parts = (len + partition - 1) / partition;
     first_partial[b] = partials;
     for (int64_t p = 0; p < parts; ++p)
@@ -643,9 +646,10 @@ std::vector<PrefillItem> prefill_items(const Cache& c, const at::Tensor& block_t
   std::vector<PrefillItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t n = starts[s + 1] - starts[s];
-    TORCH_CHECK(n >= 0 && cached[s] >= 0 && cached[s] + n <= block_tables.size(1) * c.block_size,
-                "prefill ", s, ": ", cached[s], " cached + ", n,
-                " new positions do not fit its block table");
+    PDSERVE_CHECK(n >= 0 && cached[s] >= 0 && cached[s] + n <= block_tables.size(1) * c.block_size,
+                  "prefill %lld: %lld cached + %lld new positions do not fit its block table",
+                  static_cast<long long>(s), static_cast<long long>(cached[s]),
+                  static_cast<long long>(n));
     for (int64_t h = 0; h < c.num_kv_heads; ++h)
       for (int64_t t = 0; t < n; t += tokens_per_tile) {
         items.push_back({s, h, t, std::min(n, t + tokens_per_tile)});
@@ -1071,8 +1075,10 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t num_slots = c.num_blocks * c.block_size;
   for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " of token ", t,
-                " is outside the cache's ", num_slots, " slots");
+    PDSERVE_CHECK(slots[t] >= 0 && slots[t] < num_slots,
+                  "slot %lld of token %lld is outside the cache's %lld slots",
+                  static_cast<long long>(slots[t]), static_cast<long long>(t),
+                  static_cast<long long>(num_slots));
   const int64_t bytes = c.row_stride * kv_cache.element_size();
   auto* cache = static_cast<char*>(kv_cache.data_ptr());
   const auto* k = static_cast<const char*>(key.data_ptr());
