@@ -4,14 +4,17 @@ beside contexts scattered over 8 layers' caches (as a step reads them), on one t
 float32 and bfloat16; then this machine's copy and read bandwidth on one thread.
 
     .venv/bin/python benchmarks/attention_resident.py
+    .venv/bin/python benchmarks/attention_resident.py --loop scattered bfloat16 5   # for perf
 
 Shapes are the 56M Llama's (8 query heads, 4 KV heads, head_dim 64, blocks of 16), 64 sequences.
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,33 +32,64 @@ def spread(fn, reps: int = 15) -> tuple[float, float, float]:
     return statistics.median(ts), min(ts), max(ts)
 
 
+def resident(dtype: torch.dtype, ctx: int, gen: torch.Generator):
+    """A call reading the same `ctx // BLOCK` blocks for every sequence (they stay in cache)."""
+    q = torch.randn((BATCH, HEADS, HEAD_DIM), generator=gen).to(dtype)
+    blocks = ctx // BLOCK
+    tables = torch.arange(blocks).repeat(BATCH, 1)
+    lens = torch.full((BATCH,), ctx)
+    cache = torch.randn((2, blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
+    return lambda: paged_decode_attention(q, cache, tables, lens, HEAD_DIM ** -0.5)
+
+
+def scattered(dtype: torch.dtype, ctx: int, gen: torch.Generator):
+    """Calls over scattered blocks, each on the next of 8 layers' caches."""
+    q = torch.randn((BATCH, HEADS, HEAD_DIM), generator=gen).to(dtype)
+    rows, num_blocks = scattered_blocks([ctx] * BATCH, gen)
+    tables, lens = torch.tensor(rows), torch.full((BATCH,), ctx)
+    caches = [torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
+              for _ in range(8)]
+    turn = itertools.count()
+    return lambda: paged_decode_attention(q, caches[next(turn) % 8], tables, lens,
+                                          HEAD_DIM ** -0.5)
+
+
+def loop(case: str, dtype: torch.dtype, ctx: int, seconds: float) -> None:
+    """One case called over and over for `seconds`, for a sampling profiler (perf record)."""
+    make = resident if case == "resident" else scattered
+    fn = make(dtype, ctx, torch.Generator().manual_seed(0))
+    fn()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+    per = (time.perf_counter() - start) / calls / (BATCH * ctx * KV_HEADS) * 1e9
+    print(f"{case} {dtype} {BATCH}x{ctx}: {per:.1f} ns/position/kv head over {calls} calls")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--loop", nargs=3, metavar=("CASE", "DTYPE", "SECONDS"),
+                    help="call one case (resident or scattered, 64 x 320) for SECONDS instead, "
+                         "for a profiler: e.g. --loop scattered bfloat16 5")
+    args = ap.parse_args()
     load()
     torch.set_num_threads(1)
+    if args.loop:
+        case, dtype, seconds = args.loop
+        loop(case, getattr(torch, dtype), 320, float(seconds))
+        return
     print(f"kernels built for {cpu_isa()}, 1 thread")
     gen = torch.Generator().manual_seed(0)
-    scale = HEAD_DIM ** -0.5
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
-        q = torch.randn((BATCH, HEADS, HEAD_DIM), generator=gen).to(dtype)
         for ctx in (64, 320):
-            blocks = ctx // BLOCK
-            tables = torch.arange(blocks).repeat(BATCH, 1)
-            lens = torch.full((BATCH,), ctx)
-            cache = torch.randn((2, blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
             per = BATCH * ctx * KV_HEADS / 1e9
-            m, lo, hi = spread(lambda q=q, c=cache, t=tables, n=lens:
-                              paged_decode_attention(q, c, t, n, scale))
+            m, lo, hi = spread(resident(dtype, ctx, gen))
             print(f"resident  {name:9s} {BATCH}x{ctx:<5d} {m / per:5.1f} ns/position/kv head "
                   f"[{lo / per:.1f}-{hi / per:.1f}]", flush=True)
         for ctx in (320, 2000):
-            rows, num_blocks = scattered_blocks([ctx] * BATCH, gen)
-            tables, lens = torch.tensor(rows), torch.full((BATCH,), ctx)
-            caches = [torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen)
-                      .to(dtype) for _ in range(8)]
-            turn = itertools.count()
-            m, lo, hi = spread(lambda q=q, cs=caches, i=turn, t=tables, n=lens:
-                              paged_decode_attention(q, cs[next(i) % 8], t, n, scale))
+            m, lo, hi = spread(scattered(dtype, ctx, gen))
             per = BATCH * ctx * KV_HEADS / 1e9
             gb = BATCH * ctx * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize / 1e9
             print(f"scattered {name:9s} {BATCH}x{ctx:<5d} {m / per:5.1f} ns/position/kv head, "

@@ -33,6 +33,25 @@ part resident 60 taskset -c "${cores%%,*}" python3 benchmarks/attention_resident
 # bfloat16 decode: the pairwise key product (vdpbf16ps) against keys widened to float
 part decode_dp 150 $pin python3 benchmarks/kernel_ab.py --new-flags -DPDSERVE_NO_DECODE_DP \
   --dtypes bfloat16 --reps 9
+# where the decode kernel's time goes, when a perf bundle travels (perf_bundle.sh): a sampled
+# profile of each dtype, cache-resident and scattered, and its annotated disassembly
+if [ -x .exp/perf/perf ]; then
+  perf="env LD_LIBRARY_PATH=$PWD/.exp/perf $PWD/.exp/perf/perf"
+  for dtype in bfloat16 float32; do for case in resident scattered; do
+    echo "-- decode_perf $dtype $case"
+    taskset -c "${cores%%,*}" $perf record -q -e cpu-clock -F 4000 -o /tmp/decode.perf -- \
+      env -u LD_LIBRARY_PATH python3 benchmarks/attention_resident.py --loop "$case" "$dtype" 5 \
+      > "$res/perf_${dtype}_$case.txt" 2>&1
+    dso=$($perf report -i /tmp/decode.perf --sort dso --stdio 2>/dev/null |
+          grep -o 'pdserve_attention[a-z0-9_]*\.so' | head -1)
+    $perf report -i /tmp/decode.perf --no-children --sort dso,symbol --stdio 2>/dev/null |
+      grep '%' | head -12 >> "$res/perf_${dtype}_$case.txt"
+    $perf annotate -i /tmp/decode.perf --stdio --dsos="$dso" 2>/dev/null \
+      > "$res/perf_${dtype}_${case}_annotate.txt"
+    tail -n 13 "$res/perf_${dtype}_$case.txt"
+  done; done
+  pack
+fi
 part step_profile 90 $pin python3 benchmarks/step_profile.py --model /tmp/m56 --reps 5 \
   --out "$res/step_profile"
 for dtype in bfloat16 float32; do
