@@ -1,4 +1,4 @@
-"""Two builds of the CPU decode attention kernel side by side: each case calls one, then the
+"""Two builds of the CPU attention kernels side by side: each case calls one, then the
 other, in turn, so both see the same machine state (this kind of VM moves 5-10% from minute to
 minute, more than most kernel changes). A build is a source tree and compiler flags:
 
@@ -7,9 +7,10 @@ minute, more than most kernel changes). A build is a source tree and compiler fl
 
 `--old-rev` takes kernels/csrc of a git revision (default: this tree); `--old-flags` and
 `--new-flags` add compiler flags (macros the sources read, e.g. PDSERVE_AHEAD,
-PDSERVE_NO_DECODE_DP). Cases are benchmarks/attention.py's decode shapes, each call on the next
-of 8 caches as a step goes through its layers. Prints the median [min-max] ms of each build,
-the ratio and the largest difference between their outputs.
+PDSERVE_NO_DECODE_DP). Cases are benchmarks/attention.py's decode shapes (each call on the next
+of 8 caches as a step goes through its layers) and, with `--kinds prefill`, its prefill shape
+(`--kinds decode prefill` for both). Prints the median [min-max] ms of each build, the ratio and
+the largest difference between their outputs.
 """
 from __future__ import annotations
 
@@ -28,8 +29,22 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.attention import BLOCK, DECODES, HEAD_DIM, HEADS, KV_HEADS, scattered_blocks  # noqa: E402
-from kernels.cpu_attention import SOURCES, build_flags, cpu_isa, paged_decode_attention  # noqa: E402
+from benchmarks.attention import (  # noqa: E402
+    BLOCK,
+    DECODES,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    PREFILLS,
+    scattered_blocks,
+)
+from kernels.cpu_attention import (  # noqa: E402
+    SOURCES,
+    build_flags,
+    cpu_isa,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
 
 
 def sources_of(rev: str | None, into: Path) -> Path:
@@ -64,6 +79,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--kinds", nargs="+", choices=["decode", "prefill"], default=["decode"])
+    ap.add_argument("--prefills", nargs="+", metavar="CHUNKxCACHED",
+                    help="prefill shapes instead of attention.py's, e.g. 1024x2048 128x0")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -74,27 +92,23 @@ def main() -> None:
         print(f"{cpu_isa()} builds; old: {args.old_rev or 'this tree'} {args.old_flags}; "
               f"new: this tree {args.new_flags}")
         gen = torch.Generator().manual_seed(0)
-        scale = HEAD_DIM ** -0.5
+        prefills = PREFILLS if not args.prefills else {
+            f"prefill {c} over {a}": (int(c), int(a))
+            for c, a in (shape.split("x") for shape in args.prefills)}
         for dtype_name, threads in itertools.product(args.dtypes, args.threads):
             dtype = getattr(torch, dtype_name)
             torch.set_num_threads(threads)
-            for case, lengths in DECODES.items():
-                rows, num_blocks = scattered_blocks(lengths, gen)
-                width = max(map(len, rows))
-                tables = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-                lens = torch.tensor(lengths)
-                caches = [torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen)
-                          .to(dtype) for _ in range(8)]
-                q = torch.randn((len(lengths), HEADS, HEAD_DIM), generator=gen).to(dtype)
-                turn = itertools.count()
+            cases = [(case, decode_call(lengths, dtype, gen)) for case, lengths in DECODES.items()
+                     if "decode" in args.kinds]
+            cases += [(case, prefill_call(chunk, cached, dtype, gen))
+                      for case, (chunk, cached) in prefills.items() if "prefill" in args.kinds]
+            for case, call in cases:
                 times: dict[str, list[float]] = {"old": [], "new": []}
-                outs = {k: paged_decode_attention(q, caches[0], tables, lens, scale, ops=ops)
-                        for k, ops in builds.items()}
-                for _ in range(args.reps):
+                outs = {k: call(ops, 0) for k, ops in builds.items()}
+                for rep in range(args.reps):
                     for label, ops in builds.items():
-                        cache = caches[next(turn) % len(caches)]
                         start = time.perf_counter()
-                        paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
+                        call(ops, rep + 1)
                         times[label].append((time.perf_counter() - start) * 1e3)
                 old, new = (statistics.median(times[k]) for k in ("old", "new"))
                 diff = (outs["old"].float() - outs["new"].float()).abs().max().item()
@@ -103,6 +117,30 @@ def main() -> None:
                       f"[{min(times['new']):.2f}-{max(times['new']):.2f}]  {old / new:.2f}x  "
                       f"max diff {diff:.1e}", flush=True)
 
+
+def decode_call(lengths: list[int], dtype: torch.dtype, gen: torch.Generator):
+    """call(ops, i): one decode over scattered blocks, on the i-th of 8 layers' caches (in turn
+    across both builds, as a step goes through its layers)."""
+    rows, num_blocks = scattered_blocks(lengths, gen)
+    width = max(map(len, rows))
+    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    lens = torch.tensor(lengths)
+    caches = [torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
+              for _ in range(8)]
+    q = torch.randn((len(lengths), HEADS, HEAD_DIM), generator=gen).to(dtype)
+    return lambda ops, i: paged_decode_attention(q, caches[i % 8], tables, lens,
+                                                 HEAD_DIM ** -0.5, ops=ops)
+
+
+def prefill_call(chunk: int, cached: int, dtype: torch.dtype, gen: torch.Generator):
+    """call(ops, i): a chunk's causal attention over its cached prefix and itself, in the
+    cache's dtype with the GEMMs serving uses for it."""
+    rows, num_blocks = scattered_blocks([cached + chunk], gen)
+    cache = torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
+    q = torch.randn((chunk, HEADS, HEAD_DIM), generator=gen).to(dtype)
+    tables, starts, done = torch.tensor(rows), torch.tensor([0, chunk]), torch.tensor([cached])
+    return lambda ops, i: paged_prefill_attention(q, cache, tables, starts, done,
+                                                  HEAD_DIM ** -0.5, ops=ops)
 
 if __name__ == "__main__":
     main()
