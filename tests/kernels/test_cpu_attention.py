@@ -121,6 +121,20 @@ def test_prefill_over_cached_prefix_matches_reference(ops, threads, dtype, gqa, 
     torch.testing.assert_close(out.float(), ref, **_tol(dtype))
 
 
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_prefill_over_a_long_prefix_beside_short_ones(ops, threads, dtype, gqa):
+    """Chunks over a prefix of 2048 or more positions run in taller query tiles (kernel's
+    kQueryRowsLong) than the others of the same step: both in one call, a chunk longer than a
+    tall tile, one ending off a block boundary, one token."""
+    specs = [(2048, 300), (0, 40), (2100, 5), (2049, 1), (100, 60)]
+    q, cache, tables, starts, cached = _prefill_case(specs, dtype, 64, gqa, 16, seed=6)
+    scale = 64 ** -0.5
+    out = cpu_attention.paged_prefill_attention(q, cache, tables, starts, cached, scale, ops=ops)
+    ref = _prefill_reference(q, cache, tables, starts, cached, scale)
+    torch.testing.assert_close(out.float(), ref, **_tol(dtype))
+
+
 @pytest.mark.parametrize("head_dim", [128, 36])
 def test_prefill_head_dims(ops, head_dim):
     q, cache, tables, starts, cached = _prefill_case([(40, 30), (0, 9)], torch.float32,
