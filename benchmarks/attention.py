@@ -75,6 +75,18 @@ def scattered_blocks(lengths: list[int], gen: torch.Generator) -> tuple[list[lis
     return tables, sum(need) + 8
 
 
+def scattered_decode(lengths: list[int], dtype: torch.dtype, gen: torch.Generator):
+    """The CPU decode kernel's inputs over scattered blocks: q, the caches of LAYERS layers (a
+    step reads them in turn), the block tables (zero-padded to the longest) and the lengths."""
+    rows, num_blocks = scattered_blocks(lengths, gen)
+    width = max(map(len, rows))
+    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    caches = [torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
+              for _ in range(LAYERS)]
+    q = torch.randn((len(lengths), HEADS, HEAD_DIM), generator=gen).to(dtype)
+    return q, caches, tables, torch.tensor(lengths)
+
+
 def decode_case(lengths: list[int], dtype: torch.dtype, gen: torch.Generator):
     # every sequence's last position is the new token: written by the step, then attended
     tables, num_blocks = scattered_blocks(lengths, gen)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, scattered_blocks, timed  # noqa: E402
+from benchmarks.attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, scattered_decode, timed  # noqa: E402
 from kernels.cpu_attention import cpu_isa, load, paged_decode_attention  # noqa: E402
 
 BATCH = 64
@@ -44,13 +44,9 @@ def resident(dtype: torch.dtype, ctx: int, gen: torch.Generator):
 
 def scattered(dtype: torch.dtype, ctx: int, gen: torch.Generator):
     """Calls over scattered blocks, each on the next of 8 layers' caches."""
-    q = torch.randn((BATCH, HEADS, HEAD_DIM), generator=gen).to(dtype)
-    rows, num_blocks = scattered_blocks([ctx] * BATCH, gen)
-    tables, lens = torch.tensor(rows), torch.full((BATCH,), ctx)
-    caches = [torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
-              for _ in range(8)]
+    q, caches, tables, lens = scattered_decode([ctx] * BATCH, dtype, gen)
     turn = itertools.count()
-    return lambda: paged_decode_attention(q, caches[next(turn) % 8], tables, lens,
+    return lambda: paged_decode_attention(q, caches[next(turn) % len(caches)], tables, lens,
                                           HEAD_DIM ** -0.5)
 
 

@@ -37,6 +37,7 @@ from benchmarks.attention import (  # noqa: E402
     KV_HEADS,
     PREFILLS,
     scattered_blocks,
+    scattered_decode,
 )
 from kernels.cpu_attention import (  # noqa: E402
     SOURCES,
@@ -122,14 +123,8 @@ def main() -> None:
 def decode_call(lengths: list[int], dtype: torch.dtype, gen: torch.Generator):
     """call(ops, i): one decode over scattered blocks, on the i-th of 8 layers' caches (in turn
     across both builds, as a step goes through its layers)."""
-    rows, num_blocks = scattered_blocks(lengths, gen)
-    width = max(map(len, rows))
-    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-    lens = torch.tensor(lengths)
-    caches = [torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
-              for _ in range(8)]
-    q = torch.randn((len(lengths), HEADS, HEAD_DIM), generator=gen).to(dtype)
-    return lambda ops, i: paged_decode_attention(q, caches[i % 8], tables, lens,
+    q, caches, tables, lens = scattered_decode(lengths, dtype, gen)
+    return lambda ops, i: paged_decode_attention(q, caches[i % len(caches)], tables, lens,
                                                  HEAD_DIM ** -0.5, ops=ops)
 
 
