@@ -692,8 +692,10 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
   std::vector<int64_t> costs;
   const std::vector<PrefillItem> items = prefill_items(c, block_tables, starts, cached, num_seqs,
                                                        tokens_per_tile, long_tile, costs);
+  int64_t tokens_max = 1;  // the tallest tile of this call: its buffers, no taller
+  for (const PrefillItem& it : items) tokens_max = std::max(tokens_max, it.end - it.begin);
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
-    const int64_t rows_max = long_tile * G;
+    const int64_t rows_max = tokens_max * G;
     std::vector<GT> qpack(rows_max * D), kpack(key_tile * D), vpack(key_tile * D),
         ppack(std::is_same_v<GT, float> ? 0 : rows_max * key_tile);
     std::vector<float> scores(rows_max * key_tile), acc(rows_max * D), maxes(rows_max),
