@@ -13,7 +13,9 @@
 //          registers, or multiplied as bfloat16 pairs where the CPU has AVX512-BF16),
 //          prefetched into L2 a fixed number of bytes ahead (the blocks jump): scores for the
 //          whole partition, kVec positions summed at once, softmax, then the weighted sum of
-//          the value rows kVec at a time with the heads' accumulators in registers.
+//          the value rows kVec at a time with the heads' accumulators in registers (on
+//          AVX512-BF16, two value rows at a time as bfloat16 pairs against the weights rounded
+//          to bfloat16, as HuggingFace's eager attention rounds its probabilities).
 // prefill: a chunk of queries per sequence over its cached prefix and itself (the chunk's keys
 //          are already written to the cache), causal. Work items are (sequence, kv head, tile
 //          of query tokens); the tile's G heads are packed into one [tokens * G, head_dim]
@@ -387,6 +389,94 @@ PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, i
     }
   }
 }
+
+typedef uint32_t pair_word __attribute__((may_alias));  // two bfloat16 read as one word
+
+// The value pass for bfloat16 rows where the CPU has AVX512-BF16: acc[g] += w[g][p] v[p] over
+// the m positions of a chunk taken two at a time, their rows interleaved into pairs (v[p][d],
+// v[p + 1][d]) and multiplied against the pair of weights rounded to bfloat16 (as the prefill
+// kernel rounds its probabilities), kNB 32-value blocks of the head dim from d on. Within a
+// 128-bit lane the interleave takes 4 values of each half of 8, so the accumulators hold the
+// head dim in that order ("paired order": block b's two vectors hold d = 32 b + 8 (i / 4) +
+// i % 4 and that + 4, lane i); unpair_acc puts it back. w: the weights as bfloat16, head g's
+// at w + g * ws, an even count with a zero past an odd m; the second row of a last odd pair
+// is the first again, under that zero weight.
+template <int kG, int kNB>
+PDSERVE_DP inline void pairs_axpy_dp(float* acc, const BFloat16* w, int64_t ws,
+                                     const BFloat16* const* rows, int64_t m, int64_t off,
+                                     int64_t D, int64_t d) {
+  __m512 a[kG][2 * kNB];
+  for (int g = 0; g < kG; ++g)
+    for (int b = 0; b < 2 * kNB; ++b) a[g][b] = _mm512_loadu_ps(acc + g * D + d + 16 * b);
+  for (int64_t p = 0; p < m; p += 2) {
+    const BFloat16* x = rows[p] + off + d;
+    const BFloat16* y = (p + 1 < m ? rows[p + 1] : rows[p]) + off + d;
+    __m512i lo[kNB], hi[kNB];
+    for (int b = 0; b < kNB; ++b) {
+      const __m512i xv = _mm512_loadu_si512(x + 32 * b), yv = _mm512_loadu_si512(y + 32 * b);
+      lo[b] = _mm512_unpacklo_epi16(xv, yv);
+      hi[b] = _mm512_unpackhi_epi16(xv, yv);
+    }
+    for (int g = 0; g < kG; ++g) {
+      const __m512bh wv = (__m512bh)_mm512_set1_epi32(
+          static_cast<int>(*reinterpret_cast<const pair_word*>(w + g * ws + p)));
+      for (int b = 0; b < kNB; ++b) {
+        a[g][2 * b] = _mm512_dpbf16_ps(a[g][2 * b], (__m512bh)lo[b], wv);
+        a[g][2 * b + 1] = _mm512_dpbf16_ps(a[g][2 * b + 1], (__m512bh)hi[b], wv);
+      }
+    }
+  }
+  for (int g = 0; g < kG; ++g)
+    for (int b = 0; b < 2 * kNB; ++b) _mm512_storeu_ps(acc + g * D + d + 16 * b, a[g][b]);
+}
+
+// pairs_axpy_dp over the G query heads of one kv head (at most four at a time) and the whole
+// head dim (64 values per pass); the same part of the rows ahead is asked for first (pre[p],
+// p < pm), as chunk_axpy does.
+PDSERVE_DP void chunk_axpy_dp(float* acc, const BFloat16* w, int64_t ws,
+                              const BFloat16* const* rows, int64_t m, int64_t off, int64_t G,
+                              int64_t D, const BFloat16* const* pre, int64_t pm) {
+  for (int64_t p = 0; p < pm; ++p) prefetch(pre[p] + off, D * sizeof(BFloat16));
+  for (int64_t g = 0; g < G;) {
+    const int64_t n = std::min<int64_t>(4, G - g);
+    float* ag = acc + g * D;
+    const BFloat16* wg = w + g * ws;
+    for (int64_t d = 0; d < D; d += 64) {
+      const bool two = d + 64 <= D;
+      switch (n * 2 + (two ? 1 : 0)) {
+        case 9: pairs_axpy_dp<4, 2>(ag, wg, ws, rows, m, off, D, d); break;
+        case 8: pairs_axpy_dp<4, 1>(ag, wg, ws, rows, m, off, D, d); break;
+        case 7: pairs_axpy_dp<3, 2>(ag, wg, ws, rows, m, off, D, d); break;
+        case 6: pairs_axpy_dp<3, 1>(ag, wg, ws, rows, m, off, D, d); break;
+        case 5: pairs_axpy_dp<2, 2>(ag, wg, ws, rows, m, off, D, d); break;
+        case 4: pairs_axpy_dp<2, 1>(ag, wg, ws, rows, m, off, D, d); break;
+        case 3: pairs_axpy_dp<1, 2>(ag, wg, ws, rows, m, off, D, d); break;
+        default: pairs_axpy_dp<1, 1>(ag, wg, ws, rows, m, off, D, d); break;
+      }
+    }
+    g += n;
+  }
+}
+
+// dst[0, n) = src[0, n) rounded to bfloat16 (nearest even), and dst[n] = 0 where n is odd.
+PDSERVE_DP void round_weights(const float* src, int64_t n, BFloat16* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+  for (; i < n; ++i) dst[i] = BFloat16(src[i]);
+  if (n % 2) dst[n] = BFloat16(0.f);
+}
+
+// A head's accumulators from paired order (pairs_axpy_dp) back to the head dim's.
+inline void unpair_acc(const float* paired, int64_t D, float* out) {
+  for (int64_t b = 0; b < D; b += 32)
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t d = b + 8 * (i / 4) + i % 4;
+      out[d] = paired[b + i];
+      out[d + 4] = paired[b + 16 + i];
+    }
+}
 #endif
 
 
@@ -454,11 +544,19 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 #else
   constexpr bool dp = false;
 #endif
+#if PDSERVE_ISA == 2 && !defined(PDSERVE_NO_VALUE_DP)
+  const bool value_dp = dp;
+#else
+  constexpr bool value_dp = false;
+#endif
 
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
     std::vector<float> qf(H * D), row(c.row_stride), acc(H * D), scores(H * P), maxes(H), sums(H);
     std::vector<const T*> rows(P);
     std::vector<float> part(H * kVec * kVec);  // lanes past a chunk's last position are not read
+    // the value pass on bfloat16 pairs: its weights and its accumulators in paired order
+    std::vector<BFloat16> weights(value_dp ? H * (P + 2) : 0);
+    std::vector<float> paired(value_dp ? H * D : 0);
     for (int64_t i = i_begin; i < i_end; ++i) {
       const DecodeItem& it = items[i];
       const int64_t n = it.end - it.begin;
@@ -515,7 +613,25 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       }
       // acc[h] = sum over p of weight[h, p] * value[p, h / G]: value rows once each
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j0 = 0; whole && j0 < n; j0 += kVec) {
+#if PDSERVE_ISA == 2
+      if (value_dp) {  // weights as bfloat16 pairs against the rows' pairs, acc in paired order
+        for (int64_t h = 0; h < H; ++h)
+          round_weights(scores.data() + h * P, n, weights.data() + h * (P + 2));
+        for (int64_t j0 = 0; j0 < n; j0 += kVec) {
+          const int64_t m = std::min(kVec, n - j0);
+          const int64_t pm = std::clamp<int64_t>(n - j0 - ahead, 0, m);
+          const auto* bf_rows = reinterpret_cast<const BFloat16* const*>(rows.data() + j0);
+          const auto* bf_pre =
+              reinterpret_cast<const BFloat16* const*>(rows.data() + std::min(n, j0 + ahead));
+          for (int64_t kh = 0; kh < c.num_kv_heads; ++kh)
+            chunk_axpy_dp(paired.data() + kh * G * D, weights.data() + kh * G * (P + 2) + j0,
+                          P + 2, bf_rows, m, c.value_offset + kh * D, G, D, bf_pre, pm);
+        }
+        for (int64_t h = 0; h < H; ++h) unpair_acc(paired.data() + h * D, D, acc.data() + h * D);
+        std::fill(paired.begin(), paired.end(), 0.f);
+      }
+#endif
+      for (int64_t j0 = 0; whole && !value_dp && j0 < n; j0 += kVec) {
         const int64_t m = std::min(kVec, n - j0);
         const int64_t pm = std::clamp<int64_t>(n - j0 - ahead, 0, m);
         const T* const* pre = rows.data() + std::min(n, j0 + ahead);

@@ -24,7 +24,8 @@ SEQ_LENS = [1, 15, 33, 600, 3000, 17, 1100]
 
 def _tol(dtype):
     # the kernel reads bf16 K/V and accumulates in fp32; the reference runs in fp32 on the same
-    # bf16 values, so only the bf16 rounding of the output and of P (prefill) separates them
+    # bf16 values, so only the bf16 rounding of the output and of P (prefill; decode where the
+    # CPU has AVX512-BF16) separates them
     return ATTN_TOL[dtype]
 
 
