@@ -557,10 +557,32 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
     // the value pass on bfloat16 pairs: its weights and its accumulators in paired order
     std::vector<BFloat16> weights(value_dp ? H * (P + 2) : 0);
     std::vector<float> paired(value_dp ? H * D : 0);
+    // where the first `count` positions of an item lie: the blocks jump, so rows are
+    // prefetched ahead
+    auto locate = [&](const DecodeItem& it, int64_t count, const T** dst) {
+      const int64_t* table = tables + it.seq * table_stride;
+      const int64_t end = it.begin + count;
+      for (int64_t p = it.begin; p < end;) {
+        const int64_t block = block_at(table, p, c);
+        const int64_t slot0 = p % c.block_size;
+        const int64_t stop = std::min(end, p - slot0 + c.block_size);
+        const T* k = cache + (block * c.block_size + slot0) * c.row_stride;
+        for (; p < stop; ++p, k += c.row_stride) dst[p - it.begin] = k;
+      }
+    };
+    // An item's passes ask for rows `ahead` positions on, so nothing asks for its first ones:
+    // the next item's first key rows are asked for during this item's value pass, a share at
+    // each of its chunks (next_rows), and this item's first value rows beside their key rows.
+    std::vector<const T*> next_rows(ahead);
+    int64_t next_count = 0;
+    auto prefetch_next = [&](int64_t j0, int64_t n) {
+      const int64_t share = (next_count * kVec + n - 1) / n;  // rows per chunk of kVec
+      const int64_t from = j0 / kVec * share, to = std::min(next_count, from + share);
+      for (int64_t r = from; r < to; ++r) prefetch(next_rows[r], row_bytes);
+    };
     for (int64_t i = i_begin; i < i_end; ++i) {
       const DecodeItem& it = items[i];
       const int64_t n = it.end - it.begin;
-      const int64_t* table = tables + it.seq * table_stride;
       // load q: every head, scaled, as float
       const T* q_row = q_ptr + it.seq * q_stride;
       if (!dp) {
@@ -568,14 +590,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         if (qsrc != qf.data()) std::memcpy(qf.data(), qsrc, H * D * 4);
         scale_row(qf.data(), static_cast<float>(scale), H * D);
       }
-      // where each position's row lies: the blocks jump, so rows are prefetched ahead
-      for (int64_t p = it.begin; p < it.end;) {
-        const int64_t block = block_at(table, p, c);
-        const int64_t slot0 = p % c.block_size;
-        const int64_t stop = std::min(it.end, p - slot0 + c.block_size);
-        const T* k = cache + (block * c.block_size + slot0) * c.row_stride;
-        for (; p < stop; ++p, k += c.row_stride) rows[p - it.begin] = k;
-      }
+      locate(it, n, rows.data());
+      next_count = i + 1 < i_end ? std::min(ahead, items[i + 1].end - items[i + 1].begin) : 0;
+      if (next_count > 0) locate(items[i + 1], next_count, next_rows.data());
       // scores[h, j] for every query head h: key rows once each, read in place kVec at a time
       // where the head dim is whole vectors (bfloat16 pairs multiplied as they lie where the CPU
       // has AVX512-BF16), else through a float copy of the row
@@ -583,6 +600,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         const int64_t m = std::min(kVec, n - j0);
         const int64_t pm = std::clamp<int64_t>(n - j0 - ahead, 0, m);
         const T* const* pre = rows.data() + std::min(n, j0 + ahead);
+        for (int64_t p = j0; p < std::min(j0 + m, ahead); ++p)
+          prefetch(rows[p] + c.value_offset, row_bytes);
 #if PDSERVE_ISA == 2
         if (dp)
           chunk_parts_dp(reinterpret_cast<const BFloat16*>(q_row),
@@ -623,6 +642,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           const auto* bf_rows = reinterpret_cast<const BFloat16* const*>(rows.data() + j0);
           const auto* bf_pre =
               reinterpret_cast<const BFloat16* const*>(rows.data() + std::min(n, j0 + ahead));
+          prefetch_next(j0, n);
           for (int64_t kh = 0; kh < c.num_kv_heads; ++kh)
             chunk_axpy_dp(paired.data() + kh * G * D, weights.data() + kh * G * (P + 2) + j0,
                           P + 2, bf_rows, m, c.value_offset + kh * D, G, D, bf_pre, pm);
@@ -635,6 +655,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         const int64_t m = std::min(kVec, n - j0);
         const int64_t pm = std::clamp<int64_t>(n - j0 - ahead, 0, m);
         const T* const* pre = rows.data() + std::min(n, j0 + ahead);
+        prefetch_next(j0, n);
         for (int64_t kh = 0; kh < c.num_kv_heads; ++kh)
           chunk_axpy<kD>(acc.data() + kh * G * D, scores.data() + kh * G * P + j0, P,
                          rows.data() + j0, m, c.value_offset + kh * D, G, D, pre, pm);
