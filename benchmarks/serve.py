@@ -39,6 +39,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -268,13 +269,19 @@ def describe(args, prompts, rates: list[float]) -> None:
 
 
 def start(args, order) -> tuple[list, dict[str, str]]:
-    """Launches the shapes (a baseline is running already): their processes, every URL."""
+    """Launches the shapes (a baseline is running already): their processes, every URL. Each
+    shape's start-up (launch to "pdserve is up", the model loaded and every kernel warmed) goes
+    into args.startup_s and the summaries."""
     procs, urls = [], {}
+    args.startup_s = {}
     try:
         for name, url, flags in order:
             if url is None:
                 log = Path(tempfile.gettempdir()) / f"pdserve-bench-{name.replace(' ', '_')}.log"
+                t0 = time.monotonic()
                 proc, url, _ = launch(args.model, flags, log)
+                args.startup_s[name] = round(time.monotonic() - t0, 2)
+                print(f"{name}: up in {args.startup_s[name]:.1f} s")
                 procs.append(proc)
             urls[name] = url
     except BaseException:
@@ -308,7 +315,8 @@ def run_draw(args, order, urls: dict[str, str], rates: list[float], prompts, see
         {n: {str(r): records_json(v) for r, v in by.items()} for n, by in records.items()}))
     meta = {"workload": args.workload, "requests": len(prompts), "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": seed, "order": [n for n, _, _ in order],
-            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+            "startup_s": getattr(args, "startup_s", {})}
     (out / "summary.json").write_text(json.dumps(
         {**meta, "targets": {n: {str(r): s for r, s in by.items()}
                              for n, by in summaries.items()}}, indent=1))
