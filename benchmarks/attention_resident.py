@@ -1,7 +1,9 @@
 """Whether the CPU decode attention kernel is bound by its arithmetic or by its reads: ns per
 position and KV head on a cache-resident context (every sequence reads the same 4 or 20 blocks)
 beside contexts scattered over 8 layers' caches (as a step reads them), on one thread, in
-float32 and bfloat16; then this machine's copy and read bandwidth on one thread.
+float32 and bfloat16, each scattered case beside a plain read of the same blocks in the same
+order (the ceiling this machine's memory sets for that access pattern); then this machine's copy
+and read bandwidth on one thread.
 
     .venv/bin/python benchmarks/attention_resident.py
     .venv/bin/python benchmarks/attention_resident.py --loop scattered bfloat16 5   # for perf
@@ -11,9 +13,12 @@ Shapes are the 56M Llama's (8 query heads, 4 KV heads, head_dim 64, blocks of 16
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +55,62 @@ def scattered(dtype: torch.dtype, ctx: int, gen: torch.Generator):
                                           HEAD_DIM ** -0.5)
 
 
+# A plain read of the blocks a decode call reads, in its order, as K and V streams with the
+# kernel's prefetch (rows 16 KiB ahead into L2, both streams): the rate this machine's memory
+# gives that access pattern on one thread, the ceiling of the scattered cases above.
+READ_SRC = r"""
+#include <stdint.h>
+#include <string.h>
+uint64_t read_blocks(const char* base, const int64_t* offsets, int64_t n, int64_t block_bytes,
+                     int64_t value_offset, int64_t ahead) {
+  uint64_t acc[8] = {0};
+  int64_t lines = block_bytes / 64, total = n * lines, step = ahead / 64;
+  for (int64_t i = 0; i < total; ++i) {
+    const char* k = base + offsets[i / lines] + (i % lines) * 64;
+    if (i + step < total) {
+      const char* p = base + offsets[(i + step) / lines] + ((i + step) % lines) * 64;
+      __builtin_prefetch(p, 0, 2);
+      __builtin_prefetch(p + value_offset, 0, 2);
+    }
+    uint64_t w[8], x[8];
+    memcpy(w, k, 64);
+    memcpy(x, k + value_offset, 64);
+    for (int j = 0; j < 8; ++j) acc[j] += w[j] ^ x[j];
+  }
+  uint64_t s = 0;
+  for (int j = 0; j < 8; ++j) s += acc[j];
+  return s;
+}
+"""
+
+
+def block_reader():
+    """read_blocks above, compiled here (gcc, the compiler the kernels build with)."""
+    out = Path(tempfile.mkdtemp()) / "read_blocks.so"
+    src = out.with_suffix(".c")
+    src.write_text(READ_SRC)
+    subprocess.run(["gcc", "-O2", "-march=native", "-shared", "-fPIC", "-o", str(out),
+                    str(src)], check=True)
+    fn = ctypes.CDLL(str(out)).read_blocks
+    fn.restype = ctypes.c_uint64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
+    return fn
+
+
+def scattered_read(dtype: torch.dtype, ctx: int, gen: torch.Generator, fn):
+    """The blocks of scattered(): each call reads the next layer's, sequence by sequence."""
+    _, caches, tables, _ = scattered_decode([ctx] * BATCH, dtype, gen)
+    block_bytes = BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
+    offsets = (tables[:, :ctx // BLOCK].reshape(-1) * block_bytes).contiguous()
+    turn = itertools.count()
+
+    def call():
+        cache = caches[next(turn) % len(caches)]
+        fn(cache.data_ptr(), offsets.data_ptr(), offsets.numel(), block_bytes,
+           cache.stride(0) * dtype.itemsize, 16384)
+    return call
+
+
 def loop(case: str, dtype: torch.dtype, ctx: int, seconds: float) -> None:
     """One case called over and over for `seconds`, for a sampling profiler (perf record)."""
     make = resident if case == "resident" else scattered
@@ -77,6 +138,7 @@ def main() -> None:
         return
     print(f"kernels built for {cpu_isa()}, 1 thread")
     gen = torch.Generator().manual_seed(0)
+    reader = block_reader()
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
         for ctx in (64, 320):
@@ -89,6 +151,9 @@ def main() -> None:
             per = BATCH * ctx * KV_HEADS / 1e9
             gb = BATCH * ctx * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize / 1e9
             print(f"scattered {name:9s} {BATCH}x{ctx:<5d} {m / per:5.1f} ns/position/kv head, "
+                  f"{gb / m:.1f} GB/s [{gb / hi:.1f}-{gb / lo:.1f}]", flush=True)
+            m, lo, hi = spread(scattered_read(dtype, ctx, gen, reader))
+            print(f"  a plain read of its blocks, K and V, prefetched as the kernel does: "
                   f"{gb / m:.1f} GB/s [{gb / hi:.1f}-{gb / lo:.1f}]", flush=True)
     src = torch.ones(64 * 2**20)
     dst = torch.empty_like(src)
