@@ -355,9 +355,10 @@ bool dp_runs(int64_t head_dim) {
 
 // chunk_parts for bfloat16 rows and an unscaled bfloat16 query: each 32 values of a key row
 // are multiplied as 16 pairs against the query's (exact products, float sums).
-template <int kG>
+template <int kG, int kD>
 PDSERVE_DP inline void group_parts_dp(const BFloat16* q, const BFloat16* k, int64_t D,
                                       float* part, int64_t p) {
+  if constexpr (kD != 0) D = kD;
   __m512 acc[kG];
   for (int g = 0; g < kG; ++g) acc[g] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 32) {
@@ -369,11 +370,14 @@ PDSERVE_DP inline void group_parts_dp(const BFloat16* q, const BFloat16* k, int6
 }
 
 // chunk_parts's loop, compiled under the bf16 target itself: a shared template would be built
-// without it, and group_parts_dp could then not be inlined (a call per position and head).
+// without it, and group_parts_dp could then not be inlined (a call per position and head). kD:
+// the head dim when known at compile time (its loop unrolled: 1.01-1.09x on one Zen 4 core).
+template <int kD>
 PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, int64_t m,
                                int64_t kv_heads, int64_t G, int64_t D, float* part,
                                const BFloat16* const* pre, int64_t pm, int64_t row_bytes,
                                int64_t value_offset) {
+  if constexpr (kD != 0) D = kD;
   for (int64_t p = 0; p < m; ++p) {
     if (p < pm) prefetch_kv(pre[p], value_offset, row_bytes);
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
@@ -381,11 +385,11 @@ PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, i
       const BFloat16* qh = q + kh * G * D;
       float* ph = part + kh * G * kVec * kVec;
       int64_t g = 0;
-      for (; g + 4 <= G; g += 4) group_parts_dp<4>(qh + g * D, k, D, ph + g * kVec * kVec, p);
+      for (; g + 4 <= G; g += 4) group_parts_dp<4, kD>(qh + g * D, k, D, ph + g * kVec * kVec, p);
       switch (G - g) {
-        case 3: group_parts_dp<3>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
-        case 2: group_parts_dp<2>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
-        case 1: group_parts_dp<1>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
+        case 3: group_parts_dp<3, kD>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
+        case 2: group_parts_dp<2, kD>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
+        case 1: group_parts_dp<1, kD>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
         default: break;
       }
     }
@@ -606,7 +610,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           prefetch(rows[p] + c.value_offset, row_bytes);
 #if PDSERVE_ISA == 2
         if (dp)
-          chunk_parts_dp(reinterpret_cast<const BFloat16*>(q_row),
+          chunk_parts_dp<kD>(reinterpret_cast<const BFloat16*>(q_row),
                          reinterpret_cast<const BFloat16* const*>(rows.data() + j0), m,
                          c.num_kv_heads, G, D, part.data(),
                          reinterpret_cast<const BFloat16* const*>(pre), pm, row_bytes,
