@@ -85,13 +85,15 @@ uint64_t read_blocks(const char* base, const int64_t* offsets, int64_t n, int64_
 
 
 def block_reader():
-    """read_blocks above, compiled here (gcc, the compiler the kernels build with)."""
-    out = Path(tempfile.mkdtemp()) / "read_blocks.so"
-    src = out.with_suffix(".c")
-    src.write_text(READ_SRC)
-    subprocess.run(["gcc", "-O2", "-march=native", "-shared", "-fPIC", "-o", str(out),
-                    str(src)], check=True)
-    fn = ctypes.CDLL(str(out)).read_blocks
+    """read_blocks above, compiled here (gcc, the compiler the kernels build with); the files go
+    once it is loaded."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "read_blocks.so"
+        src = out.with_suffix(".c")
+        src.write_text(READ_SRC)
+        subprocess.run(["gcc", "-O2", "-march=native", "-shared", "-fPIC", "-o", str(out),
+                        str(src)], check=True)
+        fn = ctypes.CDLL(str(out)).read_blocks
     fn.restype = ctypes.c_uint64
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
     return fn
