@@ -398,7 +398,7 @@ PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, i
   }
 }
 
-typedef uint32_t pair_word __attribute__((may_alias));  // two bfloat16 read as one word
+typedef uint32_t u32a __attribute__((may_alias));  // a pair of bfloat16 read as one word
 
 // The value pass for bfloat16 rows where the CPU has AVX512-BF16: acc[g] += w[g][p] v[p] over
 // the m positions of a chunk taken two at a time, their rows interleaved into pairs (v[p][d],
@@ -406,7 +406,9 @@ typedef uint32_t pair_word __attribute__((may_alias));  // two bfloat16 read as 
 // kernel rounds its probabilities), kNB 32-value blocks of the head dim from d on. Within a
 // 128-bit lane the interleave takes 4 values of each half of 8, so the accumulators hold the
 // head dim in that order ("paired order": block b's two vectors hold d = 32 b + 8 (i / 4) +
-// i % 4 and that + 4, lane i); unpair_acc puts it back. w: the weights as bfloat16, head g's
+// i % 4 and that + 4, lane i); unpair_acc puts it back. (Interleaving across the whole vector
+// instead, as the prefill's interleave_rows does, keeps the head dim's order but its
+// permutes ran 0.91-0.99x on a Zen 4.) w: the weights as bfloat16, head g's
 // at w + g * ws, an even count with a zero past an odd m; the second row of a last odd pair
 // is the first again, under that zero weight.
 template <int kG, int kNB>
@@ -427,7 +429,7 @@ PDSERVE_DP inline void pairs_axpy_dp(float* acc, const BFloat16* w, int64_t ws,
     }
     for (int g = 0; g < kG; ++g) {
       const __m512bh wv = (__m512bh)_mm512_set1_epi32(
-          static_cast<int>(*reinterpret_cast<const pair_word*>(w + g * ws + p)));
+          static_cast<int>(*reinterpret_cast<const u32a*>(w + g * ws + p)));
       for (int b = 0; b < kNB; ++b) {
         a[g][2 * b] = _mm512_dpbf16_ps(a[g][2 * b], (__m512bh)lo[b], wv);
         a[g][2 * b + 1] = _mm512_dpbf16_ps(a[g][2 * b + 1], (__m512bh)hi[b], wv);
@@ -917,7 +919,6 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
 // to bfloat16 for the value product, as the AMX path rounds them; sums and accumulators stay
 // float. Head dims that are multiples of 32 (the values are interleaved in pairs 32 at a time).
 
-typedef uint32_t u32a __attribute__((may_alias));  // a pair of bfloat16 read as one word
 constexpr int64_t kDpCols = 8;                       // broadcast words per micro-tile
 
 // acc[i][v] += sum over j < n of pair a[i][j * a_step] . pairs b[j * b_step + 16 v, + 16)
