@@ -49,7 +49,12 @@ def resident(dtype: torch.dtype, ctx: int, gen: torch.Generator):
 
 def scattered(dtype: torch.dtype, ctx: int, gen: torch.Generator):
     """Calls over scattered blocks, each on the next of 8 layers' caches."""
-    q, caches, tables, lens = scattered_decode([ctx] * BATCH, dtype, gen)
+    return decode_over(scattered_decode([ctx] * BATCH, dtype, gen))
+
+
+def decode_over(inputs):
+    """Calls of the kernel on scattered_decode's inputs, each on the next layer's cache."""
+    q, caches, tables, lens = inputs
     turn = itertools.count()
     return lambda: paged_decode_attention(q, caches[next(turn) % len(caches)], tables, lens,
                                           HEAD_DIM ** -0.5)
@@ -99,9 +104,11 @@ def block_reader():
     return fn
 
 
-def scattered_read(dtype: torch.dtype, ctx: int, gen: torch.Generator, fn):
-    """The blocks of scattered(): each call reads the next layer's, sequence by sequence."""
-    _, caches, tables, _ = scattered_decode([ctx] * BATCH, dtype, gen)
+def read_over(inputs, ctx: int, fn):
+    """Plain reads of the blocks decode_over's calls read: each call the next layer's, sequence
+    by sequence."""
+    _, caches, tables, _ = inputs
+    dtype = caches[0].dtype
     block_bytes = BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     offsets = (tables[:, :ctx // BLOCK].reshape(-1) * block_bytes).contiguous()
     turn = itertools.count()
@@ -149,12 +156,13 @@ def main() -> None:
             print(f"resident  {name:9s} {BATCH}x{ctx:<5d} {m / per:5.1f} ns/position/kv head "
                   f"[{lo / per:.1f}-{hi / per:.1f}]", flush=True)
         for ctx in (320, 2000):
-            m, lo, hi = spread(scattered(dtype, ctx, gen))
+            inputs = scattered_decode([ctx] * BATCH, dtype, gen)
+            m, lo, hi = spread(decode_over(inputs))
             per = BATCH * ctx * KV_HEADS / 1e9
             gb = BATCH * ctx * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize / 1e9
             print(f"scattered {name:9s} {BATCH}x{ctx:<5d} {m / per:5.1f} ns/position/kv head, "
                   f"{gb / m:.1f} GB/s [{gb / hi:.1f}-{gb / lo:.1f}]", flush=True)
-            m, lo, hi = spread(scattered_read(dtype, ctx, gen, reader))
+            m, lo, hi = spread(read_over(inputs, ctx, reader))
             print(f"  a plain read of its blocks, K and V, prefetched as the kernel does: "
                   f"{gb / m:.1f} GB/s [{gb / hi:.1f}-{gb / lo:.1f}]", flush=True)
     src = torch.ones(64 * 2**20)

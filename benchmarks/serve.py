@@ -316,7 +316,7 @@ def run_draw(args, order, urls: dict[str, str], rates: list[float], prompts, see
     meta = {"workload": args.workload, "requests": len(prompts), "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": seed, "order": [n for n, _, _ in order],
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
-            "startup_s": getattr(args, "startup_s", {})}
+            "startup_s": args.startup_s}
     (out / "summary.json").write_text(json.dumps(
         {**meta, "targets": {n: {str(r): s for r, s in by.items()}
                              for n, by in summaries.items()}}, indent=1))
