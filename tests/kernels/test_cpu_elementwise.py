@@ -31,6 +31,41 @@ def test_silu_mul(ops, threads, dtype, width):
     _check(out, torch.nn.functional.silu(gate) * up)
 
 
+def _every_bfloat16(rows: int) -> torch.Tensor:
+    """Each of bfloat16's 65536 values once (subnormals, infinities and NaNs among them)."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    return bits.view(torch.bfloat16).reshape(rows, -1)
+
+
+def _equal_or_both_nan(out: torch.Tensor, ref: torch.Tensor) -> None:
+    same = (out == ref) | (out.isnan() & ref.isnan())
+    assert same.all(), f"{(~same).sum().item()} values differ, at {out[~same][:4].tolist()}"
+
+
+def test_silu_mul_every_bfloat16(ops):
+    """silu(gate) rounds as torch's for every bfloat16 gate: the bfloat16 kernel's faster exp
+    (exp_u20) and its rounding in one instruction (AVX512-BF16) change no bit."""
+    gate = _every_bfloat16(64)
+    out = torch.empty_like(gate)
+    for up in (torch.ones_like(gate), torch.randn(gate.shape, generator=torch.Generator()
+                                                  .manual_seed(0)).to(torch.bfloat16)):
+        ops.silu_mul(gate, up, out)
+        _equal_or_both_nan(out, torch.nn.functional.silu(gate) * up)
+
+
+def test_residual_add_every_bfloat16(ops):
+    """x + residual stored for every bfloat16 x (residual 0; the subnormals, which the
+    instruction would flush, and NaNs take at::vec's rounding) and its norm, as torch's."""
+    x = _every_bfloat16(128)
+    residual = torch.zeros_like(x)
+    weight = torch.ones(x.shape[1], dtype=torch.bfloat16)
+    ref_out, ref_residual = reference.fused_add_rms_norm(x, residual.clone(), weight, 1e-6)
+    out = torch.empty_like(x)
+    ops.rms_norm(x, residual, weight, 1e-6, out)
+    _equal_or_both_nan(residual, ref_residual)
+    _equal_or_both_nan(out, ref_out)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [24, 72, 512])
 def test_add_rms_norm(ops, threads, dtype, hidden):
