@@ -2,7 +2,9 @@
 of its cores (the scheduler lends a free peer's cores, services/scheduler/cores.py) gives the
 lent ones back after its next layer while a peer sharing them runs a step, and takes them again
 after the layer in which that step ends (a decode step of a small model may be over long
-before the prefill step beside it).
+before the prefill step beside it). A step planned on its share while a peer stepped takes the
+peer's cores too after a layer that ends with every peer quiet for QUIET_S (no step since): the
+last prompts of a burst no longer finish on one core beside an idle one.
 
 The scheduler plans each step's threads from what it knows when it plans: a prefill step given
 both cores of an idle decode worker keeps them when a request reaches that decode worker a
@@ -13,7 +15,8 @@ parallel region; on two cores a prefill step so overlapped ran at 566 prompt tok
 849 on its one core alone.
 
 Each worker publishes a small segment in /dev/shm (`pdserve-cores-<its scheduler and host>-
-<worker id>`): the cores it runs on (a bit mask) and whether a step of it runs now; it holds a
+<worker id>`): the cores it runs on (a bit mask), whether a step of it runs now and when its
+last one ended (CLOCK_MONOTONIC, one clock for every process of the host); it holds a
 lock on its segment for as long as it lives, so a dead worker's segment is swept and never
 counts as stepping. Each worker maps its peers' segments (found again at most once a second,
 at a step's start) and reads them after each layer of a step that runs on more than its share.
@@ -35,9 +38,14 @@ from common.shm_segments import BOARD_PREFIX, SHM_DIR, create_segment, remove_if
 log = logging.getLogger(__name__)
 
 RESCAN_S = 1.0  # peers that start or die are seen within this (at the next step's start)
-# a segment: an int64 word, 1 while a step runs; then the core mask, little-endian, in as many
-# 64-bit words as the highest core needs (peers' masks may differ in length)
-_STEPPING_BYTES = 8
+# A peer quiet this long has nothing queued: a decode worker's steps follow each other within a
+# few ms (async scheduling plans the next while one runs); a prefill layer of 2048 tokens takes
+# ~30-60 ms on one core, so taking cores a peer then wants costs at most about that much.
+QUIET_S = 0.05
+# a segment: int64 words, 1 while a step runs, then the clock's ns when the last step ended
+# (0: none yet); then the core mask, little-endian, in as many 64-bit words as the highest core
+# needs (peers' masks may differ in length)
+_HEADER_BYTES = 16
 
 
 def core_mask(cores: Iterable[int]) -> int:
@@ -55,21 +63,21 @@ class _Segment:
         self.fd = fd
         self.map = mmap.mmap(fd, os.fstat(fd).st_size,
                              prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
-        self.step_word = np.frombuffer(self.map, dtype=np.int64, count=1)
+        self.step_word = np.frombuffer(self.map, dtype=np.int64, count=2)  # [stepping, ended]
         self._mask = 0
 
     @staticmethod
     def size(mask: int) -> int:
-        return _STEPPING_BYTES + 8 * (mask.bit_length() // 64 + 1)
+        return _HEADER_BYTES + 8 * (mask.bit_length() // 64 + 1)
 
     def write_mask(self, mask: int) -> None:
-        self.map[_STEPPING_BYTES:] = mask.to_bytes(len(self.map) - _STEPPING_BYTES, "little")
+        self.map[_HEADER_BYTES:] = mask.to_bytes(len(self.map) - _HEADER_BYTES, "little")
 
     def mask(self) -> int:
         """The owner's cores; read until found (its owner writes them just after the segment
         appears) and then kept: they do not change while it lives."""
         if not self._mask:
-            self._mask = int.from_bytes(self.map[_STEPPING_BYTES:], "little")
+            self._mask = int.from_bytes(self.map[_HEADER_BYTES:], "little")
         return self._mask
 
     def close(self) -> None:
@@ -99,18 +107,23 @@ class CoreBoard:
     def stepping(self, on: bool) -> None:
         """Marks a step of this worker as running (on) or ended; at a step's start, finds the
         peers again when the last look is older than RESCAN_S."""
+        if not on:  # the end first: a peer that reads "not stepping" finds it too
+            self._own.step_word[1] = int(self._clock() * 1e9)
         self._own.step_word[0] = int(on)
         if on and self._clock() - self._scanned >= RESCAN_S:
             self._rescan()
 
-    def peers_stepping(self) -> int:
-        """Peers sharing a core with this worker that run a step now."""
-        return sum(1 for p in self._peers.values() if p.step_word[0] and p.mask() & self.mask)
+    def peers_stepping(self, quiet_s: float = 0.0) -> int:
+        """Peers sharing a core with this worker that run a step now, or (quiet_s) ended one
+        less than quiet_s ago."""
+        since = int((self._clock() - quiet_s) * 1e9)
+        return sum(1 for p in self._peers.values() if p.mask() & self.mask
+                   and (p.step_word[0] or (quiet_s and p.step_word[1] > since)))
 
-    def share(self) -> int:
-        """This worker's threads while its stepping peers run theirs: its cores split among
-        them and it (at least one)."""
-        return max(1, len(self.cores) // (1 + self.peers_stepping()))
+    def share(self, quiet_s: float = 0.0) -> int:
+        """This worker's threads while its stepping peers (and, with quiet_s, those that stepped
+        less than quiet_s ago) run theirs: its cores split among them and it (at least one)."""
+        return max(1, len(self.cores) // (1 + self.peers_stepping(quiet_s)))
 
     def _rescan(self) -> None:
         self._scanned = self._clock()

@@ -230,6 +230,13 @@ class _CountersCollector:
                 labels=["worker_id", "role"])
             m.add_metric(self.key, self.worker.yielded)
             yield m
+            m = CounterMetricFamily(
+                PREFIX + "worker_cpu_cores_taken",
+                "Times a step took CPU cores beyond those planned for it mid-step, every peer "
+                "sharing them having been quiet for a while (core_board.QUIET_S).",
+                labels=["worker_id", "role"])
+            m.add_metric(self.key, self.worker.taken)
+            yield m
         if not self.worker.runner.num_speculative_tokens:
             return
         for name, value, doc in (

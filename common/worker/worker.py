@@ -28,7 +28,7 @@ from common.plans import (
     TransfersDone,
     WorkerCounters,
 )
-from common.worker.core_board import CoreBoard
+from common.worker.core_board import QUIET_S, CoreBoard
 from common.worker.layer_streamer import LayerStreamer
 from common.worker.model_runner import ModelRunner, RequestState, stops
 from common.worker.pipeline import LastStage, Outcome
@@ -75,6 +75,8 @@ class Worker:
         self.pipeline = pipeline  # a pipeline group's: the last stage samples for every rank
         self.board = board  # a CPU worker's: which peers sharing its cores step now
         self.yielded = 0  # times a step gave lent cores back to a peer (core_board.py)
+        self.taken = 0  # times a step took a quiet peer's cores beyond its plan
+        self._planned_threads = 0  # the running step's plan's CPU threads (0: not planned)
         self._streamer: LayerStreamer | None = None  # sends of the step that ran last
         self.requests: dict[str, RequestState] = {}
         # block id -> hash of the tokens it holds, as the scheduler announced it, for as long as
@@ -133,6 +135,7 @@ class Worker:
         threads = max(1, plan.num_threads // self.group_size)
         if plan.num_threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
+        self._planned_threads = plan.num_threads
         board = self.board if plan.scheduled else None  # steps that compute tokens
         if board is not None:
             board.stepping(True)
@@ -146,20 +149,27 @@ class Worker:
                 board.stepping(False)
 
     def _yield_check(self) -> Callable[[int], None] | None:
-        """For a step on more threads than this worker's share of its cores: after each layer
-        (and now), its share while a peer sharing them steps, the threads planned while none
-        does (core_board.py); None when there is nothing to give back."""
+        """For a step of a worker sharing its cores with peers (core_board.py), what runs after
+        each layer (and now): while a peer sharing them steps, this worker's share of them (at
+        most the threads planned); while none does, the threads planned, or every core of its
+        share once each peer has been quiet for QUIET_S (a step planned on one core beside a
+        busy peer that then went idle); None when there is nothing to give back or take."""
         board = self.board
         planned = torch.get_num_threads()
-        if board is None or planned <= 1:
+        # more than planned only where the scheduler splits the cores (it plans thread counts)
+        grow = self._planned_threads > 0 and self.group_size == 1
+        if board is None or len(board.cores) <= 1 or (planned <= 1 and not grow):
             return None
 
         def check(_layer: int = -1) -> None:
             want = min(planned, board.share())
+            if grow and want == planned:
+                want = max(want, board.share(QUIET_S))
             now = torch.get_num_threads()
             if want != now:
                 torch.set_num_threads(want)
                 self.yielded += want < now
+                self.taken += want > max(now, planned)
 
         check()
         return check

@@ -1,13 +1,15 @@
 """Workers sharing cores give lent ones back mid-step (common/worker/core_board.py): which peers
-a board counts as stepping, and a real worker's step dropping to its share at the first layer
-that ends with a peer stepping, its tokens unchanged."""
+a board counts as stepping (or as stepped lately), a real worker's step dropping to its share at
+the first layer that ends with a peer stepping, and one planned on its share taking a peer's
+cores once that one has been quiet for QUIET_S; its tokens unchanged."""
 import multiprocessing
 import os
+import time
 
 import pytest
 import torch
 
-from common.worker.core_board import BOARD_PREFIX, RESCAN_S, CoreBoard, core_mask
+from common.worker.core_board import BOARD_PREFIX, QUIET_S, RESCAN_S, CoreBoard, core_mask
 from common.worker.telemetry import _CountersCollector
 from tests.unit.test_scheduler_inprocess import _greedy, _prompt, cluster, hf  # noqa: F401
 
@@ -37,6 +39,22 @@ def test_a_peer_counts_while_it_steps_on_a_shared_core(tmp_path):
     assert core_mask([0, 2]) == 0b101
     with pytest.raises(ValueError):
         core_mask([-1])
+
+
+def test_a_peer_counts_as_busy_until_it_has_been_quiet_for_a_while(tmp_path):
+    clock = Clock()
+    a = CoreBoard("a", [0, 1], "g", shm_dir=tmp_path, clock=clock)
+    b = CoreBoard("b", [0, 1], "g", shm_dir=tmp_path, clock=clock)
+    a.stepping(True)
+    assert a.share(QUIET_S) == 2  # b never stepped
+    b.stepping(True)
+    assert (a.share(), a.share(QUIET_S)) == (1, 1)
+    b.stepping(False)
+    assert (a.share(), a.share(QUIET_S)) == (2, 1)  # not stepping, but a moment ago
+    clock.now += QUIET_S / 2
+    assert a.share(QUIET_S) == 1
+    clock.now += QUIET_S
+    assert a.share(QUIET_S) == 2
 
 
 def test_cores_past_the_first_64_are_told_apart(tmp_path):
@@ -115,14 +133,25 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def _board_cluster(cluster, tmp_path):
+def _board_cluster(cluster, tmp_path, clock=time.monotonic):
     """A colocated worker on two threads whose board (and its peer's) lives in tmp_path."""
     c = cluster([("decode", 64)])
     (wid, worker), = c.workers.items()
     worker.board.close()  # the host's board: other workers of this machine are not its peers
-    worker.board = CoreBoard(wid, [0, 1], "g", shm_dir=tmp_path)
-    peer = CoreBoard("peer", [0, 1], "g", shm_dir=tmp_path)
+    worker.board = CoreBoard(wid, [0, 1], "g", shm_dir=tmp_path, clock=clock)
+    peer = CoreBoard("peer", [0, 1], "g", shm_dir=tmp_path, clock=clock)
     return c, worker, peer
+
+
+def _plans_threads(worker, threads: list[int]):
+    """Each of the worker's plans says threads[0], as the scheduler's would beside a busy
+    peer."""
+    run = worker.execute
+
+    def execute(plan, sub_step=0):
+        plan.num_threads = threads[0]
+        return run(plan, sub_step)
+    worker.execute = execute
 
 
 def test_a_step_on_lent_cores_gives_them_back_while_a_peer_steps(cluster, hf, tmp_path,
@@ -175,6 +204,60 @@ def test_a_step_keeps_its_threads_while_no_peer_steps(cluster, hf, tmp_path, two
     assert torch.get_num_threads() == 2
     assert worker.yielded == 0
     assert c.tokens("a") == _greedy(hf, prompt, 4)
+
+
+def test_a_step_planned_beside_a_busy_peer_takes_its_cores_once_it_is_quiet(cluster, hf,
+                                                                            tmp_path,
+                                                                            two_threads):
+    """Planned on one of two cores while the peer stepped: the peer ends its step during layer
+    0; layers 1 and 2 end less than QUIET_S after that (one thread), layer 3 runs on both. A
+    step that starts with the peer quiet runs on both from its start; one whose plan gave no
+    thread count (the scheduler does not split these cores) never takes more. HuggingFace's
+    tokens throughout."""
+    clock = Clock()
+    c, worker, peer = _board_cluster(cluster, tmp_path, clock)
+    layers = worker.runner.model.layers
+    seen = []
+
+    def at(i, then):
+        def hook(*_):
+            seen.append(torch.get_num_threads())
+            then()
+        return layers[i].register_forward_hook(hook)
+
+    def later(s):
+        def advance():
+            clock.now += s
+        return advance
+    planned = [1]
+    _plans_threads(worker, planned)
+    peer.stepping(True)
+    hooks = [at(0, lambda: peer.stepping(False)), at(1, later(QUIET_S / 2)),
+             at(2, later(QUIET_S)), at(3, lambda: None)]
+    prompt = _prompt(23, 5)
+    c.submit("a", prompt, max_tokens=5)
+    c.step()  # the prompt
+    assert seen == [1, 1, 1, 2]
+    assert (worker.taken, worker.yielded) == (1, 0)
+    metric, = [m for m in _CountersCollector(worker, "w", "decode").collect()
+               if m.name == "pdserve:worker_cpu_cores_taken"]
+    assert metric.samples[0].value == 1
+    for h in hooks:
+        h.remove()
+    hooks = [at(i, lambda: None) for i in range(4)]
+    seen.clear()
+    c.step()  # a decode step, the peer quiet since
+    assert seen == [2, 2, 2, 2] and worker.taken == 2
+    planned[0] = 0
+    torch.set_num_threads(1)
+    seen.clear()
+    c.step()
+    assert seen == [1, 1, 1, 1] and worker.taken == 2
+    for h in hooks:
+        h.remove()
+    c.run()
+    assert c.tokens("a") == _greedy(hf, prompt, 5)
+    c.assert_all_free()
 
 
 def test_a_workers_start_sweeps_dead_workers_boards_of_every_scheduler(tmp_path):
