@@ -19,7 +19,7 @@ Each worker publishes a small segment in /dev/shm (`pdserve-cores-<its scheduler
 last one ended (CLOCK_MONOTONIC, one clock for every process of the host); it holds a
 lock on its segment for as long as it lives, so a dead worker's segment is swept and never
 counts as stepping. Each worker maps its peers' segments (found again at most once a second,
-at a step's start) and reads them after each layer of a step that runs on more than its share.
+at a step's start) and reads them at the start and after each layer of its steps.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class _Segment:
         self.fd = fd
         self.map = mmap.mmap(fd, os.fstat(fd).st_size,
                              prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
-        self.step_word = np.frombuffer(self.map, dtype=np.int64, count=2)  # [stepping, ended]
+        self.header = np.frombuffer(self.map, dtype=np.int64, count=2)  # [stepping, ended]
         self._mask = 0
 
     @staticmethod
@@ -81,7 +81,7 @@ class _Segment:
         return self._mask
 
     def close(self) -> None:
-        del self.step_word  # the buffer's export, before the map closes
+        del self.header  # the buffer's export, before the map closes
         self.map.close()
         os.close(self.fd)
 
@@ -108,8 +108,8 @@ class CoreBoard:
         """Marks a step of this worker as running (on) or ended; at a step's start, finds the
         peers again when the last look is older than RESCAN_S."""
         if not on:  # the end first: a peer that reads "not stepping" finds it too
-            self._own.step_word[1] = int(self._clock() * 1e9)
-        self._own.step_word[0] = int(on)
+            self._own.header[1] = int(self._clock() * 1e9)
+        self._own.header[0] = int(on)
         if on and self._clock() - self._scanned >= RESCAN_S:
             self._rescan()
 
@@ -118,7 +118,7 @@ class CoreBoard:
         less than quiet_s ago."""
         since = int((self._clock() - quiet_s) * 1e9)
         return sum(1 for p in self._peers.values() if p.mask() & self.mask
-                   and (p.step_word[0] or (quiet_s and p.step_word[1] > since)))
+                   and (p.header[0] or (quiet_s and p.header[1] > since)))
 
     def share(self, quiet_s: float = 0.0) -> int:
         """This worker's threads while its stepping peers (and, with quiet_s, those that stepped
@@ -147,5 +147,5 @@ class CoreBoard:
     def close(self) -> None:
         """Takes this worker off the board (its mappings go with the process: a step may still
         read them)."""
-        self._own.step_word[0] = 0
+        self._own.header[0] = 0
         self._own.path.unlink(missing_ok=True)

@@ -232,8 +232,10 @@ class _CountersCollector:
             yield m
             m = CounterMetricFamily(
                 PREFIX + "worker_cpu_cores_taken",
-                "Times a step took CPU cores beyond those planned for it mid-step, every peer "
-                "sharing them having been quiet for a while (core_board.QUIET_S).",
+                "Times a step took CPU cores beyond those planned for it (at its start or after "
+                "a layer), every peer sharing them having been quiet for a while "
+                "(core_board.QUIET_S); it gives them back when a peer starts a step, or with "
+                "its end.",
                 labels=["worker_id", "role"])
             m.add_metric(self.key, self.worker.taken)
             yield m

@@ -147,6 +147,8 @@ class Worker:
         finally:
             if board is not None:
                 board.stepping(False)
+            if plan.num_threads and torch.get_num_threads() > threads:
+                torch.set_num_threads(threads)  # cores taken go back with the step
 
     def _yield_check(self) -> Callable[[int], None] | None:
         """For a step of a worker sharing its cores with peers (core_board.py), what runs after
@@ -158,7 +160,7 @@ class Worker:
         planned = torch.get_num_threads()
         # more than planned only where the scheduler splits the cores (it plans thread counts)
         grow = self._planned_threads > 0 and self.group_size == 1
-        if board is None or len(board.cores) <= 1 or (planned <= 1 and not grow):
+        if board is None or (planned <= 1 and (not grow or len(board.cores) <= 1)):
             return None
 
         def check(_layer: int = -1) -> None:
@@ -168,7 +170,7 @@ class Worker:
             now = torch.get_num_threads()
             if want != now:
                 torch.set_num_threads(want)
-                self.yielded += want < now
+                self.yielded += want < min(now, planned)  # lent cores, not taken ones
                 self.taken += want > max(now, planned)
 
         check()

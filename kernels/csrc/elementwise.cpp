@@ -34,13 +34,14 @@ bool native_bf16() {
 
 // v rounded to bfloat16 by vcvtneps2bf16: nearest even, as at::vec's conversion rounds, except
 // that it flushes subnormals to zero and quiets NaNs its own way, so a vector holding either
-// takes at::vec's conversion (bit for bit torch's everywhere). Inline assembly: the kernels'
-// target region leaves AVX512-BF16 out, so that the library runs on every AVX-512 CPU; this is
-// called only where native_bf16() says the CPU has it. 3x fewer instructions than at::vec's.
+// takes at::vec's conversion (bit for bit at::vec's everywhere, which is torch's vectorized
+// cast). Inline assembly: the kernels' target region leaves AVX512-BF16 out, so that the
+// library runs on every AVX-512 CPU; this is called only where native_bf16() says the CPU has
+// it. 3x fewer instructions than at::vec's.
 inline __m256i to_bf16_native(const fVec& v) {
   const __m512 x = v;
   if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0xA1) != 0, 0))  // NaNs, subnormals
-    return _mm512_castsi512_si256(at::vec::convert_from_float<BFloat16>(v, v));
+    return at::vec::cvtfp32_bf16(x);
   __m256i r;
   asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(x));
   return r;

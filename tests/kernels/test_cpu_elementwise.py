@@ -31,10 +31,13 @@ def test_silu_mul(ops, threads, dtype, width):
     _check(out, torch.nn.functional.silu(gate) * up)
 
 
-def _every_bfloat16(rows: int) -> torch.Tensor:
-    """Each of bfloat16's 65536 values once (subnormals, infinities and NaNs among them)."""
+def _every_bfloat16(width: int) -> torch.Tensor:
+    """Each of bfloat16's 65536 values once (subnormals, infinities and NaNs among them), in
+    rows of `width` (the last padded with zeros)."""
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    return bits.view(torch.bfloat16).reshape(rows, -1)
+    rows = -(-len(bits) // width)
+    bits = torch.cat([bits, torch.zeros(rows * width - len(bits), dtype=torch.int16)])
+    return bits.view(torch.bfloat16).reshape(rows, width)
 
 
 def _equal_or_both_nan(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -44,8 +47,9 @@ def _equal_or_both_nan(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 def test_silu_mul_every_bfloat16(ops):
     """silu(gate) rounds as torch's for every bfloat16 gate: the bfloat16 kernel's faster exp
-    (exp_u20) and its rounding in one instruction (AVX512-BF16) change no bit."""
-    gate = _every_bfloat16(64)
+    (exp_u20) and its rounding in one instruction (AVX512-BF16) change no bit; rows of 1000, so
+    that each ends in a part vector."""
+    gate = _every_bfloat16(1000)
     out = torch.empty_like(gate)
     for up in (torch.ones_like(gate), torch.randn(gate.shape, generator=torch.Generator()
                                                   .manual_seed(0)).to(torch.bfloat16)):
@@ -56,7 +60,7 @@ def test_silu_mul_every_bfloat16(ops):
 def test_residual_add_every_bfloat16(ops):
     """x + residual stored for every bfloat16 x (residual 0; the subnormals, which the
     instruction would flush, and NaNs take at::vec's rounding) and its norm, as torch's."""
-    x = _every_bfloat16(128)
+    x = _every_bfloat16(512)
     residual = torch.zeros_like(x)
     weight = torch.ones(x.shape[1], dtype=torch.bfloat16)
     ref_out, ref_residual = reference.fused_add_rms_norm(x, residual.clone(), weight, 1e-6)

@@ -248,15 +248,41 @@ def test_a_step_planned_beside_a_busy_peer_takes_its_cores_once_it_is_quiet(clus
     seen.clear()
     c.step()  # a decode step, the peer quiet since
     assert seen == [2, 2, 2, 2] and worker.taken == 2
-    planned[0] = 0
-    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1  # back to its plan's with the step
+    planned[0] = 0  # the step before gave its taken core back at its end
     seen.clear()
     c.step()
-    assert seen == [1, 1, 1, 1] and worker.taken == 2
+    assert seen == [1, 1, 1, 1] and worker.taken == 2 and worker.yielded == 0
     for h in hooks:
         h.remove()
     c.run()
     assert c.tokens("a") == _greedy(hf, prompt, 5)
+    c.assert_all_free()
+
+
+def test_a_worker_on_one_core_gives_its_extra_threads_back_while_a_peer_steps(cluster, hf,
+                                                                               tmp_path,
+                                                                               two_threads):
+    """One core, a plan of two threads (as a --cpu-threads above the cores would run): its
+    share while the peer steps is one thread."""
+    c = cluster([("decode", 64)])
+    (wid, worker), = c.workers.items()
+    worker.board.close()
+    worker.board = CoreBoard(wid, [0], "g", shm_dir=tmp_path)
+    peer = CoreBoard("peer", [0], "g", shm_dir=tmp_path)
+    _plans_threads(worker, [2])
+    peer.stepping(True)
+    seen = []
+    hook = worker.runner.model.layers[0].register_forward_hook(
+        lambda *_: seen.append(torch.get_num_threads()))
+    prompt = _prompt(29, 5)
+    c.submit("a", prompt, max_tokens=3)
+    c.step()
+    hook.remove()
+    assert seen == [1] and worker.yielded == 1 and worker.taken == 0
+    peer.stepping(False)
+    c.run()
+    assert c.tokens("a") == _greedy(hf, prompt, 3)
     c.assert_all_free()
 
 
