@@ -9,6 +9,8 @@ same host map it and write blocks straight into it (the shm transport).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
 import hashlib
 import os
@@ -34,6 +36,29 @@ def map_shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype,
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
 
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: back and map every page of a range now
+
+
+def populate(tensor: torch.Tensor, path: Path) -> None:
+    """Backs every page of a shared cache before it serves: a page of /dev/shm is allocated
+    and zeroed at its first write, which made a fresh cache's KV writes 13x slower (8 layers
+    x 2048 float32 tokens: 30 ms against 2.3) on the first requests to reach each block; up
+    front it costs ~0.6 s per GiB at start, as a cache in torch.zeros would. A /dev/shm too
+    small for the cache then fails here, not with a SIGBUS mid-request. Kernels older than
+    5.14 (EINVAL) keep the pages lazy."""
+    nbytes = tensor.numel() * tensor.element_size()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes),
+                    MADV_POPULATE_WRITE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:
+        return
+    raise OSError(err, f"cannot back the KV cache's {nbytes} bytes in {path} "
+                       f"({os.strerror(err)}): is /dev/shm large enough? Lower "
+                       f"--num-kv-blocks, or give the container more shared memory")
+
+
 class PagedKVCache:
     def __init__(self, layout: KVLayout, num_blocks: int, shm_name: str | None = None,
                  device: torch.device | str = "cpu"):
@@ -49,6 +74,11 @@ class PagedKVCache:
             nbytes = layout.block_bytes * num_blocks
             self._lock_fd = create_segment(self.shm_path, nbytes)
             self.tensor = map_shared(self.shm_path, shape, layout.torch_dtype, create=True)
+            try:
+                populate(self.tensor, self.shm_path)
+            except OSError:
+                self.close()
+                raise
         else:
             self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
         self.layers = list(self.tensor.unbind(0))

@@ -278,6 +278,45 @@ def test_shm_moves_exact_blocks():
         dst.close()
 
 
+def test_a_shared_cache_is_backed_whole_before_it_serves():
+    """Every page of a worker's /dev/shm cache is allocated when the cache is made (a page
+    allocated at its first write made a fresh cache's writes 13x slower), and zero."""
+    cache = PagedKVCache(LAYOUT, 64, shm_name=f"pdserve-kv-test-backed-{os.getpid()}")
+    try:
+        nbytes = cache.tensor.numel() * cache.tensor.element_size()
+        assert os.stat(cache.shm_path).st_blocks * 512 >= nbytes
+        assert not cache.tensor.any()
+    finally:
+        cache.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare (a mount namespace of its own)")
+def test_a_cache_larger_than_dev_shm_fails_at_start_and_leaves_nothing():
+    """In a mount namespace whose /dev/shm holds 8 MiB, a 16 MiB cache: a clear OSError when
+    the cache is made (not a SIGBUS at some later write), and no segment left behind."""
+    import shlex
+    import sys
+    code = ("import os\n"
+            "from common.kv_cache import PagedKVCache\n"
+            "from common.kv_layout import KVLayout\n"
+            "layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, block_size=16,"
+            " dtype='float32')\n"
+            "try:\n"
+            "    PagedKVCache(layout, 64, shm_name='pdserve-kv-test-too-big')\n"
+            "except OSError as e:\n"
+            "    print('refused:', e)\n"
+            "print('left:', os.listdir('/dev/shm'))\n")
+    inner = (f"mount -t tmpfs -o size=8m tmpfs /dev/shm && "
+             f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}")
+    out = subprocess.run(["unshare", "-m", "bash", "-c", inner], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert "refused: [Errno 14] cannot back the KV cache's 16777216 bytes" in out.stdout, (
+        out.stdout + out.stderr)
+    assert "is /dev/shm large enough?" in out.stdout
+    assert "left: []" in out.stdout
+
+
 def test_segments_of_dead_workers_are_swept(tmp_path):
     """A segment's owner holds a lock on it for life; a crashed owner's segment is removed."""
     import subprocess
