@@ -44,8 +44,9 @@ def populate(tensor: torch.Tensor, path: Path) -> None:
     and zeroed at its first write, which made a fresh cache's KV writes 13x slower (8 layers
     x 2048 float32 tokens: 30 ms against 2.3) on the first requests to reach each block; up
     front it costs ~0.6 s per GiB at start, as a cache in torch.zeros would. A /dev/shm too
-    small for the cache then fails here, not with a SIGBUS mid-request. Kernels older than
-    5.14 (EINVAL) keep the pages lazy."""
+    small for the cache then fails here (EFAULT), not with a SIGBUS mid-request; a memory
+    limit the pages exceed still gets the worker OOM-killed, now at its start. Kernels older
+    than 5.14 (EINVAL) keep the pages lazy."""
     nbytes = tensor.numel() * tensor.element_size()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes),
@@ -54,9 +55,11 @@ def populate(tensor: torch.Tensor, path: Path) -> None:
     err = ctypes.get_errno()
     if err == errno.EINVAL:
         return
+    where = ("is /dev/shm large enough? Lower --kv-cache-memory-mib or --num-kv-blocks, or "
+             "give the container more shared memory" if err == errno.EFAULT else
+             "lower --kv-cache-memory-mib or --num-kv-blocks")
     raise OSError(err, f"cannot back the KV cache's {nbytes} bytes in {path} "
-                       f"({os.strerror(err)}): is /dev/shm large enough? Lower "
-                       f"--num-kv-blocks, or give the container more shared memory")
+                       f"({os.strerror(err)}): {where}")
 
 
 class PagedKVCache:
