@@ -26,18 +26,12 @@ using at::BFloat16;
 constexpr int64_t kVec = fVec::size();
 
 #if PDSERVE_ISA == 2
-// Whether this CPU converts float to bfloat16 in one instruction (AVX512-BF16).
-bool native_bf16() {
-  static const bool cpu = __builtin_cpu_supports("avx512bf16");
-  return cpu;
-}
-
 // v rounded to bfloat16 by vcvtneps2bf16: nearest even, as at::vec's conversion rounds, except
 // that it flushes subnormals to zero and quiets NaNs its own way, so a vector holding either
 // takes at::vec's conversion (bit for bit at::vec's everywhere, which is torch's vectorized
 // cast). Inline assembly: the kernels' target region leaves AVX512-BF16 out, so that the
-// library runs on every AVX-512 CPU; this is called only where native_bf16() says the CPU has
-// it. 3x fewer instructions than at::vec's.
+// library runs on every AVX-512 CPU; this is called only where cpu_has_avx512_bf16() says the
+// CPU has it. 3x fewer instructions than at::vec's.
 inline __m256i to_bf16_native(const fVec& v) {
   const __m512 x = v;
   if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0xA1) != 0, 0))  // NaNs, subnormals
@@ -74,8 +68,11 @@ inline fVec as_stored(const fVec& v) {
     return v;
   } else {
 #if PDSERVE_ISA == 2
-    if constexpr (kNative)
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_native(v)), 16));
+    if constexpr (kNative) {
+      __m512 widened;
+      at::vec::cvtbf16_fp32(to_bf16_native(v), widened);
+      return widened;
+    }
 #endif
     return std::get<0>(at::vec::convert_to_float<BFloat16>(
         at::vec::convert_from_float<BFloat16>(v, v)));
@@ -187,7 +184,7 @@ void dispatch(at::ScalarType dtype, const Fn& fn) {
     return;
   }
 #if PDSERVE_ISA == 2
-  if (native_bf16()) {
+  if (cpu_has_avx512_bf16()) {
     fn(BFloat16{}, std::true_type{});
     return;
   }

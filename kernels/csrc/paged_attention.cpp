@@ -351,8 +351,7 @@ inline int64_t block_at(const int64_t* table, int64_t p, const Cache& c) {
 // Whether this CPU and head dim take the bfloat16 dot-product kernels (chunk_parts_dp for
 // decode, prefill_kernel_dp): rows of whole 32-value vectors.
 bool dp_runs(int64_t head_dim) {
-  static const bool cpu = __builtin_cpu_supports("avx512bf16");
-  return cpu && head_dim % 32 == 0;
+  return cpu_has_avx512_bf16() && head_dim % 32 == 0;
 }
 
 // chunk_parts for bfloat16 rows and an unscaled bfloat16 query: each 32 values of a key row

@@ -6,6 +6,13 @@
 
 namespace {
 
+// Whether this CPU has AVX512-BF16 (float <-> bfloat16 pairs in one instruction): the kernels
+// that use it are called only where it says so.
+inline bool cpu_has_avx512_bf16() {
+  static const bool cpu = __builtin_cpu_supports("avx512bf16");
+  return cpu;
+}
+
 // n values (default: a whole vector) of a float or bfloat16 row at p as float; zeros past n.
 inline at::vec::Vectorized<float> load(const float* p,
                                        int64_t n = at::vec::Vectorized<float>::size()) {
