@@ -925,43 +925,46 @@ constexpr int kLanesCols = 8;
 template <int NV>
 inline void lanes_scores(const float* const* k, const float* qp, int64_t rp, int64_t D,
                          int64_t r0, float scale, float* s) {
-  fVec acc[kLanesCols][NV];
+  __m512 acc[kLanesCols][NV];
   for (auto& row : acc)
-    for (auto& x : row) x = fVec(0.f);
+    for (auto& x : row) x = _mm512_setzero_ps();
+  const float* kr[kLanesCols];
+  for (int i = 0; i < kLanesCols; ++i) kr[i] = k[i];
   for (int64_t d = 0; d < D; ++d) {
-    fVec qv[NV];
-    for (int v = 0; v < NV; ++v) qv[v] = fVec::loadu(qp + d * rp + r0 + kVec * v);
+    __m512 qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qp + d * rp + r0 + 16 * v);
 #pragma GCC unroll 8
     for (int i = 0; i < kLanesCols; ++i) {
-      const fVec kv(k[i][d]);
-      for (int v = 0; v < NV; ++v) acc[i][v] = at::vec::fmadd(kv, qv[v], acc[i][v]);
+      const __m512 kv = _mm512_set1_ps(kr[i][d]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(kv, qv[v], acc[i][v]);
     }
   }
-  const fVec sv(scale);
+  const __m512 sv = _mm512_set1_ps(scale);
   for (int i = 0; i < kLanesCols; ++i)
-    for (int v = 0; v < NV; ++v) (acc[i][v] * sv).store(s + i * rp + r0 + kVec * v);
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(s + i * rp + r0 + 16 * v, _mm512_mul_ps(acc[i][v], sv));
 }
 
 // o[d][r] += sum over `keys` keys of p[key][r] v[key][d] for kLanesCols columns d0.. of the
-// value rows v[key] and the rows [r0, r0 + kVec NV) of the probabilities p[key][rows].
+// value rows v[key] and the rows [r0, r0 + 16 NV) of the probabilities p[key][rows].
 template <int NV>
 inline void lanes_values(const float* const* v_rows, int64_t keys, int64_t d0, const float* p,
                          int64_t rp, int64_t r0, float* o) {
-  fVec acc[kLanesCols][NV];
+  __m512 acc[kLanesCols][NV];
   for (int i = 0; i < kLanesCols; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = fVec::loadu(o + (d0 + i) * rp + r0 + kVec * v);
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_loadu_ps(o + (d0 + i) * rp + r0 + 16 * v);
   for (int64_t kk = 0; kk < keys; ++kk) {
-    fVec pv[NV];
-    for (int v = 0; v < NV; ++v) pv[v] = fVec::loadu(p + kk * rp + r0 + kVec * v);
+    __m512 pv[NV];
+    for (int v = 0; v < NV; ++v) pv[v] = _mm512_loadu_ps(p + kk * rp + r0 + 16 * v);
     const float* vr = v_rows[kk] + d0;
 #pragma GCC unroll 8
     for (int i = 0; i < kLanesCols; ++i) {
-      const fVec x(vr[i]);
-      for (int v = 0; v < NV; ++v) acc[i][v] = at::vec::fmadd(x, pv[v], acc[i][v]);
+      const __m512 x = _mm512_set1_ps(vr[i]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(x, pv[v], acc[i][v]);
     }
   }
   for (int i = 0; i < kLanesCols; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v].store(o + (d0 + i) * rp + r0 + kVec * v);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + (d0 + i) * rp + r0 + 16 * v, acc[i][v]);
 }
 
 void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
