@@ -33,9 +33,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 class Tokenizer:
     """Invariants: `eos_token_ids` comes from generation_config.json (int or list), else a
-    GGUF's end-of-sequence/turn ids, else the tokenizer's eos; `vocab_size` bounds every token
-    id the gateway accepts from a client. The HF tokenizer (a GGUF's included) is the one
-    common/models/hf_tokenizer.py loads, as the workers' grammars do.
+    GGUF's end-of-sequence/turn ids, else the tokenizer's eos; `vocab_size` (the model's
+    embedding rows) bounds every token id the gateway accepts from a client. The HF tokenizer
+    (a GGUF's included) is the one common/models/hf_tokenizer.py loads, as the workers'
+    grammars do.
     """
 
     def __init__(self, model_dir: str | Path) -> None:
@@ -45,11 +46,14 @@ class Tokenizer:
         generation_config = _read_json(model_dir / "generation_config.json")
         model_eos = gguf_info(gguf_file).eos_token_ids if gguf_file else ()
         self.eos_token_ids = _eos_token_ids(generation_config, model_eos or self.hf.eos_token_id)
-        self.vocab_size = len(self.hf)
+        # the ids a client may send are the model's embedding rows, which may outnumber the
+        # tokenizer's tokens (a vocabulary padded for the kernels: Qwen's 151936 rows for its
+        # 151669 tokens; such an id has no text) or fall short of them (an added token the
+        # model has no row for); the tokenizer's size where the model does not say
         model_vocab = (gguf_info(gguf_file).vocab_size if gguf_file else
                        _read_json(model_dir / "config.json").get("vocab_size"))
-        if isinstance(model_vocab, int) and 0 < model_vocab < self.vocab_size:
-            self.vocab_size = model_vocab
+        self.vocab_size = (model_vocab if isinstance(model_vocab, int) and model_vocab > 0
+                           else len(self.hf))
         self._added_ids = set(self.hf.added_tokens_decoder)
         self._byte_level = isinstance(self.hf.backend_tokenizer.decoder, decoders.ByteLevel)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
