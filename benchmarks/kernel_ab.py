@@ -83,6 +83,10 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", choices=["decode", "prefill"], default=["decode"])
     ap.add_argument("--prefills", nargs="+", metavar="CHUNKxCACHED",
                     help="prefill shapes instead of attention.py's, e.g. 1024x2048 128x0")
+    ap.add_argument("--prefill-gemm", type=int, choices=[0, 1, 2],
+                    help="the prefill's bfloat16 tile products (cpu_attention.PREFILL_*: 0 "
+                         "widened to float, 1 MKL's bf16 GEMM, 2 bf16 dot products); default: "
+                         "what serving takes on this CPU")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -101,7 +105,7 @@ def main() -> None:
             torch.set_num_threads(threads)
             cases = [(case, decode_call(lengths, dtype, gen)) for case, lengths in DECODES.items()
                      if "decode" in args.kinds]
-            cases += [(case, prefill_call(chunk, cached, dtype, gen))
+            cases += [(case, prefill_call(chunk, cached, dtype, gen, args.prefill_gemm))
                       for case, (chunk, cached) in prefills.items() if "prefill" in args.kinds]
             for case, call in cases:
                 times: dict[str, list[float]] = {"old": [], "new": []}
@@ -128,15 +132,16 @@ def decode_call(lengths: list[int], dtype: torch.dtype, gen: torch.Generator):
                                                  HEAD_DIM ** -0.5, ops=ops)
 
 
-def prefill_call(chunk: int, cached: int, dtype: torch.dtype, gen: torch.Generator):
+def prefill_call(chunk: int, cached: int, dtype: torch.dtype, gen: torch.Generator,
+                 gemm: int | None = None):
     """call(ops, i): a chunk's causal attention over its cached prefix and itself, in the
-    cache's dtype with the GEMMs serving uses for it."""
+    cache's dtype with the tile products serving uses for it (or `gemm`'s)."""
     rows, num_blocks = scattered_blocks([cached + chunk], gen)
     cache = torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
     q = torch.randn((chunk, HEADS, HEAD_DIM), generator=gen).to(dtype)
     tables, starts, done = torch.tensor(rows), torch.tensor([0, chunk]), torch.tensor([cached])
     return lambda ops, i: paged_prefill_attention(q, cache, tables, starts, done,
-                                                  HEAD_DIM ** -0.5, ops=ops)
+                                                  HEAD_DIM ** -0.5, gemm=gemm, ops=ops)
 
 if __name__ == "__main__":
     main()

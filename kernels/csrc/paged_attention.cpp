@@ -22,8 +22,9 @@
 //          matrix and walk the keys in tiles packed from the blocks into a buffer that stays
 //          in cache, scores and values through BLAS GEMMs, online softmax between. On AVX-512
 //          the kernel's own products instead of GEMMs, with the query rows in the vector lanes
-//          and keys read where they lie: float32 FMAs (prefill_kernel_lanes), and bfloat16 dot
-//          products on AVX512-BF16 without AMX (prefill_kernel_dp).
+//          and keys read where they lie: float32 FMAs (prefill_kernel_lanes; bfloat16 tiles
+//          widened to float), and bfloat16 dot products on AVX512-BF16 without AMX
+//          (prefill_kernel_dp).
 //
 // Built once per instruction set (kernels/cpu_attention.py picks the one the CPU runs):
 // PDSERVE_ISA 2 = AVX512, 1 = AVX2, 0 = portable. Only the kernels below are compiled for it
@@ -917,7 +918,10 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
 // Against the BLAS kernel on one Zen 4 core: 1.10-1.48x for 16 to 2048 tokens over 0 to 2048
 // cached; on two, 1.11-1.63x (the GEMM calls scaled 1.7-1.9x from one thread to two, this
 // kernel 1.9-2.1x). The AVX2 build keeps the GEMMs: there the lanes kernel (4 x 3 micro-tiles
-// for AVX2's 16 registers) ran 0.93-1.05x.
+// for AVX2's 16 registers) ran 0.93-1.05x. bfloat16 takes it too where it takes neither AMX's
+// GEMM nor the dot products (an AVX-512 CPU without AVX512-BF16, or a head dim that is no
+// multiple of 32), its tiles widened to float: 1.09-1.31x the widened tiles' GEMMs (on Zen 4,
+// forced there with gemm 0).
 constexpr int kLanesCols = 8;
 
 // s[c][r] = scale * q_r . k_c for kLanesCols keys c and the rows [r0, r0 + kVec NV) of the
@@ -967,6 +971,9 @@ inline void lanes_values(const float* const* v_rows, int64_t keys, int64_t d0, c
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + (d0 + i) * rp + r0 + 16 * v, acc[i][v]);
 }
 
+// T: the cache's dtype. A bfloat16 tile's keys and values are widened to float first, once per
+// tile (pack_rows), and products run as float32's.
+template <typename T>
 void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                           const at::Tensor& num_cached, double scale, at::Tensor& out) {
@@ -976,12 +983,12 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
   const int64_t table_stride = block_tables.stride(0);
   const int64_t num_seqs = num_cached.size(0);
-  const float* q_ptr = q.data_ptr<float>();
-  const float* cache = kv_cache.data_ptr<float>();
+  const T* q_ptr = q.data_ptr<T>();
+  const T* cache = kv_cache.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
   const int64_t* cached = num_cached.data_ptr<int64_t>();
-  float* out_ptr = out.data_ptr<float>();
+  T* out_ptr = out.data_ptr<T>();
 
   const int64_t tokens_per_tile = std::max<int64_t>(1, kQueryRows / G);
   const int64_t key_tile = (kKeyTile + c.block_size - 1) / c.block_size * c.block_size;
@@ -993,7 +1000,9 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
     const int64_t rp_max = (tokens_per_tile * G + kVec - 1) / kVec * kVec;
     std::vector<float> qp(D * rp_max), s(keys_max * rp_max), o(D * rp_max), maxes(rp_max),
-        sums(rp_max), pos(rp_max), zero(D, 0.f);
+        sums(rp_max), pos(rp_max), zero(D, 0.f), row(D);
+    constexpr bool kWiden = !std::is_same_v<T, float>;
+    std::vector<float> kwide(kWiden ? keys_max * D : 0), vwide(kWiden ? keys_max * D : 0);
     std::vector<const float*> krows(keys_max), vrows(keys_max);
     for (int64_t i = i_begin; i < i_end; ++i) {
       const PrefillItem& it = items[i];
@@ -1005,9 +1014,9 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
       // last row's position (they see what it sees, and are not written out)
       for (int64_t r = 0; r < rp; ++r) {
         const int64_t rr = std::min(r, rows - 1);
-        const float* src =
+        const T* src =
             q_ptr + (starts[it.seq] + it.begin + rr / G) * q_stride + (it.head * G + rr % G) * D;
-        for (int64_t d = 0; d < D; ++d) qp[d * rp + r] = r < rows ? src[d] : 0.f;
+        for (int64_t d = 0; d < D; ++d) qp[d * rp + r] = r < rows ? static_cast<float>(src[d]) : 0.f;
         pos[r] = static_cast<float>(first + rr / G);
       }
       std::fill(maxes.begin(), maxes.begin() + rp, kNegInf);
@@ -1017,10 +1026,19 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t k0 = 0; k0 < last_key; k0 += key_tile) {
         const int64_t keys = std::min(key_tile, last_key - k0);
         const int64_t padded = (keys + kLanesCols - 1) / kLanesCols * kLanesCols;
-        for (int64_t p = k0; p < k0 + keys; ++p) {
-          const int64_t row = block_at(table, p, c) * c.block_size + p % c.block_size;
-          krows[p - k0] = cache + row * c.row_stride + it.head * D;
-          vrows[p - k0] = krows[p - k0] + c.value_offset;
+        if constexpr (kWiden) {
+          pack_rows(kwide.data(), cache, table, c, it.head, k0, k0 + keys);
+          pack_rows(vwide.data(), cache + c.value_offset, table, c, it.head, k0, k0 + keys);
+          for (int64_t p = 0; p < keys; ++p) {
+            krows[p] = kwide.data() + p * D;
+            vrows[p] = vwide.data() + p * D;
+          }
+        } else {
+          for (int64_t p = k0; p < k0 + keys; ++p) {
+            const int64_t slot = block_at(table, p, c) * c.block_size + p % c.block_size;
+            krows[p - k0] = cache + slot * c.row_stride + it.head * D;
+            vrows[p - k0] = krows[p - k0] + c.value_offset;
+          }
         }
         for (int64_t p = keys; p < padded; ++p) krows[p] = vrows[p] = zero.data();
         // scores s[key][row]
@@ -1079,9 +1097,10 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / sums[r];
-        float* dst = out_ptr + (starts[it.seq] + it.begin + r / G) * out_stride +
-                     (it.head * G + r % G) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = o[d * rp + r] * inv;
+        for (int64_t d = 0; d < D; ++d) row[d] = o[d * rp + r] * inv;
+        store(out_ptr + (starts[it.seq] + it.begin + r / G) * out_stride +
+                  (it.head * G + r % G) * D,
+              row.data(), D);
       }
     }
   });
@@ -1371,8 +1390,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   if (n == 0) return;
   if (q.scalar_type() == at::kFloat) {
 #if PDSERVE_ISA == 2
-    return prefill_kernel_lanes(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
-                                out);
+    return prefill_kernel_lanes<float>(q, kv_cache, block_tables, query_start_loc, num_cached,
+                                       scale, out);
 #endif
     prefill_kernel<float, float>(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
                                  out);
@@ -1382,6 +1401,9 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
     if (gemm == 2 && dp_runs(q.size(2)))
       return prefill_kernel_dp(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
                                out);
+    if (gemm != 1)  // tiles widened to float
+      return prefill_kernel_lanes<BFloat16>(q, kv_cache, block_tables, query_start_loc,
+                                            num_cached, scale, out);
 #endif
     if (gemm == 1 && blas().bgemm)
       prefill_kernel<BFloat16, BFloat16>(q, kv_cache, block_tables, query_start_loc, num_cached,
