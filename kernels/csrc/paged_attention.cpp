@@ -24,7 +24,7 @@
 //          the kernel's own products instead of GEMMs, with the query rows in the vector lanes
 //          and keys read where they lie: float32 FMAs (prefill_kernel_lanes; bfloat16 tiles
 //          widened to float), and bfloat16 dot products on AVX512-BF16 without AMX
-//          (prefill_kernel_dp).
+//          (prefill_kernel_dp). bfloat16 with AMX keeps the packed tiles and MKL's bf16 GEMM.
 //
 // Built once per instruction set (kernels/cpu_attention.py picks the one the CPU runs):
 // PDSERVE_ISA 2 = AVX512, 1 = AVX2, 0 = portable. Only the kernels below are compiled for it
@@ -919,10 +919,11 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
 // cached; on two, 1.11-1.63x (the GEMM calls scaled 1.7-1.9x from one thread to two, this
 // kernel 1.9-2.1x). The AVX2 build keeps the GEMMs: there the lanes kernel (4 x 3 micro-tiles
 // for AVX2's 16 registers) ran 0.93-1.05x. bfloat16 takes it too where it takes neither AMX's
-// GEMM nor the dot products (an AVX-512 CPU without AVX512-BF16, or a head dim that is no
-// multiple of 32), its tiles widened to float: 1.09-1.31x the widened tiles' GEMMs (on Zen 4,
+// GEMM nor the dot products (an AVX-512 CPU with neither AMX nor AVX512-BF16; without AMX, a
+// head dim that is no multiple of 32), its tiles widened to float: 1.09-1.31x the widened tiles' GEMMs (on Zen 4,
 // forced there with gemm 0).
 constexpr int kLanesCols = 8;
+static_assert(kVec == 16, "the lanes kernel's micro-tiles are AVX-512 vectors of 16 floats");
 
 // s[c][r] = scale * q_r . k_c for kLanesCols keys c and the rows [r0, r0 + kVec NV) of the
 // packed queries qp[d][rows] (rp rows).
@@ -1000,7 +1001,8 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
     const int64_t rp_max = (tokens_per_tile * G + kVec - 1) / kVec * kVec;
     std::vector<float> qp(D * rp_max), s(keys_max * rp_max), o(D * rp_max), maxes(rp_max),
-        sums(rp_max), pos(rp_max), zero(D, 0.f), row(D);
+        sums(rp_max), zero(D, 0.f), row(D);
+    std::vector<int32_t> pos(rp_max);
     constexpr bool kWiden = !std::is_same_v<T, float>;
     std::vector<float> kwide(kWiden ? keys_max * D : 0), vwide(kWiden ? keys_max * D : 0);
     std::vector<const float*> krows(keys_max), vrows(keys_max);
@@ -1017,7 +1019,7 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
         const T* src =
             q_ptr + (starts[it.seq] + it.begin + rr / G) * q_stride + (it.head * G + rr % G) * D;
         for (int64_t d = 0; d < D; ++d) qp[d * rp + r] = r < rows ? static_cast<float>(src[d]) : 0.f;
-        pos[r] = static_cast<float>(first + rr / G);
+        pos[r] = static_cast<int32_t>(first + rr / G);
       }
       std::fill(maxes.begin(), maxes.begin() + rp, kNegInf);
       std::fill(sums.begin(), sums.begin() + rp, 0.f);
@@ -1050,14 +1052,15 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
             lanes_scores<1>(krows.data() + kc, qp.data(), rp, D, r0, scale, s.data() + kc * rp);
         }
         // masks: padding keys, and keys past a row's own position (tiles on the diagonal)
-        const fVec neg_inf(kNegInf);
         for (int64_t kk = std::clamp<int64_t>(first - k0 + 1, 0, keys); kk < padded; ++kk) {
-          const fVec kpos(static_cast<float>(k0 + kk));
-          for (int64_t r = 0; r < rp; r += kVec) {
+          const __m512i kpos = _mm512_set1_epi32(static_cast<int32_t>(k0 + kk));
+          for (int64_t r = 0; r < rp; r += 16) {
+            const __mmask16 hide =
+                kk >= keys ? __mmask16(0xffff)
+                           : _mm512_cmpgt_epi32_mask(kpos, _mm512_loadu_si512(pos.data() + r));
             float* sv = s.data() + kk * rp + r;
-            const fVec x = fVec::loadu(sv);
-            (kk >= keys ? neg_inf : fVec::blendv(x, neg_inf, kpos > fVec::loadu(pos.data() + r)))
-                .store(sv);
+            _mm512_storeu_ps(sv, _mm512_mask_mov_ps(_mm512_loadu_ps(sv), hide,
+                                                    _mm512_set1_ps(kNegInf)));
           }
         }
         // online softmax per lane: s becomes the probabilities
@@ -1401,7 +1404,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
     if (gemm == 2 && dp_runs(q.size(2)))
       return prefill_kernel_dp(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
                                out);
-    if (gemm != 1)  // tiles widened to float
+    if (gemm != 1 || !blas().bgemm)  // tiles widened to float
       return prefill_kernel_lanes<BFloat16>(q, kv_cache, block_tables, query_start_loc,
                                             num_cached, scale, out);
 #endif

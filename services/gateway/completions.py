@@ -75,13 +75,14 @@ class Completion(Generation):
             prompts = await self.tokenizer.aencode_batch(texts, self.body.add_special_tokens)
         else:
             prompts = [list(p) for p in prompt]
-            for ids in prompts:
-                self.tokenizer.check_token_ids(ids, "prompt")
+            texts = []  # decoded below, once the ids are checked
+        for ids in prompts:  # a text's ids too: its tokenizer may have tokens the model has not
+            self.tokenizer.check_token_ids(ids, "prompt")
+            self.ctx.builder.check_prompt(ids)
+        if not texts:
             decode = self.tokenizer.decode
             texts = [decode(p, skip_special_tokens=False) if self.body.echo else ""
                      for p in prompts]
-        for ids in prompts:
-            self.ctx.builder.check_prompt(ids)
         return prompts, texts
 
     def samples_per_prompt(self) -> int:

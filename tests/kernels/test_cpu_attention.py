@@ -85,7 +85,7 @@ def test_decode_head_dims(ops, head_dim, dtype):
 def _prefill_case(specs, dtype, head_dim, gqa, block_size, seed=0):
     """specs: (num_cached, chunk) per sequence; the chunks' keys are already in the cache."""
     gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads = HEADS[gqa]
+    heads, kv_heads = HEADS[gqa] if gqa in HEADS else gqa  # or (heads, kv_heads)
     totals = [a + n for a, n in specs]
     num_blocks = sum(-(-t // block_size) for t in totals) + 3
     cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, gen)
@@ -117,6 +117,21 @@ PREFILLS = [(0, 1), (16, 16), (5, 3), (37, 100), (0, 300), (250, 261), (512, 17)
 def test_prefill_over_cached_prefix_matches_reference(ops, threads, dtype, gqa, block_size):
     q, cache, tables, starts, cached = _prefill_case(PREFILLS, dtype, 64, gqa, block_size)
     scale = 64 ** -0.5
+    out = cpu_attention.paged_prefill_attention(q, cache, tables, starts, cached, scale, ops=ops)
+    ref = _prefill_reference(q, cache, tables, starts, cached, scale)
+    torch.testing.assert_close(out.float(), ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("heads, block_size, head_dim", [((6, 2), 12, 40), ((12, 1), 16, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_prefill_odd_groups_blocks_and_head_dims(ops, threads, dtype, heads, block_size,
+                                                 head_dim):
+    """Groups of 3 and 12 heads (no divisor of a 128-row query tile), blocks of 12 slots (no
+    divisor of a 256-key tile) and head dims of 40 and 4 (the last columns past whole micro-
+    tiles, or no whole micro-tile at all)."""
+    q, cache, tables, starts, cached = _prefill_case(PREFILLS, dtype, head_dim, heads,
+                                                     block_size, seed=7)
+    scale = head_dim ** -0.5
     out = cpu_attention.paged_prefill_attention(q, cache, tables, starts, cached, scale, ops=ops)
     ref = _prefill_reference(q, cache, tables, starts, cached, scale)
     torch.testing.assert_close(out.float(), ref, **_tol(dtype))
