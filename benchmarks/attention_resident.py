@@ -61,8 +61,9 @@ def decode_over(inputs):
 
 
 # A plain read of the blocks a decode call reads, in its order, as K and V streams with the
-# kernel's prefetch (rows 16 KiB ahead into L2, both streams): the rate this machine's memory
-# gives that access pattern on one thread, the ceiling of the scattered cases above.
+# kernel's prefetch (rows AHEAD_BYTES ahead into L2, both streams): the rate this machine's
+# memory gives that access pattern on one thread, the ceiling of the scattered cases above.
+AHEAD_BYTES = {torch.float32: 16384, torch.bfloat16: 12288}  # paged_attention.cpp's
 READ_SRC = r"""
 #include <stdint.h>
 #include <string.h>
@@ -116,7 +117,7 @@ def read_over(inputs, ctx: int, fn):
     def call():
         cache = caches[next(turn) % len(caches)]
         fn(cache.data_ptr(), offsets.data_ptr(), offsets.numel(), block_bytes,
-           cache.stride(0) * dtype.itemsize, 16384)
+           cache.stride(0) * dtype.itemsize, AHEAD_BYTES[dtype])
     return call
 
 
