@@ -297,6 +297,26 @@ def test_a_shared_cache_is_backed_whole_before_it_serves():
         cache.close()
 
 
+@pytest.mark.skipif(not _kernel_populates(), reason="needs Linux 5.14+ (MADV_POPULATE_WRITE)")
+def test_a_cache_backed_in_slices_by_threads_is_backed_whole(tmp_path):
+    """Slices of whole 2 MiB units, one per thread, the last one holding the odd remainder:
+    10 MiB + 12 KiB in three slices (4, 4 and 2 MiB + 12 KiB), every page backed."""
+    from common.kv_cache import map_shared, populate
+    from common.shm_segments import create_segment
+    nbytes = (10 << 20) + (12 << 10)
+    path = Path("/dev/shm") / f"pdserve-kv-test-slices-{os.getpid()}"
+    fd = create_segment(path, nbytes)
+    try:
+        tensor = map_shared(path, (nbytes,), torch.uint8, create=True)
+        assert os.stat(path).st_blocks == 0
+        populate(tensor, path, threads=3, min_slice=2 << 20)
+        assert os.stat(path).st_blocks * 512 >= nbytes
+        assert not tensor.any()
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
 @pytest.mark.skipif(not _kernel_populates() or os.geteuid() != 0 or not shutil.which("unshare"),
                     reason="needs Linux 5.14+, root and unshare (a mount namespace of its own)")
 def test_a_cache_larger_than_dev_shm_fails_at_start_and_leaves_nothing():
