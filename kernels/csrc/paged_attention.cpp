@@ -795,23 +795,57 @@ void pack_rows(G* dst, const T* base, const int64_t* table, const Cache& c, int6
   }
 }
 
+// What every prefill kernel reads of its arguments (checked by the op): the cache's shape, the
+// group size G, and the pointers and strides of q, the cache, the tables and out.
+template <typename T>
+struct PrefillArgs {
+  PrefillArgs(const at::Tensor& q_, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+              const at::Tensor& query_start_loc, const at::Tensor& num_cached, at::Tensor& out_)
+      : c(describe(kv_cache)), G(q_.size(1) / c.num_kv_heads), q_stride(q_.stride(0)),
+        out_stride(out_.stride(0)), table_stride(block_tables.stride(0)),
+        num_seqs(num_cached.size(0)), q(q_.data_ptr<T>()), cache(kv_cache.data_ptr<T>()),
+        tables(block_tables.data_ptr<int64_t>()), starts(query_start_loc.data_ptr<int64_t>()),
+        cached(num_cached.data_ptr<int64_t>()), out(out_.data_ptr<T>()) {}
+  Cache c;
+  int64_t G, q_stride, out_stride, table_stride, num_seqs;
+  int64_t tokens_per_tile = std::max<int64_t>(1, kQueryRows / G);  // kQueryRows rows of G heads
+  int64_t key_tile = (kKeyTile + c.block_size - 1) / c.block_size * c.block_size;  // whole blocks
+  const T* q;
+  const T* cache;
+  const int64_t* tables;
+  const int64_t* starts;  // query_start_loc
+  const int64_t* cached;  // num_cached
+  T* out;
+  // the first of a sequence's query rows (token `t` of its chunk, head `h`), and its output row
+  const T* q_row(int64_t seq, int64_t t, int64_t h) const {
+    return q + (starts[seq] + t) * q_stride + h * c.head_dim;
+  }
+  T* out_row(int64_t seq, int64_t t, int64_t h) const {
+    return out + (starts[seq] + t) * out_stride + h * c.head_dim;
+  }
+};
+
 // A prefill's work items: (sequence, kv head, tile of query tokens); costs[i]: its keys (later
 // tiles of a chunk see more of them), for parallel_by_cost.
 struct PrefillItem { int64_t seq, head, begin, end; };  // query tokens [begin, end) of the chunk
 
-// `long_tile`: the tokens per tile of a chunk over a prefix of at least kLongPrefix positions.
-std::vector<PrefillItem> prefill_items(const Cache& c, const at::Tensor& block_tables,
-                                       const int64_t* starts, const int64_t* cached,
-                                       int64_t num_seqs, int64_t tokens_per_tile,
+// `long_tile`: the tokens per tile of a chunk over a prefix of at least kLongPrefix positions
+// (arg.tokens_per_tile where a kernel keeps one height);
+// `table_blocks`: the block tables' width.
+template <typename T>
+std::vector<PrefillItem> prefill_items(const PrefillArgs<T>& arg, int64_t table_blocks,
                                        int64_t long_tile, std::vector<int64_t>& costs) {
+  const Cache& c = arg.c;
+  const int64_t* starts = arg.starts;
+  const int64_t* cached = arg.cached;
   std::vector<PrefillItem> items;
-  for (int64_t s = 0; s < num_seqs; ++s) {
+  for (int64_t s = 0; s < arg.num_seqs; ++s) {
     const int64_t n = starts[s + 1] - starts[s];
-    PDSERVE_CHECK(n >= 0 && cached[s] >= 0 && cached[s] + n <= block_tables.size(1) * c.block_size,
+    PDSERVE_CHECK(n >= 0 && cached[s] >= 0 && cached[s] + n <= table_blocks * c.block_size,
                   "prefill %lld: %lld cached + %lld new positions do not fit its block table",
                   static_cast<long long>(s), static_cast<long long>(cached[s]),
                   static_cast<long long>(n));
-    const int64_t tile = cached[s] >= kLongPrefix ? long_tile : tokens_per_tile;
+    const int64_t tile = cached[s] >= kLongPrefix ? long_tile : arg.tokens_per_tile;
     for (int64_t h = 0; h < c.num_kv_heads; ++h)
       for (int64_t t = 0; t < n; t += tile) {
         items.push_back({s, h, t, std::min(n, t + tile)});
@@ -827,42 +861,30 @@ template <typename T, typename GT>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
                     const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                     const at::Tensor& num_cached, double scale, at::Tensor& out) {
-  const Cache c = describe(kv_cache);
-  const int64_t heads = q.size(1), D = c.head_dim;
-  const int64_t G = heads / c.num_kv_heads;
-  const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
-  const int64_t table_stride = block_tables.stride(0);
-  const int64_t num_seqs = num_cached.size(0);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* cache = kv_cache.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
-  const int64_t* cached = num_cached.data_ptr<int64_t>();
-  T* out_ptr = out.data_ptr<T>();
+  const PrefillArgs<T> arg(q, kv_cache, block_tables, query_start_loc, num_cached, out);
+  const Cache& c = arg.c;
+  const int64_t D = c.head_dim, G = arg.G;
 
-  const int64_t tokens_per_tile = std::max<int64_t>(1, kQueryRows / G);
   const int64_t long_tile = std::max<int64_t>(1, kQueryRowsLong / G);
-  const int64_t key_tile = (kKeyTile + c.block_size - 1) / c.block_size * c.block_size;
   std::vector<int64_t> costs;
-  const std::vector<PrefillItem> items = prefill_items(c, block_tables, starts, cached, num_seqs,
-                                                       tokens_per_tile, long_tile, costs);
+  const std::vector<PrefillItem> items = prefill_items(arg, block_tables.size(1), long_tile, costs);
   int64_t tokens_max = 1;  // the tallest tile of this call: its buffers, no taller
   for (const PrefillItem& it : items) tokens_max = std::max(tokens_max, it.end - it.begin);
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
     const int64_t rows_max = tokens_max * G;
-    std::vector<GT> qpack(rows_max * D), kpack(key_tile * D), vpack(key_tile * D),
-        ppack(std::is_same_v<GT, float> ? 0 : rows_max * key_tile);
-    std::vector<float> scores(rows_max * key_tile), acc(rows_max * D), maxes(rows_max),
+    std::vector<GT> qpack(rows_max * D), kpack(arg.key_tile * D), vpack(arg.key_tile * D),
+        ppack(std::is_same_v<GT, float> ? 0 : rows_max * arg.key_tile);
+    std::vector<float> scores(rows_max * arg.key_tile), acc(rows_max * D), maxes(rows_max),
         sums(rows_max);
     for (int64_t i = i_begin; i < i_end; ++i) {
       const PrefillItem& it = items[i];
       const int64_t tokens = it.end - it.begin, rows = tokens * G;
-      const int64_t offset = cached[it.seq];  // position of the chunk's first query
-      const int64_t* table = tables + it.seq * table_stride;
+      const int64_t offset = arg.cached[it.seq];  // position of the chunk's first query
+      const int64_t* table = arg.tables + it.seq * arg.table_stride;
       // load q: row (t, g) of the tile is query token t, head g of the group
       for (int64_t t = 0; t < tokens; ++t) {
         for (int64_t g = 0; g < G; ++g) {
-          const T* src = q_ptr + (starts[it.seq] + it.begin + t) * q_stride + (it.head * G + g) * D;
+          const T* src = arg.q_row(it.seq, it.begin + t, it.head * G + g);
           GT* dst = qpack.data() + (t * G + g) * D;
           if constexpr (std::is_same_v<T, GT>) std::memcpy(dst, src, D * sizeof(T));
           else as_float(src, dst, D);
@@ -872,10 +894,10 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
       std::fill(sums.begin(), sums.begin() + rows, 0.f);
       std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
       const int64_t last_key = offset + it.end;  // keys [0, last_key) are visible to some row
-      for (int64_t k0 = 0; k0 < last_key; k0 += key_tile) {
-        const int64_t keys = std::min(key_tile, last_key - k0);
-        pack_rows(kpack.data(), cache, table, c, it.head, k0, k0 + keys);
-        pack_rows(vpack.data(), cache + c.value_offset, table, c, it.head, k0, k0 + keys);
+      for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
+        const int64_t keys = std::min(arg.key_tile, last_key - k0);
+        pack_rows(kpack.data(), arg.cache, table, c, it.head, k0, k0 + keys);
+        pack_rows(vpack.data(), arg.cache + c.value_offset, table, c, it.head, k0, k0 + keys);
         // scores[rows, keys] = q . k^T (column-major BLAS: scores^T = k . q^T)
         gemm(true, keys, rows, D, static_cast<float>(scale), kpack.data(), D, qpack.data(), D,
              0.f, scores.data(), keys);
@@ -908,7 +930,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
         const int64_t t = r / G, g = r % G;
         float* a = acc.data() + r * D;
         scale_row(a, 1.f / sums[r], D);
-        store(out_ptr + (starts[it.seq] + it.begin + t) * out_stride + (it.head * G + g) * D, a, D);
+        store(arg.out_row(it.seq, it.begin + t, it.head * G + g), a, D);
       }
     }
   });
@@ -926,10 +948,28 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
 // kernel 1.9-2.1x). The AVX2 build keeps the GEMMs: there the lanes kernel (4 x 3 micro-tiles
 // for AVX2's 16 registers) ran 0.93-1.05x. bfloat16 takes it too where it takes neither AMX's
 // GEMM nor the dot products (an AVX-512 CPU with neither AMX nor AVX512-BF16; without AMX, a
-// head dim that is no multiple of 32), its tiles widened to float: 1.09-1.31x the widened tiles' GEMMs (on Zen 4,
-// forced there with gemm 0).
+// head dim that is no multiple of 32), its tiles widened to float: 1.09-1.31x the widened
+// tiles' GEMMs (on Zen 4, forced there with gemm 0).
 constexpr int kLanesCols = 8;
 static_assert(kVec == 16, "the lanes kernel's micro-tiles are AVX-512 vectors of 16 floats");
+
+// Scores s[key][row] (rp rows, keys k0 + 0 .. padded) set to -inf where a row may not see the
+// key: padding keys (from `keys` on), and keys past the row's own position pos[row] (a tile on
+// the diagonal; the tile's first query is at `first`). For prefill_kernel_lanes and _dp.
+inline void hide_keys(float* s, int64_t rp, const int32_t* pos, int64_t first, int64_t k0,
+                      int64_t keys, int64_t padded) {
+  for (int64_t kk = std::clamp<int64_t>(first - k0 + 1, 0, keys); kk < padded; ++kk) {
+    const __m512i kpos = _mm512_set1_epi32(static_cast<int32_t>(k0 + kk));
+    for (int64_t r = 0; r < rp; r += 16) {
+      const __mmask16 hide = kk >= keys ? __mmask16(0xffff)
+                                        : _mm512_cmpgt_epi32_mask(kpos,
+                                                                  _mm512_loadu_si512(pos + r));
+      float* sv = s + kk * rp + r;
+      _mm512_storeu_ps(sv, _mm512_mask_mov_ps(_mm512_loadu_ps(sv), hide,
+                                              _mm512_set1_ps(kNegInf)));
+    }
+  }
+}
 
 // s[c][r] = scale * q_r . k_c for kLanesCols keys c and the rows [r0, r0 + kVec NV) of the
 // packed queries qp[d][rows] (rp rows).
@@ -984,28 +1024,17 @@ template <typename T>
 void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                           const at::Tensor& num_cached, double scale, at::Tensor& out) {
-  const Cache c = describe(kv_cache);
-  const int64_t heads = q.size(1), D = c.head_dim;
-  const int64_t G = heads / c.num_kv_heads;
-  const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
-  const int64_t table_stride = block_tables.stride(0);
-  const int64_t num_seqs = num_cached.size(0);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* cache = kv_cache.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
-  const int64_t* cached = num_cached.data_ptr<int64_t>();
-  T* out_ptr = out.data_ptr<T>();
+  const PrefillArgs<T> arg(q, kv_cache, block_tables, query_start_loc, num_cached, out);
+  const Cache& c = arg.c;
+  const int64_t D = c.head_dim, G = arg.G;
 
-  const int64_t tokens_per_tile = std::max<int64_t>(1, kQueryRows / G);
-  const int64_t key_tile = (kKeyTile + c.block_size - 1) / c.block_size * c.block_size;
-  const int64_t keys_max = (key_tile + kLanesCols - 1) / kLanesCols * kLanesCols;
+  const int64_t keys_max = (arg.key_tile + kLanesCols - 1) / kLanesCols * kLanesCols;
   const int64_t cols = D / kLanesCols * kLanesCols;  // value columns in whole micro-tiles
   std::vector<int64_t> costs;
-  const std::vector<PrefillItem> items = prefill_items(c, block_tables, starts, cached, num_seqs,
-                                                       tokens_per_tile, tokens_per_tile, costs);
+  const std::vector<PrefillItem> items = prefill_items(arg, block_tables.size(1),
+                                                       arg.tokens_per_tile, costs);
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
-    const int64_t rp_max = (tokens_per_tile * G + kVec - 1) / kVec * kVec;
+    const int64_t rp_max = (arg.tokens_per_tile * G + kVec - 1) / kVec * kVec;
     std::vector<float> qp(D * rp_max), s(keys_max * rp_max), o(D * rp_max), maxes(rp_max),
         sums(rp_max), zero(D, 0.f), row(D);
     std::vector<int32_t> pos(rp_max);
@@ -1016,27 +1045,27 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
       const PrefillItem& it = items[i];
       const int64_t tokens = it.end - it.begin, rows = tokens * G;
       const int64_t rp = (rows + kVec - 1) / kVec * kVec;
-      const int64_t first = cached[it.seq] + it.begin;  // the tile's first query position
-      const int64_t* table = tables + it.seq * table_stride;
+      const int64_t first = arg.cached[it.seq] + it.begin;  // the tile's first query position
+      const int64_t* table = arg.tables + it.seq * arg.table_stride;
       // qp[d][r]: query row r = (token r / G, head r % G of the group); padding rows 0, at the
       // last row's position (they see what it sees, and are not written out)
       for (int64_t r = 0; r < rp; ++r) {
         const int64_t rr = std::min(r, rows - 1);
-        const T* src =
-            q_ptr + (starts[it.seq] + it.begin + rr / G) * q_stride + (it.head * G + rr % G) * D;
-        for (int64_t d = 0; d < D; ++d) qp[d * rp + r] = r < rows ? static_cast<float>(src[d]) : 0.f;
+        const T* src = arg.q_row(it.seq, it.begin + rr / G, it.head * G + rr % G);
+        for (int64_t d = 0; d < D; ++d)
+          qp[d * rp + r] = r < rows ? static_cast<float>(src[d]) : 0.f;
         pos[r] = static_cast<int32_t>(first + rr / G);
       }
       std::fill(maxes.begin(), maxes.begin() + rp, kNegInf);
       std::fill(sums.begin(), sums.begin() + rp, 0.f);
       std::fill(o.begin(), o.begin() + D * rp, 0.f);
       const int64_t last_key = first + tokens;  // keys [0, last_key) are visible to some row
-      for (int64_t k0 = 0; k0 < last_key; k0 += key_tile) {
-        const int64_t keys = std::min(key_tile, last_key - k0);
+      for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
+        const int64_t keys = std::min(arg.key_tile, last_key - k0);
         const int64_t padded = (keys + kLanesCols - 1) / kLanesCols * kLanesCols;
         if constexpr (kWiden) {
-          pack_rows(kwide.data(), cache, table, c, it.head, k0, k0 + keys);
-          pack_rows(vwide.data(), cache + c.value_offset, table, c, it.head, k0, k0 + keys);
+          pack_rows(kwide.data(), arg.cache, table, c, it.head, k0, k0 + keys);
+          pack_rows(vwide.data(), arg.cache + c.value_offset, table, c, it.head, k0, k0 + keys);
           for (int64_t p = 0; p < keys; ++p) {
             krows[p] = kwide.data() + p * D;
             vrows[p] = vwide.data() + p * D;
@@ -1044,7 +1073,7 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
         } else {
           for (int64_t p = k0; p < k0 + keys; ++p) {
             const int64_t slot = block_at(table, p, c) * c.block_size + p % c.block_size;
-            krows[p - k0] = cache + slot * c.row_stride + it.head * D;
+            krows[p - k0] = arg.cache + slot * c.row_stride + it.head * D;
             vrows[p - k0] = krows[p - k0] + c.value_offset;
           }
         }
@@ -1057,24 +1086,14 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
           if (r0 < rp)
             lanes_scores<1>(krows.data() + kc, qp.data(), rp, D, r0, scale, s.data() + kc * rp);
         }
-        // masks: padding keys, and keys past a row's own position (tiles on the diagonal)
-        for (int64_t kk = std::clamp<int64_t>(first - k0 + 1, 0, keys); kk < padded; ++kk) {
-          const __m512i kpos = _mm512_set1_epi32(static_cast<int32_t>(k0 + kk));
-          for (int64_t r = 0; r < rp; r += 16) {
-            const __mmask16 hide =
-                kk >= keys ? __mmask16(0xffff)
-                           : _mm512_cmpgt_epi32_mask(kpos, _mm512_loadu_si512(pos.data() + r));
-            float* sv = s.data() + kk * rp + r;
-            _mm512_storeu_ps(sv, _mm512_mask_mov_ps(_mm512_loadu_ps(sv), hide,
-                                                    _mm512_set1_ps(kNegInf)));
-          }
-        }
+        hide_keys(s.data(), rp, pos.data(), first, k0, keys, padded);
         // online softmax per lane: s becomes the probabilities
         for (int64_t r = 0; r < rp; r += kVec) {
           float* sv = s.data() + r;
           const fVec m_old = fVec::loadu(maxes.data() + r);
           fVec m = m_old;
-          for (int64_t kk = 0; kk < padded; ++kk) m = at::vec::maximum(m, fVec::loadu(sv + kk * rp));
+          for (int64_t kk = 0; kk < padded; ++kk)
+            m = at::vec::maximum(m, fVec::loadu(sv + kk * rp));
           // key 0 is visible to every row, so from the first tile on every lane's max is finite
           const fVec rescale = (m_old - m).exp_u20();
           fVec sum = fVec::loadu(sums.data() + r) * rescale;
@@ -1107,9 +1126,7 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / sums[r];
         for (int64_t d = 0; d < D; ++d) row[d] = o[d * rp + r] * inv;
-        store(out_ptr + (starts[it.seq] + it.begin + r / G) * out_stride +
-                  (it.head * G + r % G) * D,
-              row.data(), D);
+        store(arg.out_row(it.seq, it.begin + r / G, it.head * G + r % G), row.data(), D);
       }
     }
   });
@@ -1202,27 +1219,16 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
                                   const at::Tensor& block_tables,
                                   const at::Tensor& query_start_loc,
                                   const at::Tensor& num_cached, double scale, at::Tensor& out) {
-  const Cache c = describe(kv_cache);
-  const int64_t heads = q.size(1), D = c.head_dim, pairs = D / 2;
-  const int64_t G = heads / c.num_kv_heads;
-  const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
-  const int64_t table_stride = block_tables.stride(0);
-  const int64_t num_seqs = num_cached.size(0);
-  const BFloat16* q_ptr = q.data_ptr<BFloat16>();
-  const BFloat16* cache = kv_cache.data_ptr<BFloat16>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
-  const int64_t* cached = num_cached.data_ptr<int64_t>();
-  BFloat16* out_ptr = out.data_ptr<BFloat16>();
+  const PrefillArgs<BFloat16> arg(q, kv_cache, block_tables, query_start_loc, num_cached, out);
+  const Cache& c = arg.c;
+  const int64_t D = c.head_dim, pairs = D / 2, G = arg.G;
 
-  const int64_t tokens_per_tile = std::max<int64_t>(1, kQueryRows / G);
-  const int64_t key_tile = (kKeyTile + c.block_size - 1) / c.block_size * c.block_size;
-  const int64_t keys_max = (key_tile + kDpCols - 1) / kDpCols * kDpCols;
+  const int64_t keys_max = (arg.key_tile + kDpCols - 1) / kDpCols * kDpCols;
   std::vector<int64_t> costs;
-  const std::vector<PrefillItem> items = prefill_items(c, block_tables, starts, cached, num_seqs,
-                                                       tokens_per_tile, tokens_per_tile, costs);
+  const std::vector<PrefillItem> items = prefill_items(arg, block_tables.size(1),
+                                                       arg.tokens_per_tile, costs);
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
-    const int64_t rp_max = (tokens_per_tile * G + 15) / 16 * 16;
+    const int64_t rp_max = (arg.tokens_per_tile * G + 15) / 16 * 16;
     std::vector<uint32_t> qp(pairs * rp_max), pp(keys_max / 2 * rp_max), vp(keys_max / 2 * D),
         zero(pairs, 0);
     std::vector<float> s(keys_max * rp_max), o(D * rp_max), maxes(rp_max), sums(rp_max);
@@ -1233,13 +1239,13 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
     for (int64_t i = i_begin; i < i_end; ++i) {
       const PrefillItem& it = items[i];
       const int64_t tokens = it.end - it.begin, rows = tokens * G, rp = (rows + 15) / 16 * 16;
-      const int64_t first = cached[it.seq] + it.begin;  // the tile's first query position
-      const int64_t* table = tables + it.seq * table_stride;
+      const int64_t first = arg.cached[it.seq] + it.begin;  // the tile's first query position
+      const int64_t* table = arg.tables + it.seq * arg.table_stride;
       // qp[j][r]: pair j of query row r = (token r / G, head r % G of the group); padding 0
       for (int64_t r = 0; r < rp; ++r) {
+        const int64_t rr = std::min(r, rows - 1);
         const auto* src = reinterpret_cast<const u32a*>(
-            q_ptr + (starts[it.seq] + it.begin + std::min(r, rows - 1) / G) * q_stride +
-            (it.head * G + std::min(r, rows - 1) % G) * D);
+            arg.q_row(it.seq, it.begin + rr / G, it.head * G + rr % G));
         for (int64_t j = 0; j < pairs; ++j) qp[j * rp + r] = r < rows ? src[j] : 0u;
       }
       // each row's position (padding rows: the last row's, so they see what it sees)
@@ -1249,12 +1255,12 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
       std::fill(sums.begin(), sums.begin() + rp, 0.f);
       std::fill(o.begin(), o.begin() + D * rp, 0.f);
       const int64_t last_key = first + tokens;  // keys [0, last_key) are visible to some row
-      for (int64_t k0 = 0; k0 < last_key; k0 += key_tile) {
-        const int64_t keys = std::min(key_tile, last_key - k0);
+      for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
+        const int64_t keys = std::min(arg.key_tile, last_key - k0);
         const int64_t padded = (keys + kDpCols - 1) / kDpCols * kDpCols;
         for (int64_t p = k0; p < k0 + keys; ++p) {
           const int64_t row = block_at(table, p, c) * c.block_size + p % c.block_size;
-          const BFloat16* kr = cache + row * c.row_stride + it.head * D;
+          const BFloat16* kr = arg.cache + row * c.row_stride + it.head * D;
           krows[p - k0] = reinterpret_cast<const u32a*>(kr);
           vrows[p - k0] = kr + c.value_offset;
         }
@@ -1270,17 +1276,7 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
           if (r0 < rp)
             dp_scores<1>(krows.data() + kc, qp.data(), rp, pairs, r0, scale, s.data() + kc * rp);
         }
-        // masks: padding keys, and keys past a row's own position (tiles on the diagonal)
-        for (int64_t kk = std::clamp<int64_t>(first - k0 + 1, 0, keys); kk < padded; ++kk) {
-          const __m512i kpos = _mm512_set1_epi32(static_cast<int32_t>(k0 + kk));
-          for (int64_t v = 0; v < rp / 16; ++v) {
-            const __mmask16 hide = kk >= keys ? __mmask16(0xffff)
-                                              : _mm512_cmpgt_epi32_mask(kpos, _mm512_loadu_si512(pos.data() + v * 16));
-            float* sv = s.data() + kk * rp + v * 16;
-            _mm512_storeu_ps(sv, _mm512_mask_mov_ps(_mm512_loadu_ps(sv), hide,
-                                                    _mm512_set1_ps(kNegInf)));
-          }
-        }
+        hide_keys(s.data(), rp, pos.data(), first, k0, keys, padded);
         // online softmax per lane; probabilities to bfloat16 pairs pp[key pair][row]
         for (int64_t v = 0; v < rp / 16; ++v) {
           const float* sv = s.data() + v * 16;
@@ -1320,8 +1316,7 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / sums[r];
-        BFloat16* dst = out_ptr + (starts[it.seq] + it.begin + r / G) * out_stride +
-                        (it.head * G + r % G) * D;
+        BFloat16* dst = arg.out_row(it.seq, it.begin + r / G, it.head * G + r % G);
         for (int64_t d = 0; d < D; ++d) dst[d] = BFloat16(o[d * rp + r] * inv);
       }
     }
