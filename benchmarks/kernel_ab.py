@@ -6,8 +6,9 @@ minute, more than most kernel changes). A build is a source tree and compiler fl
     .venv/bin/python benchmarks/kernel_ab.py --new-flags -DPDSERVE_NO_DECODE_DP  # a variant
 
 `--old-rev` takes kernels/csrc of a git revision (default: this tree); `--old-flags` and
-`--new-flags` add compiler flags (macros the sources read, e.g. PDSERVE_AHEAD,
-PDSERVE_NO_DECODE_DP). Cases are benchmarks/attention.py's decode shapes (each call on the next
+`--new-flags` add compiler flags (macros the sources read, e.g. PDSERVE_AHEAD and
+PDSERVE_AHEAD_BF16, the decode's prefetch distance in float32 and bfloat16, PDSERVE_NO_DECODE_DP).
+Cases are benchmarks/attention.py's decode shapes (each call on the next
 of 8 caches as a step goes through its layers) and, with `--kinds prefill`, its prefill shape
 (`--kinds decode prefill` for both). Prints the median [min-max] ms of each build, the ratio and
 the largest difference between their outputs.

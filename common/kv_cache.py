@@ -48,11 +48,14 @@ def populate(tensor: torch.Tensor, path: Path, threads: int | None = None,
     front it costs ~0.6 s per GiB on one core, as a cache in torch.zeros would. The cache is
     backed in slices of at least `min_slice` bytes, one per thread (default: one per CPU the
     worker may run on; 2 GiB took 1.21-1.42 s on one core, 0.61-0.81 s on two), so a large
-    cache on a large host starts in seconds, not minutes. A /dev/shm too small for the cache
-    then fails here (EFAULT), not with a SIGBUS mid-request; a memory limit the pages exceed
-    still gets the worker OOM-killed, now at its start. Kernels older than 5.14 (EINVAL) keep
-    the pages lazy."""
+    cache on a large host starts in seconds, not minutes (unpinned, on a host of several
+    sockets, the pages then land on the nodes of the threads that backed them). A /dev/shm too
+    small for the cache then fails here (EFAULT), not with a SIGBUS mid-request; a memory limit
+    the pages exceed still gets the worker OOM-killed, now at its start. Kernels older than
+    5.14 (EINVAL) keep the pages lazy."""
     nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return
     if threads is None:
         threads = len(os.sched_getaffinity(0))
     unit = 2 << 20  # slices start on whole huge pages (and so on whole pages)
@@ -99,7 +102,7 @@ class PagedKVCache:
             self.tensor = map_shared(self.shm_path, shape, layout.torch_dtype, create=True)
             try:
                 populate(self.tensor, self.shm_path)
-            except OSError:
+            except BaseException:  # OSError, or a thread that could not start: no segment left
                 self.close()
                 raise
         else:
