@@ -147,7 +147,7 @@ def _add_tokenizer_routes(api: APIRouter, ctx: ServingContext) -> None:
     @api.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
-        ctx.tokenizer.check_token_ids(body.tokens, "tokens")
+        ctx.tokenizer.check_token_ids(body.tokens, "tokens", decode_only=True)
         return DetokenizeResponse(
             prompt=ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)
         )

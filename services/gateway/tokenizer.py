@@ -160,16 +160,18 @@ class Tokenizer:
     def token_strs(self, token_ids: Sequence[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(list(token_ids)))
 
-    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
+    def check_token_ids(self, token_ids: Sequence[int], param: str,
+                        decode_only: bool = False) -> None:
         """Every id a row of the model's embedding: a client's ids, and a text's encoding (a
-        tokenizer may hold added tokens the model has no row for)."""
-        if token_ids and 0 <= min(token_ids) and max(token_ids) < self.vocab_size:
+        tokenizer may hold added tokens the model has no row for). `decode_only`: ids that are
+        only decoded (/detokenize) may be any of the tokenizer's too, as /tokenize returns them."""
+        size = max(self.vocab_size, len(self.hf)) if decode_only else self.vocab_size
+        if token_ids and 0 <= min(token_ids) and max(token_ids) < size:
             return
         for token_id in token_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise bad_request(
-                    f"Token id {token_id} is out of vocabulary (size {self.vocab_size}).", param
-                )
+            if not 0 <= token_id < size:
+                raise bad_request(f"Token id {token_id} is out of vocabulary (size {size}).",
+                                  param)
 
 
 def _byte_level_alphabet() -> dict[str, int]:

@@ -1,6 +1,7 @@
 """A prompt whose text encodes to a token the model has no embedding row for (a tokenizer with
 an added token past config.json's vocab_size) is a 400 naming the id, in completions and chat,
-with nothing sent to the scheduler; the same prompt without that token goes through."""
+with nothing sent to the scheduler; the same prompt without that token goes through, and what
+/tokenize returns /detokenize takes back."""
 from __future__ import annotations
 
 import shutil
@@ -46,3 +47,18 @@ async def test_a_text_token_without_an_embedding_row_is_a_400(extra_token_dir: s
         error = response.json()["error"]
         assert error["param"] == param and "2048" in error["message"], error
     assert fine.status_code == 200, fine.text
+
+
+async def test_what_tokenize_returns_detokenize_takes_back(extra_token_dir: str) -> None:
+    """/detokenize only decodes: the tokenizer's own ids are fine there, rows or not."""
+    tokenizer = Tokenizer(extra_token_dir)
+    async with fake_gateway(extra_token_dir, tokenizer) as gw:
+        async with http_client(gw.url) as http:
+            tokens = (await http.post("/tokenize", json={
+                "prompt": f"a {EXTRA} b", "add_special_tokens": False})).json()["tokens"]
+            back = await http.post("/detokenize", json={"tokens": tokens})
+            past = await http.post("/detokenize", json={"tokens": [1, 2049]})
+    assert 2048 in tokens
+    assert back.status_code == 200 and back.json()["prompt"] == tokenizer.decode(
+        tokens, skip_special_tokens=False) and EXTRA in back.json()["prompt"], back.text
+    assert past.status_code == 400 and "2049" in past.json()["error"]["message"], past.text
