@@ -971,6 +971,42 @@ inline void hide_keys(float* s, int64_t rp, const int32_t* pos, int64_t first, i
   }
 }
 
+// The online softmax of a query tile whose rows sit in the vector lanes (prefill_kernel_lanes
+// and _dp): per row r of rp (whole vectors of 16), its position, running max and sum, and its
+// accumulators o[d][r].
+struct LaneRows {
+  std::vector<float> maxes, sums, o;
+  std::vector<int32_t> pos;
+  LaneRows(int64_t rp_max, int64_t D) : maxes(rp_max), sums(rp_max), o(D * rp_max), pos(rp_max) {}
+
+  // A tile of `rows` rows (G heads per token, padded to rp) whose first token is at `first`:
+  // padding rows take the last row's position, so they see what it sees.
+  void start(int64_t rp, int64_t rows, int64_t G, int64_t first, int64_t D) {
+    for (int64_t r = 0; r < rp; ++r)
+      pos[r] = static_cast<int32_t>(first + std::min(r, rows - 1) / G);
+    std::fill(maxes.begin(), maxes.begin() + rp, kNegInf);
+    std::fill(sums.begin(), sums.begin() + rp, 0.f);
+    std::fill(o.begin(), o.begin() + D * rp, 0.f);
+  }
+
+  // Lanes [r, r + 16) meet a key tile's scores s[key][row] (`padded` keys of rp rows): their
+  // running max becomes m (stored), their accumulators are scaled by exp(old max - m); returns
+  // their sum scaled likewise, to which the caller adds the tile's probabilities exp(s - m).
+  __m512 rescale(const float* s, int64_t rp, int64_t padded, int64_t r, int64_t D, __m512& m) {
+    const __m512 m_old = _mm512_loadu_ps(maxes.data() + r);
+    m = m_old;
+    for (int64_t kk = 0; kk < padded; ++kk) m = _mm512_max_ps(m, _mm512_loadu_ps(s + kk * rp + r));
+    // key 0 is visible to every row, so from the first tile on every lane's max is finite
+    const __m512 factor = fVec(_mm512_sub_ps(m_old, m)).exp_u20();
+    _mm512_storeu_ps(maxes.data() + r, m);
+    for (int64_t d = 0; d < D; ++d) {
+      float* od = o.data() + d * rp + r;
+      _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), factor));
+    }
+    return _mm512_mul_ps(_mm512_loadu_ps(sums.data() + r), factor);
+  }
+};
+
 // s[c][r] = scale * q_r . k_c for kLanesCols keys c and the rows [r0, r0 + kVec NV) of the
 // packed queries qp[d][rows] (rp rows).
 template <int NV>
@@ -1035,9 +1071,9 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
                                                        arg.tokens_per_tile, costs);
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
     const int64_t rp_max = (arg.tokens_per_tile * G + kVec - 1) / kVec * kVec;
-    std::vector<float> qp(D * rp_max), s(keys_max * rp_max), o(D * rp_max), maxes(rp_max),
-        sums(rp_max), zero(D, 0.f), row(D);
-    std::vector<int32_t> pos(rp_max);
+    std::vector<float> qp(D * rp_max), s(keys_max * rp_max), zero(D, 0.f), row(D);
+    LaneRows lr(rp_max, D);
+    std::vector<float>& o = lr.o;
     constexpr bool kWiden = !std::is_same_v<T, float>;
     std::vector<float> kwide(kWiden ? keys_max * D : 0), vwide(kWiden ? keys_max * D : 0);
     std::vector<const float*> krows(keys_max), vrows(keys_max);
@@ -1047,18 +1083,15 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
       const int64_t rp = (rows + kVec - 1) / kVec * kVec;
       const int64_t first = arg.cached[it.seq] + it.begin;  // the tile's first query position
       const int64_t* table = arg.tables + it.seq * arg.table_stride;
-      // qp[d][r]: query row r = (token r / G, head r % G of the group); padding rows 0, at the
-      // last row's position (they see what it sees, and are not written out)
+      // qp[d][r]: query row r = (token r / G, head r % G of the group); padding rows 0 (they
+      // are not written out)
       for (int64_t r = 0; r < rp; ++r) {
         const int64_t rr = std::min(r, rows - 1);
         const T* src = arg.q_row(it.seq, it.begin + rr / G, it.head * G + rr % G);
         for (int64_t d = 0; d < D; ++d)
           qp[d * rp + r] = r < rows ? static_cast<float>(src[d]) : 0.f;
-        pos[r] = static_cast<int32_t>(first + rr / G);
       }
-      std::fill(maxes.begin(), maxes.begin() + rp, kNegInf);
-      std::fill(sums.begin(), sums.begin() + rp, 0.f);
-      std::fill(o.begin(), o.begin() + D * rp, 0.f);
+      lr.start(rp, rows, G, first, D);
       const int64_t last_key = first + tokens;  // keys [0, last_key) are visible to some row
       for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
         const int64_t keys = std::min(arg.key_tile, last_key - k0);
@@ -1086,28 +1119,18 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
           if (r0 < rp)
             lanes_scores<1>(krows.data() + kc, qp.data(), rp, D, r0, scale, s.data() + kc * rp);
         }
-        hide_keys(s.data(), rp, pos.data(), first, k0, keys, padded);
+        hide_keys(s.data(), rp, lr.pos.data(), first, k0, keys, padded);
         // online softmax per lane: s becomes the probabilities
         for (int64_t r = 0; r < rp; r += kVec) {
           float* sv = s.data() + r;
-          const fVec m_old = fVec::loadu(maxes.data() + r);
-          fVec m = m_old;
-          for (int64_t kk = 0; kk < padded; ++kk)
-            m = at::vec::maximum(m, fVec::loadu(sv + kk * rp));
-          // key 0 is visible to every row, so from the first tile on every lane's max is finite
-          const fVec rescale = (m_old - m).exp_u20();
-          fVec sum = fVec::loadu(sums.data() + r) * rescale;
+          __m512 m;
+          fVec sum = lr.rescale(s.data(), rp, padded, r, D, m);
           for (int64_t kk = 0; kk < padded; ++kk) {
-            const fVec p = (fVec::loadu(sv + kk * rp) - m).exp_u20();
+            const fVec p = (fVec::loadu(sv + kk * rp) - fVec(m)).exp_u20();
             p.store(sv + kk * rp);
             sum = sum + p;
           }
-          sum.store(sums.data() + r);
-          m.store(maxes.data() + r);
-          for (int64_t d = 0; d < D; ++d) {
-            float* od = o.data() + d * rp + r;
-            (fVec::loadu(od) * rescale).store(od);
-          }
+          sum.store(lr.sums.data() + r);
         }
         // o[d][row] += p . v
         for (int64_t d0 = 0; d0 < cols; d0 += kLanesCols) {
@@ -1124,7 +1147,7 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
                   .store(o.data() + d * rp + r);
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const float inv = 1.f / sums[r];
+        const float inv = 1.f / lr.sums[r];
         for (int64_t d = 0; d < D; ++d) row[d] = o[d * rp + r] * inv;
         store(arg.out_row(it.seq, it.begin + r / G, it.head * G + r % G), row.data(), D);
       }
@@ -1231,8 +1254,9 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
     const int64_t rp_max = (arg.tokens_per_tile * G + 15) / 16 * 16;
     std::vector<uint32_t> qp(pairs * rp_max), pp(keys_max / 2 * rp_max), vp(keys_max / 2 * D),
         zero(pairs, 0);
-    std::vector<float> s(keys_max * rp_max), o(D * rp_max), maxes(rp_max), sums(rp_max);
-    std::vector<int32_t> pos(rp_max);
+    std::vector<float> s(keys_max * rp_max);
+    LaneRows lr(rp_max, D);
+    std::vector<float>& o = lr.o;
     std::vector<const u32a*> krows(keys_max);
     std::vector<const BFloat16*> vrows(keys_max);
     const auto* zero_row = reinterpret_cast<const u32a*>(zero.data());
@@ -1248,12 +1272,7 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
             arg.q_row(it.seq, it.begin + rr / G, it.head * G + rr % G));
         for (int64_t j = 0; j < pairs; ++j) qp[j * rp + r] = r < rows ? src[j] : 0u;
       }
-      // each row's position (padding rows: the last row's, so they see what it sees)
-      for (int64_t r = 0; r < rp; ++r)
-        pos[r] = static_cast<int32_t>(first + std::min(r, rows - 1) / G);
-      std::fill(maxes.begin(), maxes.begin() + rp, kNegInf);
-      std::fill(sums.begin(), sums.begin() + rp, 0.f);
-      std::fill(o.begin(), o.begin() + D * rp, 0.f);
+      lr.start(rp, rows, G, first, D);
       const int64_t last_key = first + tokens;  // keys [0, last_key) are visible to some row
       for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
         const int64_t keys = std::min(arg.key_tile, last_key - k0);
@@ -1276,16 +1295,12 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
           if (r0 < rp)
             dp_scores<1>(krows.data() + kc, qp.data(), rp, pairs, r0, scale, s.data() + kc * rp);
         }
-        hide_keys(s.data(), rp, pos.data(), first, k0, keys, padded);
+        hide_keys(s.data(), rp, lr.pos.data(), first, k0, keys, padded);
         // online softmax per lane; probabilities to bfloat16 pairs pp[key pair][row]
         for (int64_t v = 0; v < rp / 16; ++v) {
           const float* sv = s.data() + v * 16;
-          __m512 m = _mm512_loadu_ps(maxes.data() + v * 16);
-          const __m512 m_old = m;
-          for (int64_t kk = 0; kk < padded; ++kk) m = _mm512_max_ps(m, _mm512_loadu_ps(sv + kk * rp));
-          // key 0 is visible to every row, so from the first tile on every lane's max is finite
-          const __m512 rescale = fVec(_mm512_sub_ps(m_old, m)).exp_u20();
-          __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(sums.data() + v * 16), rescale);
+          __m512 m;
+          __m512 sum = lr.rescale(s.data(), rp, padded, v * 16, D, m);
           for (int64_t kk = 0; kk < padded; kk += 2) {
             const __m512 p0 = fVec(_mm512_sub_ps(_mm512_loadu_ps(sv + kk * rp), m)).exp_u20();
             const __m512 p1 =
@@ -1293,12 +1308,7 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             _mm512_storeu_si512(pp.data() + kk / 2 * rp + v * 16, pair_probs(p0, p1));
           }
-          _mm512_storeu_ps(sums.data() + v * 16, sum);
-          _mm512_storeu_ps(maxes.data() + v * 16, m);
-          for (int64_t d = 0; d < D; ++d) {
-            float* od = o.data() + d * rp + v * 16;
-            _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), rescale));
-          }
+          _mm512_storeu_ps(lr.sums.data() + v * 16, sum);
         }
         // values as pairs of keys, then o[d][row] += p . v
         for (int64_t kk = 0; kk < padded; kk += 2)
@@ -1315,7 +1325,7 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const float inv = 1.f / sums[r];
+        const float inv = 1.f / lr.sums[r];
         BFloat16* dst = arg.out_row(it.seq, it.begin + r / G, it.head * G + r % G);
         for (int64_t d = 0; d < D; ++d) dst[d] = BFloat16(o[d * rp + r] * inv);
       }
