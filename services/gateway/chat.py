@@ -59,8 +59,7 @@ class ChatCompletion(Generation):
 
     async def prompts(self) -> list[list[int]]:
         prompt_ids = await self.ctx.encode_chat(self.body)
-        self.tokenizer.check_token_ids(prompt_ids, "messages")  # added tokens without a row
-        self.ctx.builder.check_prompt(prompt_ids, "messages")
+        self.ctx.check_prompt(prompt_ids, "messages")
         return [prompt_ids]
 
     def num_logprobs(self) -> int:

@@ -76,9 +76,8 @@ class Completion(Generation):
         else:
             prompts = [list(p) for p in prompt]
             texts = []  # decoded below, once the ids are checked
-        for ids in prompts:  # a text's ids too: its tokenizer may have tokens the model has not
-            self.tokenizer.check_token_ids(ids, "prompt")
-            self.ctx.builder.check_prompt(ids)
+        for ids in prompts:
+            self.ctx.check_prompt(ids, "prompt")
         if not texts:
             decode = self.tokenizer.decode
             texts = [decode(p, skip_special_tokens=False) if self.body.echo else ""

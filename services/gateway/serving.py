@@ -57,6 +57,13 @@ class ServingContext:
             tools=template_tools(body.tools),
         )
 
+    def check_prompt(self, prompt_ids: list[int], param: str) -> None:
+        """A prompt the model can take, as a 400 naming `param` otherwise: every id a row of
+        its embedding (a client's ids, or a text's: its tokenizer may hold tokens the model has
+        no row for), and room left in the context."""
+        self.tokenizer.check_token_ids(prompt_ids, param)
+        self.builder.check_prompt(prompt_ids, param)
+
     def check_model(self, name: str | None) -> str:
         """The served name to report; an unknown name is a 404, like OpenAI."""
         if name is None:
