@@ -11,7 +11,9 @@ PDSERVE_AHEAD_BF16, the decode's prefetch distance in float32 and bfloat16, PDSE
 Cases are benchmarks/attention.py's decode shapes (each call on the next
 of 8 caches as a step goes through its layers) and, with `--kinds prefill`, its prefill shape
 (`--kinds decode prefill` for both). Prints the median [min-max] ms of each build, the ratio and
-the largest difference between their outputs.
+the largest difference between their outputs. `--decodes 2x2000 8x320+2x1000` takes other
+decode batches, and `--caches 1` calls every rep on one cache, which then stays in the CPU's
+caches: the kernel's own work per position without the memory's pace.
 """
 from __future__ import annotations
 
@@ -84,6 +86,11 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", choices=["decode", "prefill"], default=["decode"])
     ap.add_argument("--prefills", nargs="+", metavar="CHUNKxCACHED",
                     help="prefill shapes instead of attention.py's, e.g. 1024x2048 128x0")
+    ap.add_argument("--decodes", nargs="+", metavar="NxLEN[+NxLEN]",
+                    help="decode batches instead of attention.py's, e.g. 2x2000 48x320+16x3000")
+    ap.add_argument("--caches", type=int, default=8,
+                    help="layers' caches the decode calls go through in turn (1: one cache, "
+                         "read again each call from the CPU's caches when it fits)")
     ap.add_argument("--prefill-gemm", type=int, choices=[0, 1, 2],
                     help="the prefill's bfloat16 tile products (cpu_attention.PREFILL_*: 0 "
                          "widened to float, 1 MKL's bf16 GEMM, 2 bf16 dot products); default: "
@@ -101,10 +108,15 @@ def main() -> None:
         prefills = PREFILLS if not args.prefills else {
             f"prefill {c} over {a}": (int(c), int(a))
             for c, a in (shape.split("x") for shape in args.prefills)}
+        decodes = DECODES if not args.decodes else {
+            f"decode {shape}": [int(n) for part in shape.split("+")
+                                for count, n in [part.split("x")] for _ in range(int(count))]
+            for shape in args.decodes}
         for dtype_name, threads in itertools.product(args.dtypes, args.threads):
             dtype = getattr(torch, dtype_name)
             torch.set_num_threads(threads)
-            cases = [(case, decode_call(lengths, dtype, gen)) for case, lengths in DECODES.items()
+            cases = [(case, decode_call(lengths, dtype, gen, args.caches))
+                     for case, lengths in decodes.items()
                      if "decode" in args.kinds]
             cases += [(case, prefill_call(chunk, cached, dtype, gen, args.prefill_gemm))
                       for case, (chunk, cached) in prefills.items() if "prefill" in args.kinds]
@@ -125,10 +137,11 @@ def main() -> None:
                       f"max diff {diff:.1e}", flush=True)
 
 
-def decode_call(lengths: list[int], dtype: torch.dtype, gen: torch.Generator):
-    """call(ops, i): one decode over scattered blocks, on the i-th of 8 layers' caches (in turn
-    across both builds, as a step goes through its layers)."""
+def decode_call(lengths: list[int], dtype: torch.dtype, gen: torch.Generator, layers: int = 8):
+    """call(ops, i): one decode over scattered blocks, on the i-th of `layers` layers' caches
+    (in turn across both builds, as a step goes through its layers)."""
     q, caches, tables, lens = scattered_decode(lengths, dtype, gen)
+    caches = caches[:max(1, layers)]
     return lambda ops, i: paged_decode_attention(q, caches[i % len(caches)], tables, lens,
                                                  HEAD_DIM ** -0.5, ops=ops)
 

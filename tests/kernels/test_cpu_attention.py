@@ -31,7 +31,7 @@ def _tol(dtype):
 
 def _decode_case(seq_lens, dtype, head_dim, gqa, block_size, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads = HEADS[gqa]
+    heads, kv_heads = HEADS[gqa] if gqa in HEADS else gqa  # or (heads, kv_heads)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, gen)
     tables = block_tables(seq_lens, block_size, num_blocks, gen)
@@ -76,6 +76,19 @@ def test_decode_of_a_sequence_is_the_same_in_any_batch_on_any_threads(ops, dtype
 @pytest.mark.parametrize("head_dim", [128, 32, 40, 36])
 def test_decode_head_dims(ops, head_dim, dtype):
     q, cache, tables, lens = _decode_case([1, 70, 700], dtype, head_dim, 4, 16, seed=1)
+    scale = head_dim ** -0.5
+    out = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
+    ref = reference.decode_attention(q.float(), cache.float(), tables, lens, scale)
+    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+
+
+# groups that the bfloat16 key pass (four query heads at a time in registers at head dims 64
+# and 128) splits unevenly: 3, 6 and 12 heads per kv head
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(6, 2), (12, 2), (24, 2)], ids=lambda h: f"G{h[0] // h[1]}")
+def test_decode_odd_groups(ops, threads, heads, head_dim, dtype):
+    q, cache, tables, lens = _decode_case([1, 40, 530], dtype, head_dim, heads, 16, seed=2)
     scale = head_dim ** -0.5
     out = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
     ref = reference.decode_attention(q.float(), cache.float(), tables, lens, scale)
