@@ -247,7 +247,7 @@ def main() -> int:
     try:
         if args.seeds:
             return run_seeds(args, rates, out)
-        prompts = workload(args.workload, args.num_requests, args.seed)
+        prompts = draws(args, rates, args.seed)
         describe(args, prompts, rates)
         order = targets(args)
         procs, urls = start(args, order)
@@ -261,9 +261,25 @@ def main() -> int:
     return 0
 
 
-def describe(args, prompts, rates: list[float]) -> None:
-    print(f"{args.workload}: {len(prompts)} requests, prompts {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, at "
+def draw_seed(seed: int, k: int) -> int:
+    """The seed of the k-th rate's draw (prompts and arrivals) in a sweep: the first rate's is
+    the run's own, so a single-rate run draws what it always drew."""
+    return seed + 1_000_003 * k
+
+
+def draws(args, rates: list[float], seed: int) -> dict[float, list]:
+    """Each rate's prompts, the same for every target. Every rate of a sweep draws its own:
+    a server that saw the first rate's prompts would find the next rates' in its prefix cache
+    (a 3000-token prompt's TTFT then that of a cache hit)."""
+    return {rate: workload(args.workload, args.num_requests, draw_seed(seed, k))
+            for k, rate in enumerate(rates)}
+
+
+def describe(args, prompts: dict[float, list], rates: list[float]) -> None:
+    lengths = [len(p) for draw in prompts.values() for p in draw]
+    print(f"{args.workload}: {args.num_requests} requests"
+          f"{' per rate, each its own draw' if len(rates) > 1 else ''}, prompts "
+          f"{min(lengths)}-{max(lengths)} tokens, {args.max_tokens} output tokens, at "
           f"{', '.join(map(str, rates))} req/s; SLO TTFT <= {args.slo_ttft_ms:.0f} ms, "
           f"TPOT <= {args.slo_tpot_ms:.0f} ms")
 
@@ -290,15 +306,17 @@ def start(args, order) -> tuple[list, dict[str, str]]:
     return procs, urls
 
 
-def run_draw(args, order, urls: dict[str, str], rates: list[float], prompts, seed: int,
+def run_draw(args, order, urls: dict[str, str], rates: list[float],
+             prompts: dict[float, list], seed: int,
              out: Path) -> dict[str, dict[float, dict[str, float]]]:
     """One draw against every target in `order`: its files in `out`, its table printed."""
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict[float, list[Record]]] = {}
     summaries: dict[str, dict[float, dict[str, float]]] = {}
     for name, _, _ in order:
-        for rate in rates:
-            recs, wall = asyncio.run(run_load(urls[name], prompts, rate, args.max_tokens, seed,
+        for k, rate in enumerate(rates):
+            recs, wall = asyncio.run(run_load(urls[name], prompts[rate], rate, args.max_tokens,
+                                              draw_seed(seed, k),
                                               f"{name} @ {rate:g} req/s",
                                               {"temperature": args.temperature}))
             if args.receiver is not None:
@@ -313,7 +331,8 @@ def run_draw(args, order, urls: dict[str, str], rates: list[float], prompts, see
     summaries = {n: summaries[n] for n in names}
     (out / "requests.json").write_text(json.dumps(
         {n: {str(r): records_json(v) for r, v in by.items()} for n, by in records.items()}))
-    meta = {"workload": args.workload, "requests": len(prompts), "max_tokens": args.max_tokens,
+    meta = {"workload": args.workload, "requests": len(next(iter(prompts.values()))),
+            "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": seed, "order": [n for n, _, _ in order],
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
             "startup_s": args.startup_s}
@@ -335,7 +354,7 @@ def run_seeds(args, rates: list[float], out: Path) -> int:
         for k, seed in enumerate(args.seeds):
             turned = order[k % len(order):] + order[:k % len(order)]
             print(f"\n=== seed {seed}: {' -> '.join(n for n, _, _ in turned)}")
-            prompts = workload(args.workload, args.num_requests, seed)
+            prompts = draws(args, rates, seed)
             describe(args, prompts, rates)
             per_seed[seed] = run_draw(args, turned, urls, rates, prompts, seed,
                                       out / f"seed-{seed}")

@@ -48,3 +48,16 @@ def test_stacks_launched_side_by_side_on_a_gpu_split_its_memory():
     # a fraction given by hand is the user's
     assert flags(["default", "eager"], "--device cuda --gpu-memory-utilization 0.8")[0] == [
         "--device", "cuda", "--gpu-memory-utilization", "0.8"]
+
+
+@pytest.mark.parametrize("name", ["bimodal", "random", "shared-prefix"])
+def test_each_rate_of_a_sweep_draws_its_own_prompts(name):
+    """The same prompts at every rate would be prefix-cache hits from the second rate on."""
+    args = serve.argparse.Namespace(workload=name, num_requests=6)
+    by_rate = serve.draws(args, [1.5, 2.5, 3.5], seed=7)
+    assert list(by_rate) == [1.5, 2.5, 3.5]
+    firsts = [tuple(p[-20:]) for draw in by_rate.values() for p in draw]
+    assert len(set(firsts)) == len(firsts)  # no prompt ends as another one does
+    # the first rate draws what a single-rate run with this seed draws
+    assert by_rate[1.5] == serve.workload(name, 6, 7)
+    assert serve.draws(args, [1.5], seed=7) == {1.5: by_rate[1.5]}
