@@ -38,6 +38,7 @@ from benchmarks.attention import (  # noqa: E402
     HEAD_DIM,
     HEADS,
     KV_HEADS,
+    LAYERS,
     PREFILLS,
     scattered_blocks,
     scattered_decode,
@@ -86,9 +87,10 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", choices=["decode", "prefill"], default=["decode"])
     ap.add_argument("--prefills", nargs="+", metavar="CHUNKxCACHED",
                     help="prefill shapes instead of attention.py's, e.g. 1024x2048 128x0")
-    ap.add_argument("--decodes", nargs="+", metavar="NxLEN[+NxLEN]",
+    ap.add_argument("--decodes", nargs="+", metavar="NxLEN[+NxLEN]", type=decode_batch,
                     help="decode batches instead of attention.py's, e.g. 2x2000 48x320+16x3000")
-    ap.add_argument("--caches", type=int, default=8,
+    ap.add_argument("--caches", type=int, default=LAYERS, choices=range(1, LAYERS + 1),
+                    metavar=f"1..{LAYERS}",
                     help="layers' caches the decode calls go through in turn (1: one cache, "
                          "read again each call from the CPU's caches when it fits)")
     ap.add_argument("--prefill-gemm", type=int, choices=[0, 1, 2],
@@ -108,10 +110,7 @@ def main() -> None:
         prefills = PREFILLS if not args.prefills else {
             f"prefill {c} over {a}": (int(c), int(a))
             for c, a in (shape.split("x") for shape in args.prefills)}
-        decodes = DECODES if not args.decodes else {
-            f"decode {shape}": [int(n) for part in shape.split("+")
-                                for count, n in [part.split("x")] for _ in range(int(count))]
-            for shape in args.decodes}
+        decodes = DECODES if not args.decodes else dict(args.decodes)
         for dtype_name, threads in itertools.product(args.dtypes, args.threads):
             dtype = getattr(torch, dtype_name)
             torch.set_num_threads(threads)
@@ -137,11 +136,23 @@ def main() -> None:
                       f"max diff {diff:.1e}", flush=True)
 
 
-def decode_call(lengths: list[int], dtype: torch.dtype, gen: torch.Generator, layers: int = 8):
+def decode_batch(shape: str) -> tuple[str, list[int]]:
+    """"48x320+16x3000" -> ("decode 48x320+16x3000", 48 lengths of 320 and 16 of 3000)."""
+    lengths = []
+    for part in shape.split("+"):
+        count, _, length = part.partition("x")
+        if not (count.isdigit() and length.isdigit() and int(count) > 0 and int(length) > 0):
+            raise argparse.ArgumentTypeError(f"{shape!r}: expected COUNTxLENGTH[+...], e.g. 2x2000")
+        lengths += [int(length)] * int(count)
+    return f"decode {shape}", lengths
+
+
+def decode_call(lengths: list[int], dtype: torch.dtype, gen: torch.Generator,
+                layers: int = LAYERS):
     """call(ops, i): one decode over scattered blocks, on the i-th of `layers` layers' caches
     (in turn across both builds, as a step goes through its layers)."""
     q, caches, tables, lens = scattered_decode(lengths, dtype, gen)
-    caches = caches[:max(1, layers)]
+    caches = caches[:layers]
     return lambda ops, i: paged_decode_attention(q, caches[i % len(caches)], tables, lens,
                                                  HEAD_DIM ** -0.5, ops=ops)
 

@@ -9,7 +9,8 @@
 
 Workloads (loadgen.py): random, bimodal, mixed, shared-prefix (token ids, any model) and chat
 (real text for a chat model, `--model smollm2`); idle sends 128/1024/3000-token prompts one
-request at a time. Each target gets the same prompts at the same Poisson arrival times. Writes
+request at a time. Each target gets the same prompts at the same Poisson arrival times; each
+rate of a sweep draws its own (the servers' prefix caches would hold the first rate's). Writes
 to --out: requests.json (every request's timings, per target and rate), summary.json,
 ttft_tpot_cdf.png, timeline.png and, with several rates, goodput.png; prints a table with each
 target's ratio to the first one (the baseline, if given), and for idle the median TTFT per
@@ -209,7 +210,8 @@ def main() -> int:
     p.add_argument("--workload", choices=WORKLOADS, default="mixed")
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--rate", type=float, default=1.5, help="requests/s (Poisson); 0: all at once")
-    p.add_argument("--rates", type=float, nargs="+", help="a sweep instead of --rate")
+    p.add_argument("--rates", type=float, nargs="+",
+                   help="a sweep instead of --rate (each rate its own draw of prompts)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, nargs="+",
@@ -233,6 +235,8 @@ def main() -> int:
         report(Path(args.replot), *load(Path(args.replot)))
         return 0
     rates = [-1.0] if args.workload == "idle" else args.rates or [args.rate]
+    if len(set(rates)) != len(rates):
+        p.error("--rates: each rate once (a rate's second run would find its prompts cached)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if any(url is None for _, url, _ in targets(args)) and args.model == p.get_default("model") \
@@ -334,6 +338,7 @@ def run_draw(args, order, urls: dict[str, str], rates: list[float],
     meta = {"workload": args.workload, "requests": len(next(iter(prompts.values()))),
             "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": seed, "order": [n for n, _, _ in order],
+            "draw_seeds": {str(rate): draw_seed(seed, k) for k, rate in enumerate(rates)},
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
             "startup_s": args.startup_s}
     (out / "summary.json").write_text(json.dumps(

@@ -364,10 +364,9 @@ bool dp_runs(int64_t head_dim) {
 
 // chunk_parts for bfloat16 rows and an unscaled bfloat16 query: each 32 values of a key row
 // are multiplied as 16 pairs against the query's (exact products, float sums).
-template <int kG, int kD>
+template <int kG>
 PDSERVE_DP inline void group_parts_dp(const BFloat16* q, const BFloat16* k, int64_t D,
                                       float* part, int64_t p) {
-  if constexpr (kD != 0) D = kD;
   __m512 acc[kG];
   for (int g = 0; g < kG; ++g) acc[g] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 32) {
@@ -406,17 +405,20 @@ PDSERVE_DP inline void head_parts_dp(const BFloat16* q, const BFloat16* const* r
 }
 
 // chunk_parts's loop, compiled under the bf16 target itself: a shared template would be built
-// without it, and group_parts_dp could then not be inlined (a call per position and head). kD:
-// the head dim when known at compile time: kv heads outer and positions inner (head_parts_dp,
-// at most 16 query vectors in registers), else positions outer.
+// without it, and the products could then not be inlined (a call per position and head). kD:
+// the head dim when known at compile time, kv heads outer and positions inner (head_parts_dp,
+// at most 16 query vectors in registers beside a position's key vectors); else positions outer.
 template <int kD>
 PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, int64_t m,
                                int64_t kv_heads, int64_t G, int64_t D, float* part,
                                const BFloat16* const* pre, int64_t pm, int64_t row_bytes,
                                int64_t value_offset) {
   if constexpr (kD != 0) {
-    static_assert(kD % 32 == 0 && kD <= 512, "whole bfloat16 vectors");
-    constexpr int kNV = kD / 32, kMaxG = std::max(1, std::min(4, 16 / kNV));
+    // 256: 16 query vectors, 8 key vectors and an accumulator fit AVX-512's 32 registers
+    static_assert(kD % 32 == 0 && kD <= 256, "whole bfloat16 vectors, at most 256 values");
+    (void)D;
+    (void)row_bytes;
+    constexpr int kNV = kD / 32, kMaxG = std::min(4, 16 / kNV);
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
       const BFloat16* qh = q + kh * G * kD;
       float* ph = part + kh * G * kVec * kVec;
@@ -425,7 +427,7 @@ PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, i
         const int64_t pn = g == 0 ? pm : 0;  // the rows ahead asked for once per kv head
         const BFloat16* qg = qh + g * kD;
         float* pg = ph + g * kVec * kVec;
-        switch (n) {
+        switch (n) {  // n <= kMaxG: the std::min only keeps unreachable cases compilable
           case 4: head_parts_dp<std::min(4, kMaxG), kNV>(qg, rows, m, kh * kD, pg, pre, pn,
                                                           value_offset); break;
           case 3: head_parts_dp<std::min(3, kMaxG), kNV>(qg, rows, m, kh * kD, pg, pre, pn,
@@ -437,21 +439,21 @@ PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, i
         g += n;
       }
     }
-    return;
-  }
-  for (int64_t p = 0; p < m; ++p) {
-    for (int64_t kh = 0; kh < kv_heads; ++kh) {
-      if (p < pm) prefetch_kv(pre[p] + kh * D, value_offset, row_bytes / kv_heads);
-      const BFloat16* k = rows[p] + kh * D;
-      const BFloat16* qh = q + kh * G * D;
-      float* ph = part + kh * G * kVec * kVec;
-      int64_t g = 0;
-      for (; g + 4 <= G; g += 4) group_parts_dp<4, kD>(qh + g * D, k, D, ph + g * kVec * kVec, p);
-      switch (G - g) {
-        case 3: group_parts_dp<3, kD>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
-        case 2: group_parts_dp<2, kD>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
-        case 1: group_parts_dp<1, kD>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
-        default: break;
+  } else {
+    for (int64_t p = 0; p < m; ++p) {
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        if (p < pm) prefetch_kv(pre[p] + kh * D, value_offset, row_bytes / kv_heads);
+        const BFloat16* k = rows[p] + kh * D;
+        const BFloat16* qh = q + kh * G * D;
+        float* ph = part + kh * G * kVec * kVec;
+        int64_t g = 0;
+        for (; g + 4 <= G; g += 4) group_parts_dp<4>(qh + g * D, k, D, ph + g * kVec * kVec, p);
+        switch (G - g) {
+          case 3: group_parts_dp<3>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
+          case 2: group_parts_dp<2>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
+          case 1: group_parts_dp<1>(qh + g * D, k, D, ph + g * kVec * kVec, p); break;
+          default: break;
+        }
       }
     }
   }

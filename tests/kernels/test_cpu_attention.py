@@ -82,11 +82,13 @@ def test_decode_head_dims(ops, head_dim, dtype):
     torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
 
 
-# groups that the bfloat16 key pass (four query heads at a time in registers at head dims 64
-# and 128) splits unevenly: 3, 6 and 12 heads per kv head
+# groups of query heads per kv head as the bfloat16 key pass takes them (at most four heads'
+# queries in registers at head dims 64 and 128; only the first group of a kv head asks for the
+# rows ahead): 1 and 3 in one group, 5 = 4 + 1, 6 = 4 + 2, 7 = 4 + 3, 12 = 4 + 4 + 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("heads", [(6, 2), (12, 2), (24, 2)], ids=lambda h: f"G{h[0] // h[1]}")
+@pytest.mark.parametrize("heads", [(2, 2), (6, 2), (10, 2), (12, 2), (14, 2), (24, 2)],
+                         ids=lambda h: f"G{h[0] // h[1]}")
 def test_decode_odd_groups(ops, threads, heads, head_dim, dtype):
     q, cache, tables, lens = _decode_case([1, 40, 530], dtype, head_dim, heads, 16, seed=2)
     scale = head_dim ** -0.5

@@ -56,8 +56,12 @@ def test_each_rate_of_a_sweep_draws_its_own_prompts(name):
     args = serve.argparse.Namespace(workload=name, num_requests=6)
     by_rate = serve.draws(args, [1.5, 2.5, 3.5], seed=7)
     assert list(by_rate) == [1.5, 2.5, 3.5]
-    firsts = [tuple(p[-20:]) for draw in by_rate.values() for p in draw]
-    assert len(set(firsts)) == len(firsts)  # no prompt ends as another one does
+    endings = [tuple(p[-20:]) for draw in by_rate.values() for p in draw]
+    assert len(set(endings)) == len(endings)  # no prompt ends as another one does
     # the first rate draws what a single-rate run with this seed draws
     assert by_rate[1.5] == serve.workload(name, 6, 7)
     assert serve.draws(args, [1.5], seed=7) == {1.5: by_rate[1.5]}
+    # --seeds 7 8 run on the same servers: the next seed's sweep shares no draw with this one's
+    later = [tuple(p[-20:]) for draw in serve.draws(args, [1.5, 2.5, 3.5], seed=8).values()
+             for p in draw]
+    assert not set(later) & set(endings)
