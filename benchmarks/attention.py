@@ -65,8 +65,9 @@ def memcpy_gbps(threads: int, reps: int) -> float:
     return src.numel() * 4 / min(timed(lambda: dst.copy_(src), reps)) / 1e9
 
 
-def scattered_blocks(lengths: list[int], gen: torch.Generator) -> tuple[list[list[int]], int]:
-    need = [-(-n // BLOCK) for n in lengths]
+def scattered_blocks(lengths: list[int], gen: torch.Generator,
+                     block: int = BLOCK) -> tuple[list[list[int]], int]:
+    need = [-(-n // block) for n in lengths]
     ids = torch.randperm(sum(need) + 8, generator=gen).tolist()
     tables, at = [], 0
     for n in need:

@@ -29,14 +29,9 @@ from common.models.attention import AttentionMetadata, CpuAttentionBackend  # no
 def decode_call(lengths: list[int], dtype: torch.dtype, block: int, gen: torch.Generator):
     """call(): one decode step's attention (KV write included) over scattered blocks of
     `block` positions, on the next of up to 8 layers' caches; and the K/V bytes it reads."""
-    need = [-(-n // block) for n in lengths]
-    ids = torch.randperm(sum(need) + 8, generator=gen).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(ids[at:at + n])
-        at += n
+    tables, num_blocks = attention.scattered_blocks(lengths, gen, block)
     meta = AttentionMetadata.build([(n - 1, t) for n, t in zip(lengths, tables)], [], block)
-    shape = (2, sum(need) + 8, block, attention.KV_HEADS, attention.HEAD_DIM)
+    shape = (2, num_blocks, block, attention.KV_HEADS, attention.HEAD_DIM)
     layer_bytes = torch.Size(shape).numel() * dtype.itemsize
     caches = [torch.randn(shape, generator=gen).to(dtype)
               for _ in range(max(1, min(attention.LAYERS, attention.LAYERS_BYTES // layer_bytes)))]
