@@ -88,10 +88,11 @@ def scattered_decode(lengths: list[int], dtype: torch.dtype, gen: torch.Generato
     return q, caches, tables, torch.tensor(lengths)
 
 
-def decode_case(lengths: list[int], dtype: torch.dtype, gen: torch.Generator):
+def decode_case(lengths: list[int], dtype: torch.dtype, gen: torch.Generator,
+                block: int = BLOCK):
     # every sequence's last position is the new token: written by the step, then attended
-    tables, num_blocks = scattered_blocks(lengths, gen)
-    meta = AttentionMetadata.build([(n - 1, t) for n, t in zip(lengths, tables)], [], BLOCK)
+    tables, num_blocks = scattered_blocks(lengths, gen, block)
+    meta = AttentionMetadata.build([(n - 1, t) for n, t in zip(lengths, tables)], [], block)
     rows = len(lengths)
     kv_bytes = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * torch.finfo(dtype).bits // 8
     return meta, num_blocks, rows, kv_bytes, None
@@ -104,17 +105,25 @@ def prefill_case(chunk: int, cached: int, dtype: torch.dtype, gen: torch.Generat
     return meta, num_blocks, chunk, None, 4 * HEAD_DIM * pairs * HEADS
 
 
-def run_case(name, case, dtype, threads, backends, reps, gen) -> dict:
-    torch.set_num_threads(threads)
-    meta, num_blocks, rows, kv_bytes, flops = case
-    shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+def step_inputs(case, dtype: torch.dtype, gen: torch.Generator, block: int = BLOCK):
+    """A case's layers' caches (as many as fit in LAYERS_BYTES, at most LAYERS: a call goes on
+    the next one, as a step goes through its layers) and the step's q, k and v."""
+    _, num_blocks, rows, _, _ = case
+    shape = (2, num_blocks, block, KV_HEADS, HEAD_DIM)
     layer_bytes = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
     caches = [torch.randn(shape, generator=gen).to(dtype)
               for _ in range(max(1, min(LAYERS, LAYERS_BYTES // layer_bytes)))]
-    turn = itertools.count()
     q = torch.randn((rows, HEADS, HEAD_DIM), generator=gen).to(dtype)
     k = torch.randn((rows, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
     v = torch.randn((rows, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
+    return caches, q, k, v
+
+
+def run_case(name, case, dtype, threads, backends, reps, gen) -> dict:
+    torch.set_num_threads(threads)
+    meta, _, _, kv_bytes, flops = case
+    caches, q, k, v = step_inputs(case, dtype, gen)
+    turn = itertools.count()
     result = {"case": name, "dtype": str(dtype).removeprefix("torch."), "threads": threads}
     for label, backend in backends.items():
         times = timed(lambda: backend.forward(q, k, v, caches[next(turn) % len(caches)], meta,

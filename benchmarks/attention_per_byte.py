@@ -23,28 +23,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import attention  # noqa: E402
-from common.models.attention import AttentionMetadata, CpuAttentionBackend  # noqa: E402
+from common.models.attention import CpuAttentionBackend  # noqa: E402
 
 
 def decode_call(lengths: list[int], dtype: torch.dtype, block: int, gen: torch.Generator):
     """call(): one decode step's attention (KV write included) over scattered blocks of
     `block` positions, on the next of up to 8 layers' caches; and the K/V bytes it reads."""
-    tables, num_blocks = attention.scattered_blocks(lengths, gen, block)
-    meta = AttentionMetadata.build([(n - 1, t) for n, t in zip(lengths, tables)], [], block)
-    shape = (2, num_blocks, block, attention.KV_HEADS, attention.HEAD_DIM)
-    layer_bytes = torch.Size(shape).numel() * dtype.itemsize
-    caches = [torch.randn(shape, generator=gen).to(dtype)
-              for _ in range(max(1, min(attention.LAYERS, attention.LAYERS_BYTES // layer_bytes)))]
-    rows = len(lengths)
-    q = torch.randn((rows, attention.HEADS, attention.HEAD_DIM), generator=gen).to(dtype)
-    k = torch.randn((rows, attention.KV_HEADS, attention.HEAD_DIM), generator=gen).to(dtype)
-    v = torch.randn((rows, attention.KV_HEADS, attention.HEAD_DIM), generator=gen).to(dtype)
+    case = attention.decode_case(lengths, dtype, gen, block)
+    meta, kv_bytes = case[0], case[3]
+    caches, q, k, v = attention.step_inputs(case, dtype, gen, block)
     backend, turn = CpuAttentionBackend(), itertools.count()
     scale = attention.HEAD_DIM ** -0.5
 
     def call() -> None:
         backend.forward(q, k, v, caches[next(turn) % len(caches)], meta, scale)
-    kv_bytes = sum(lengths) * attention.KV_HEADS * attention.HEAD_DIM * 2 * dtype.itemsize
     return call, kv_bytes
 
 
