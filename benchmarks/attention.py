@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.models.attention import (AttentionMetadata, CpuAttentionBackend,  # noqa: E402
-                                     TorchAttentionBackend)
+from common.models.attention import AttentionMetadata, CpuAttentionBackend, TorchAttentionBackend  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
 DECODES = {"decode 64x320": [320] * 64, "decode 64x2000": [2000] * 64,
@@ -126,8 +125,8 @@ def run_case(name, case, dtype, threads, backends, reps, gen) -> dict:
     turn = itertools.count()
     result = {"case": name, "dtype": str(dtype).removeprefix("torch."), "threads": threads}
     for label, backend in backends.items():
-        times = timed(lambda: backend.forward(q, k, v, caches[next(turn) % len(caches)], meta,
-                                              HEAD_DIM ** -0.5), reps)
+        times = timed(lambda backend=backend: backend.forward(
+            q, k, v, caches[next(turn) % len(caches)], meta, HEAD_DIM ** -0.5), reps)
         med = statistics.median(times)
         entry = {"ms": med * 1e3, "ms_min": min(times) * 1e3, "ms_max": max(times) * 1e3}
         if kv_bytes:

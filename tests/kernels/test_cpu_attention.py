@@ -282,8 +282,11 @@ def test_write_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(ops):
 def test_backend_writes_the_step_and_attends_like_the_reference():
     """CpuAttentionBackend over a mixed step (decodes, a chunk over a prefix, a fresh prompt)
     equals TorchAttentionBackend, the readable reference."""
-    from common.models.attention import (AttentionMetadata, CpuAttentionBackend,
-                                         TorchAttentionBackend)
+    from common.models.attention import (
+        AttentionMetadata,
+        CpuAttentionBackend,
+        TorchAttentionBackend,
+    )
     gen = torch.Generator().manual_seed(5)
     block, heads, kv_heads, dim = 16, 8, 2, 64
     cache = random_cache(40, block, kv_heads, dim, torch.float32, gen)
