@@ -1025,12 +1025,13 @@ inline void hide_keys(float* s, int64_t rp, const int32_t* pos, int64_t first, i
   }
 }
 
-// 2^t in each lane for the online softmax's exponents t <= 0 (scores less their running max,
-// times scale * log2(e); a hidden key's -inf gives 0): t = n + f with n the nearest integer and
-// |f| <= 1/2, 2^f by a degree-5 polynomial (relative error under 2e-7 in float), times 2^n by
-// vscalefps. Lanes under 2^-126, the smallest normal float, are 0 (at::vec's exp_u20 gives 0
-// there too). Ten operations a vector where exp_u20 takes about twenty (its range checks and
-// integer exponent), in the prefill kernels' softmax, a fifth of their time on a Zen 4.
+// 2^t in each lane for the online softmax's exponents t (scores times scale * log2(e) less
+// their running max likewise: at most a rounding error above 0; a hidden key's -inf gives 0):
+// t = n + f with n the nearest integer and |f| <= 1/2, 2^f by a degree-5 polynomial (within
+// 2e-7 of it), times 2^n by vscalefps. Lanes under 2^-126, the smallest normal float, are 0
+// (at::vec's exp_u20 gives 0 there too). Ten operations a vector where exp_u20 takes about
+// twenty (its range checks and integer exponent): prefill_kernel_dp's softmax, its max pass
+// included, was ~20% of its time on a Zen 4 with exp_u20, ~16% of the shorter time with this.
 inline __m512 exp2_lanes(__m512 t) {
   const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -1046,7 +1047,7 @@ inline __m512 exp2_lanes(__m512 t) {
 // The online softmax of a query tile whose rows sit in the vector lanes (prefill_kernel_lanes
 // and _dp): per row r of rp (whole vectors of 16), its position, running max and sum, and its
 // accumulators o[d][r]. Scores are q . k unscaled: the softmax's exponents take the scale
-// (`c` = scale * log2(e), exp2_lanes).
+// (`c` = scale * log2(e), exp2_lanes), and the running maxima are kept times c.
 struct LaneRows {
   std::vector<float> maxes, sums, o;
   std::vector<int32_t> pos;
@@ -1063,17 +1064,20 @@ struct LaneRows {
   }
 
   // Lanes [r, r + 16) meet a key tile's scores s[key][row] (`padded` keys of rp rows): their
-  // running max becomes m (stored), their accumulators are scaled by 2^((old max - m) c);
+  // running max times c becomes mc (stored), their accumulators are scaled by 2^(old mc - mc);
   // returns their sum scaled likewise, to which the caller adds the tile's probabilities
-  // 2^((s - m) c) (`probs`).
+  // 2^(s c - mc) (`probs`). Every exponent subtracts the same stored mc, so its rounding
+  // cancels between key tiles.
   __m512 rescale(const float* s, int64_t rp, int64_t padded, int64_t r, int64_t D, __m512 c,
-                 __m512& m) {
-    const __m512 m_old = _mm512_loadu_ps(maxes.data() + r);
-    m = m_old;
+                 __m512& mc) {
+    __m512 m = _mm512_set1_ps(kNegInf);
     for (int64_t kk = 0; kk < padded; ++kk) m = _mm512_max_ps(m, _mm512_loadu_ps(s + kk * rp + r));
-    // key 0 is visible to every row, so from the first tile on every lane's max is finite
-    const __m512 factor = exp2_lanes(_mm512_mul_ps(_mm512_sub_ps(m_old, m), c));
-    _mm512_storeu_ps(maxes.data() + r, m);
+    const __m512 mc_old = _mm512_loadu_ps(maxes.data() + r);
+    // key 0 is visible to every row, so from the first tile on every lane's max is finite (a
+    // later tile may hide all its keys from a row: m -inf there, mc stays)
+    mc = _mm512_max_ps(mc_old, _mm512_mul_ps(m, c));
+    const __m512 factor = exp2_lanes(_mm512_sub_ps(mc_old, mc));
+    _mm512_storeu_ps(maxes.data() + r, mc);
     for (int64_t d = 0; d < D; ++d) {
       float* od = o.data() + d * rp + r;
       _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), factor));
@@ -1081,7 +1085,7 @@ struct LaneRows {
     return _mm512_mul_ps(_mm512_loadu_ps(sums.data() + r), factor);
   }
 
-  // The probabilities of scores s against their lanes' max m (mc = m * c).
+  // The probabilities of scores s against their lanes' running max times c, mc.
   static __m512 probs(__m512 s, __m512 c, __m512 mc) {
     return exp2_lanes(_mm512_fmsub_ps(s, c, mc));
   }
@@ -1201,9 +1205,8 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
         // online softmax per lane: s becomes the probabilities
         for (int64_t r = 0; r < rp; r += kVec) {
           float* sv = s.data() + r;
-          __m512 m;
-          __m512 sum = lr.rescale(s.data(), rp, padded, r, D, exp_scale, m);
-          const __m512 mc = _mm512_mul_ps(m, exp_scale);
+          __m512 mc;
+          __m512 sum = lr.rescale(s.data(), rp, padded, r, D, exp_scale, mc);
           for (int64_t kk = 0; kk < padded; ++kk) {
             const __m512 p = LaneRows::probs(_mm512_loadu_ps(sv + kk * rp), exp_scale, mc);
             _mm512_storeu_ps(sv + kk * rp, p);
@@ -1378,9 +1381,8 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
         // online softmax per lane; probabilities to bfloat16 pairs pp[key pair][row]
         for (int64_t v = 0; v < rp / 16; ++v) {
           const float* sv = s.data() + v * 16;
-          __m512 m;
-          __m512 sum = lr.rescale(s.data(), rp, padded, v * 16, D, exp_scale, m);
-          const __m512 mc = _mm512_mul_ps(m, exp_scale);
+          __m512 mc;
+          __m512 sum = lr.rescale(s.data(), rp, padded, v * 16, D, exp_scale, mc);
           for (int64_t kk = 0; kk < padded; kk += 2) {
             const __m512 p0 = LaneRows::probs(_mm512_loadu_ps(sv + kk * rp), exp_scale, mc);
             const __m512 p1 =

@@ -166,6 +166,21 @@ def test_prefill_over_a_long_prefix_beside_short_ones(ops, threads, dtype, gqa):
     torch.testing.assert_close(out.float(), ref, **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_prefill_with_peaked_scores(ops, threads, dtype):
+    """Scores tens of units apart (the query scaled by 30), as trained models' attention can
+    give: most probabilities underflow to 0 and the running max jumps between key tiles, so
+    the softmax's exponentials run far below 0 and earlier tiles are rescaled by tiny factors
+    (the random cases above keep every score within a few units of its row's max)."""
+    q, cache, tables, starts, cached = _prefill_case([(600, 77), (250, 261), (0, 40)], dtype,
+                                                     64, 2, 16, seed=8)
+    q = (q.float() * 30).to(dtype)
+    scale = 64 ** -0.5
+    out = cpu_attention.paged_prefill_attention(q, cache, tables, starts, cached, scale, ops=ops)
+    ref = _prefill_reference(q, cache, tables, starts, cached, scale)
+    torch.testing.assert_close(out.float(), ref, **_tol(dtype))
+
+
 @pytest.mark.parametrize("head_dim", [128, 36])
 def test_prefill_head_dims(ops, head_dim):
     q, cache, tables, starts, cached = _prefill_case([(40, 30), (0, 9)], torch.float32,
