@@ -1067,11 +1067,16 @@ struct LaneRows {
   // running max times c becomes mc (stored), their accumulators are scaled by 2^(old mc - mc);
   // returns their sum scaled likewise, to which the caller adds the tile's probabilities
   // 2^(s c - mc) (`probs`). Every exponent subtracts the same stored mc, so its rounding
-  // cancels between key tiles.
+  // cancels between key tiles. tile_max: the rows' max over the tile's scores where the caller
+  // gathered it beside them (every key seen by every row, no padding keys), else a pass here.
   __m512 rescale(const float* s, int64_t rp, int64_t padded, int64_t r, int64_t D, __m512 c,
-                 __m512& mc) {
+                 __m512& mc, const float* tile_max = nullptr) {
     __m512 m = _mm512_set1_ps(kNegInf);
-    for (int64_t kk = 0; kk < padded; ++kk) m = _mm512_max_ps(m, _mm512_loadu_ps(s + kk * rp + r));
+    if (tile_max)
+      m = _mm512_loadu_ps(tile_max + r);
+    else
+      for (int64_t kk = 0; kk < padded; ++kk)
+        m = _mm512_max_ps(m, _mm512_loadu_ps(s + kk * rp + r));
     const __m512 mc_old = _mm512_loadu_ps(maxes.data() + r);
     // key 0 is visible to every row, so from the first tile on every lane's max is finite (a
     // later tile may hide all its keys from a row: m -inf there, mc stays)
@@ -1091,11 +1096,23 @@ struct LaneRows {
   }
 };
 
+// tile_max[16 v + lane] = the max of itself and a score micro-tile's kCols keys, for its NV
+// vectors of rows: the rows' max over a key tile gathered while its scores are in registers
+// (LaneRows::rescale's `tile_max`).
+template <int kCols, int NV>
+inline void update_tile_max(const __m512 (&acc)[kCols][NV], float* tile_max) {
+  for (int v = 0; v < NV; ++v) {
+    __m512 m = _mm512_loadu_ps(tile_max + 16 * v);
+    for (int i = 0; i < kCols; ++i) m = _mm512_max_ps(m, acc[i][v]);
+    _mm512_storeu_ps(tile_max + 16 * v, m);
+  }
+}
+
 // s[c][r] = q_r . k_c for kLanesCols keys c and the rows [r0, r0 + kVec NV) of the packed
-// queries qp[d][rows] (rp rows).
+// queries qp[d][rows] (rp rows); their max per row into tile_max[r0...].
 template <int NV>
 inline void lanes_scores(const float* const* k, const float* qp, int64_t rp, int64_t D,
-                         int64_t r0, float* s) {
+                         int64_t r0, float* s, float* tile_max) {
   __m512 acc[kLanesCols][NV];
   for (auto& row : acc)
     for (auto& x : row) x = _mm512_setzero_ps();
@@ -1112,6 +1129,7 @@ inline void lanes_scores(const float* const* k, const float* qp, int64_t rp, int
   }
   for (int i = 0; i < kLanesCols; ++i)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + i * rp + r0 + 16 * v, acc[i][v]);
+  update_tile_max<kLanesCols, NV>(acc, tile_max + r0);
 }
 
 // o[d][r] += sum over `keys` keys of p[key][r] v[key][d] for kLanesCols columns d0.. of the
@@ -1154,7 +1172,7 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
                                                        arg.tokens_per_tile, costs);
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
     const int64_t rp_max = (arg.tokens_per_tile * G + kVec - 1) / kVec * kVec;
-    std::vector<float> qp(D * rp_max), s(keys_max * rp_max), zero(D, 0.f), row(D);
+    std::vector<float> qp(D * rp_max), s(keys_max * rp_max), zero(D, 0.f), row(D), tmax(rp_max);
     LaneRows lr(rp_max, D);
     std::vector<float>& o = lr.o;
     constexpr bool kWiden = !std::is_same_v<T, float>;
@@ -1179,6 +1197,8 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
         const int64_t keys = std::min(arg.key_tile, last_key - k0);
         const int64_t padded = (keys + kLanesCols - 1) / kLanesCols * kLanesCols;
+        const bool all_seen = keys == padded && k0 + keys - 1 <= first;  // as in _dp
+        std::fill(tmax.begin(), tmax.begin() + rp, kNegInf);
         if constexpr (kWiden) {
           pack_rows(kwide.data(), arg.cache, table, c, it.head, k0, k0 + keys);
           pack_rows(vwide.data(), arg.cache + c.value_offset, table, c, it.head, k0, k0 + keys);
@@ -1198,15 +1218,19 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
         for (int64_t kc = 0; kc < padded; kc += kLanesCols) {
           int64_t r0 = 0;
           for (; r0 + 2 * kVec <= rp; r0 += 2 * kVec)
-            lanes_scores<2>(krows.data() + kc, qp.data(), rp, D, r0, s.data() + kc * rp);
-          if (r0 < rp) lanes_scores<1>(krows.data() + kc, qp.data(), rp, D, r0, s.data() + kc * rp);
+            lanes_scores<2>(krows.data() + kc, qp.data(), rp, D, r0, s.data() + kc * rp,
+                            tmax.data());
+          if (r0 < rp)
+            lanes_scores<1>(krows.data() + kc, qp.data(), rp, D, r0, s.data() + kc * rp,
+                            tmax.data());
         }
         hide_keys(s.data(), rp, lr.pos.data(), first, k0, keys, padded);
         // online softmax per lane: s becomes the probabilities
         for (int64_t r = 0; r < rp; r += kVec) {
           float* sv = s.data() + r;
           __m512 mc;
-          __m512 sum = lr.rescale(s.data(), rp, padded, r, D, exp_scale, mc);
+          __m512 sum = lr.rescale(s.data(), rp, padded, r, D, exp_scale, mc,
+                                  all_seen ? tmax.data() : nullptr);
           for (int64_t kk = 0; kk < padded; ++kk) {
             const __m512 p = LaneRows::probs(_mm512_loadu_ps(sv + kk * rp), exp_scale, mc);
             _mm512_storeu_ps(sv + kk * rp, p);
@@ -1268,16 +1292,17 @@ PDSERVE_DP inline void dp_tile(const u32a* const* a, int64_t a_step, const u32a*
 }
 
 // s[c][r] = q_r . k_c for kDpCols keys c (rows k[c] of head_dim values, as pairs) and the rows
-// [r0, r0 + 16 NV) of the packed queries qp[pair][rows].
+// [r0, r0 + 16 NV) of the packed queries qp[pair][rows]; their max per row into tile_max[r0...].
 template <int NV>
 PDSERVE_DP inline void dp_scores(const u32a* const* k, const u32a* qp, int64_t rp, int64_t pairs,
-                                 int64_t r0, float* s) {
+                                 int64_t r0, float* s, float* tile_max) {
   __m512 acc[kDpCols][NV];
   for (auto& row : acc)
     for (auto& x : row) x = _mm512_setzero_ps();
   dp_tile<NV>(k, 1, qp + r0, rp, pairs, acc);
   for (int i = 0; i < kDpCols; ++i)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + i * rp + r0 + 16 * v, acc[i][v]);
+  update_tile_max<kDpCols, NV>(acc, tile_max + r0);
 }
 
 // o[d][r] += sum over keys of p[key][r] v[key][d] for kDpCols columns d0.. of the packed values
@@ -1336,7 +1361,7 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
     const int64_t rp_max = (arg.tokens_per_tile * G + 15) / 16 * 16;
     std::vector<uint32_t> qp(pairs * rp_max), pp(keys_max / 2 * rp_max), vp(keys_max / 2 * D),
         zero(pairs, 0);
-    std::vector<float> s(keys_max * rp_max);
+    std::vector<float> s(keys_max * rp_max), tmax(rp_max);
     LaneRows lr(rp_max, D);
     std::vector<float>& o = lr.o;
     std::vector<const u32a*> krows(keys_max);
@@ -1359,6 +1384,10 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
       for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
         const int64_t keys = std::min(arg.key_tile, last_key - k0);
         const int64_t padded = (keys + kDpCols - 1) / kDpCols * kDpCols;
+        // every row sees every key of the tile, no padding: the scores' max per row comes from
+        // the score micro-tiles (tmax) instead of a pass over the stored scores
+        const bool all_seen = keys == padded && k0 + keys - 1 <= first;
+        std::fill(tmax.begin(), tmax.begin() + rp, kNegInf);
         for (int64_t p = k0; p < k0 + keys; ++p) {
           const int64_t row = block_at(table, p, c) * c.block_size + p % c.block_size;
           const BFloat16* kr = arg.cache + row * c.row_stride + it.head * D;
@@ -1373,16 +1402,19 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
         for (int64_t kc = 0; kc < padded; kc += kDpCols) {
           int64_t r0 = 0;
           for (; r0 + 32 <= rp; r0 += 32)
-            dp_scores<2>(krows.data() + kc, qp.data(), rp, pairs, r0, s.data() + kc * rp);
+            dp_scores<2>(krows.data() + kc, qp.data(), rp, pairs, r0, s.data() + kc * rp,
+                         tmax.data());
           if (r0 < rp)
-            dp_scores<1>(krows.data() + kc, qp.data(), rp, pairs, r0, s.data() + kc * rp);
+            dp_scores<1>(krows.data() + kc, qp.data(), rp, pairs, r0, s.data() + kc * rp,
+                         tmax.data());
         }
         hide_keys(s.data(), rp, lr.pos.data(), first, k0, keys, padded);
         // online softmax per lane; probabilities to bfloat16 pairs pp[key pair][row]
         for (int64_t v = 0; v < rp / 16; ++v) {
           const float* sv = s.data() + v * 16;
           __m512 mc;
-          __m512 sum = lr.rescale(s.data(), rp, padded, v * 16, D, exp_scale, mc);
+          __m512 sum = lr.rescale(s.data(), rp, padded, v * 16, D, exp_scale, mc,
+                                  all_seen ? tmax.data() : nullptr);
           for (int64_t kk = 0; kk < padded; kk += 2) {
             const __m512 p0 = LaneRows::probs(_mm512_loadu_ps(sv + kk * rp), exp_scale, mc);
             const __m512 p1 =
