@@ -1031,7 +1031,8 @@ inline void hide_keys(float* s, int64_t rp, const int32_t* pos, int64_t first, i
 // 2e-7 of it), times 2^n by vscalefps. Lanes under 2^-126, the smallest normal float, are 0
 // (at::vec's exp_u20 gives 0 there too). Ten operations a vector where exp_u20 takes about
 // twenty (its range checks and integer exponent): prefill_kernel_dp's softmax, its max pass
-// included, was ~20% of its time on a Zen 4 with exp_u20, ~16% of the shorter time with this.
+// included, was ~20% of its time on a Zen 4 with exp_u20, ~16% of the shorter time with this
+// (before the max came from the score micro-tiles, update_tile_max).
 inline __m512 exp2_lanes(__m512 t) {
   const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -1047,11 +1048,16 @@ inline __m512 exp2_lanes(__m512 t) {
 // The online softmax of a query tile whose rows sit in the vector lanes (prefill_kernel_lanes
 // and _dp): per row r of rp (whole vectors of 16), its position, running max and sum, and its
 // accumulators o[d][r]. Scores are q . k unscaled: the softmax's exponents take the scale
-// (`c` = scale * log2(e), exp2_lanes), and the running maxima are kept times c.
+// (`c` = scale * log2(e), exp2_lanes; a positive scale, checked by the op), and the running
+// maxima are kept times c. tmax: the rows' max over the current key tile, gathered by the
+// score micro-tiles (update_tile_max).
 struct LaneRows {
-  std::vector<float> maxes, sums, o;
+  std::vector<float> maxes, sums, o, tmax;
   std::vector<int32_t> pos;
-  LaneRows(int64_t rp_max, int64_t D) : maxes(rp_max), sums(rp_max), o(D * rp_max), pos(rp_max) {}
+  __m512 c;
+  LaneRows(int64_t rp_max, int64_t D, double scale)
+      : maxes(rp_max), sums(rp_max), o(D * rp_max), tmax(rp_max), pos(rp_max),
+        c(_mm512_set1_ps(static_cast<float>(scale * M_LOG2E))) {}
 
   // A tile of `rows` rows (G heads per token, padded to rp) whose first token is at `first`:
   // padding rows take the last row's position, so they see what it sees.
@@ -1063,17 +1069,26 @@ struct LaneRows {
     std::fill(o.begin(), o.begin() + D * rp, 0.f);
   }
 
+  // The key tile [k0, k0 + keys) begins (padded to `padded` keys with padding the rows
+  // hide): tmax reset for its score micro-tiles. Returns whether tmax will be the rows' max
+  // over the tile's scores as the softmax sees them: every row sees every key and none is
+  // padding, so hide_keys, which runs after the micro-tiles, hides nothing.
+  bool begin_tile(int64_t rp, int64_t first, int64_t k0, int64_t keys, int64_t padded) {
+    std::fill(tmax.begin(), tmax.begin() + rp, kNegInf);
+    return keys == padded && k0 + keys - 1 <= first;
+  }
+
   // Lanes [r, r + 16) meet a key tile's scores s[key][row] (`padded` keys of rp rows): their
   // running max times c becomes mc (stored), their accumulators are scaled by 2^(old mc - mc);
   // returns their sum scaled likewise, to which the caller adds the tile's probabilities
   // 2^(s c - mc) (`probs`). Every exponent subtracts the same stored mc, so its rounding
-  // cancels between key tiles. tile_max: the rows' max over the tile's scores where the caller
-  // gathered it beside them (every key seen by every row, no padding keys), else a pass here.
-  __m512 rescale(const float* s, int64_t rp, int64_t padded, int64_t r, int64_t D, __m512 c,
-                 __m512& mc, const float* tile_max = nullptr) {
+  // cancels between key tiles. The tile's max: tmax where begin_tile said so (`all_seen`),
+  // else a pass over the scores after hide_keys.
+  __m512 rescale(const float* s, int64_t rp, int64_t padded, int64_t r, int64_t D, bool all_seen,
+                 __m512& mc) {
     __m512 m = _mm512_set1_ps(kNegInf);
-    if (tile_max)
-      m = _mm512_loadu_ps(tile_max + r);
+    if (all_seen)
+      m = _mm512_loadu_ps(tmax.data() + r);
     else
       for (int64_t kk = 0; kk < padded; ++kk)
         m = _mm512_max_ps(m, _mm512_loadu_ps(s + kk * rp + r));
@@ -1091,14 +1106,12 @@ struct LaneRows {
   }
 
   // The probabilities of scores s against their lanes' running max times c, mc.
-  static __m512 probs(__m512 s, __m512 c, __m512 mc) {
-    return exp2_lanes(_mm512_fmsub_ps(s, c, mc));
-  }
+  __m512 probs(__m512 s, __m512 mc) const { return exp2_lanes(_mm512_fmsub_ps(s, c, mc)); }
 };
 
 // tile_max[16 v + lane] = the max of itself and a score micro-tile's kCols keys, for its NV
 // vectors of rows: the rows' max over a key tile gathered while its scores are in registers
-// (LaneRows::rescale's `tile_max`).
+// (LaneRows::tmax).
 template <int kCols, int NV>
 inline void update_tile_max(const __m512 (&acc)[kCols][NV], float* tile_max) {
   for (int v = 0; v < NV; ++v) {
@@ -1163,7 +1176,6 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
   const PrefillArgs<T> arg(q, kv_cache, block_tables, query_start_loc, num_cached, out);
   const Cache& c = arg.c;
   const int64_t D = c.head_dim, G = arg.G;
-  const __m512 exp_scale = _mm512_set1_ps(static_cast<float>(scale * M_LOG2E));  // LaneRows
 
   const int64_t keys_max = (arg.key_tile + kLanesCols - 1) / kLanesCols * kLanesCols;
   const int64_t cols = D / kLanesCols * kLanesCols;  // value columns in whole micro-tiles
@@ -1172,8 +1184,8 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
                                                        arg.tokens_per_tile, costs);
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
     const int64_t rp_max = (arg.tokens_per_tile * G + kVec - 1) / kVec * kVec;
-    std::vector<float> qp(D * rp_max), s(keys_max * rp_max), zero(D, 0.f), row(D), tmax(rp_max);
-    LaneRows lr(rp_max, D);
+    std::vector<float> qp(D * rp_max), s(keys_max * rp_max), zero(D, 0.f), row(D);
+    LaneRows lr(rp_max, D, scale);
     std::vector<float>& o = lr.o;
     constexpr bool kWiden = !std::is_same_v<T, float>;
     std::vector<float> kwide(kWiden ? keys_max * D : 0), vwide(kWiden ? keys_max * D : 0);
@@ -1197,8 +1209,7 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
         const int64_t keys = std::min(arg.key_tile, last_key - k0);
         const int64_t padded = (keys + kLanesCols - 1) / kLanesCols * kLanesCols;
-        const bool all_seen = keys == padded && k0 + keys - 1 <= first;  // as in _dp
-        std::fill(tmax.begin(), tmax.begin() + rp, kNegInf);
+        const bool all_seen = lr.begin_tile(rp, first, k0, keys, padded);
         if constexpr (kWiden) {
           pack_rows(kwide.data(), arg.cache, table, c, it.head, k0, k0 + keys);
           pack_rows(vwide.data(), arg.cache + c.value_offset, table, c, it.head, k0, k0 + keys);
@@ -1219,20 +1230,19 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
           int64_t r0 = 0;
           for (; r0 + 2 * kVec <= rp; r0 += 2 * kVec)
             lanes_scores<2>(krows.data() + kc, qp.data(), rp, D, r0, s.data() + kc * rp,
-                            tmax.data());
+                            lr.tmax.data());
           if (r0 < rp)
             lanes_scores<1>(krows.data() + kc, qp.data(), rp, D, r0, s.data() + kc * rp,
-                            tmax.data());
+                            lr.tmax.data());
         }
         hide_keys(s.data(), rp, lr.pos.data(), first, k0, keys, padded);
         // online softmax per lane: s becomes the probabilities
         for (int64_t r = 0; r < rp; r += kVec) {
           float* sv = s.data() + r;
           __m512 mc;
-          __m512 sum = lr.rescale(s.data(), rp, padded, r, D, exp_scale, mc,
-                                  all_seen ? tmax.data() : nullptr);
+          __m512 sum = lr.rescale(s.data(), rp, padded, r, D, all_seen, mc);
           for (int64_t kk = 0; kk < padded; ++kk) {
-            const __m512 p = LaneRows::probs(_mm512_loadu_ps(sv + kk * rp), exp_scale, mc);
+            const __m512 p = lr.probs(_mm512_loadu_ps(sv + kk * rp), mc);
             _mm512_storeu_ps(sv + kk * rp, p);
             sum = _mm512_add_ps(sum, p);
           }
@@ -1351,7 +1361,6 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
   const PrefillArgs<BFloat16> arg(q, kv_cache, block_tables, query_start_loc, num_cached, out);
   const Cache& c = arg.c;
   const int64_t D = c.head_dim, pairs = D / 2, G = arg.G;
-  const __m512 exp_scale = _mm512_set1_ps(static_cast<float>(scale * M_LOG2E));  // LaneRows
 
   const int64_t keys_max = (arg.key_tile + kDpCols - 1) / kDpCols * kDpCols;
   std::vector<int64_t> costs;
@@ -1361,8 +1370,8 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
     const int64_t rp_max = (arg.tokens_per_tile * G + 15) / 16 * 16;
     std::vector<uint32_t> qp(pairs * rp_max), pp(keys_max / 2 * rp_max), vp(keys_max / 2 * D),
         zero(pairs, 0);
-    std::vector<float> s(keys_max * rp_max), tmax(rp_max);
-    LaneRows lr(rp_max, D);
+    std::vector<float> s(keys_max * rp_max);
+    LaneRows lr(rp_max, D, scale);
     std::vector<float>& o = lr.o;
     std::vector<const u32a*> krows(keys_max);
     std::vector<const BFloat16*> vrows(keys_max);
@@ -1384,10 +1393,7 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
       for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
         const int64_t keys = std::min(arg.key_tile, last_key - k0);
         const int64_t padded = (keys + kDpCols - 1) / kDpCols * kDpCols;
-        // every row sees every key of the tile, no padding: the scores' max per row comes from
-        // the score micro-tiles (tmax) instead of a pass over the stored scores
-        const bool all_seen = keys == padded && k0 + keys - 1 <= first;
-        std::fill(tmax.begin(), tmax.begin() + rp, kNegInf);
+        const bool all_seen = lr.begin_tile(rp, first, k0, keys, padded);
         for (int64_t p = k0; p < k0 + keys; ++p) {
           const int64_t row = block_at(table, p, c) * c.block_size + p % c.block_size;
           const BFloat16* kr = arg.cache + row * c.row_stride + it.head * D;
@@ -1403,22 +1409,20 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
           int64_t r0 = 0;
           for (; r0 + 32 <= rp; r0 += 32)
             dp_scores<2>(krows.data() + kc, qp.data(), rp, pairs, r0, s.data() + kc * rp,
-                         tmax.data());
+                         lr.tmax.data());
           if (r0 < rp)
             dp_scores<1>(krows.data() + kc, qp.data(), rp, pairs, r0, s.data() + kc * rp,
-                         tmax.data());
+                         lr.tmax.data());
         }
         hide_keys(s.data(), rp, lr.pos.data(), first, k0, keys, padded);
         // online softmax per lane; probabilities to bfloat16 pairs pp[key pair][row]
         for (int64_t v = 0; v < rp / 16; ++v) {
           const float* sv = s.data() + v * 16;
           __m512 mc;
-          __m512 sum = lr.rescale(s.data(), rp, padded, v * 16, D, exp_scale, mc,
-                                  all_seen ? tmax.data() : nullptr);
+          __m512 sum = lr.rescale(s.data(), rp, padded, v * 16, D, all_seen, mc);
           for (int64_t kk = 0; kk < padded; kk += 2) {
-            const __m512 p0 = LaneRows::probs(_mm512_loadu_ps(sv + kk * rp), exp_scale, mc);
-            const __m512 p1 =
-                LaneRows::probs(_mm512_loadu_ps(sv + (kk + 1) * rp), exp_scale, mc);
+            const __m512 p0 = lr.probs(_mm512_loadu_ps(sv + kk * rp), mc);
+            const __m512 p1 = lr.probs(_mm512_loadu_ps(sv + (kk + 1) * rp), mc);
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             _mm512_storeu_si512(pp.data() + kk / 2 * rp + v * 16, pair_probs(p0, p1));
           }
@@ -1480,6 +1484,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale, at::Tensor out) {
   check_common(q, kv_cache, out);
+  TORCH_CHECK(scale > 0, "the attention scale must be positive");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
                   seq_lens.is_contiguous() && seq_lens.size(0) == q.size(0) &&
@@ -1507,6 +1512,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                              const at::Tensor& num_cached, double scale, int64_t gemm,
                              at::Tensor out) {
   check_common(q, kv_cache, out);
+  TORCH_CHECK(scale > 0, "the attention scale must be positive");
   const int64_t n = num_cached.size(0);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
                   block_tables.stride(1) == 1 && block_tables.size(0) == n &&

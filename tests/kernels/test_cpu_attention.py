@@ -166,17 +166,22 @@ def test_prefill_over_a_long_prefix_beside_short_ones(ops, threads, dtype, gqa):
     torch.testing.assert_close(out.float(), ref, **_tol(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
-def test_prefill_with_peaked_scores(ops, threads, dtype):
+@pytest.mark.parametrize("dtype, gemm", [
+    (torch.float32, cpu_attention.PREFILL_FLOAT),
+    (torch.bfloat16, cpu_attention.PREFILL_FLOAT),
+    (torch.bfloat16, cpu_attention.PREFILL_DOT_BF16)], ids=param_id)
+def test_prefill_with_peaked_scores(ops, threads, dtype, gemm):
     """Scores tens of units apart (the query scaled by 30), as trained models' attention can
     give: most probabilities underflow to 0 and the running max jumps between key tiles, so
     the softmax's exponentials run far below 0 and earlier tiles are rescaled by tiny factors
-    (the random cases above keep every score within a few units of its row's max)."""
+    (the random cases above keep every score within a few units of its row's max). bfloat16
+    both with its tiles widened to float and on its own dot products, where the CPU has them."""
     q, cache, tables, starts, cached = _prefill_case([(600, 77), (250, 261), (0, 40)], dtype,
                                                      64, 2, 16, seed=8)
     q = (q.float() * 30).to(dtype)
     scale = 64 ** -0.5
-    out = cpu_attention.paged_prefill_attention(q, cache, tables, starts, cached, scale, ops=ops)
+    out = cpu_attention.paged_prefill_attention(q, cache, tables, starts, cached, scale, ops=ops,
+                                                gemm=gemm)
     ref = _prefill_reference(q, cache, tables, starts, cached, scale)
     torch.testing.assert_close(out.float(), ref, **_tol(dtype))
 
@@ -258,6 +263,17 @@ def test_a_bad_prefill_plan_raises_instead_of_reading_outside_the_cache(ops, thr
         with pytest.raises(RuntimeError, match="outside the cache"):
             cpu_attention.paged_prefill_attention(q, cache, bad, starts, cached, 0.125,
                                                   ops=ops, gemm=gemm)
+
+
+def test_a_scale_that_is_not_positive_is_refused(ops):
+    q, cache, tables, seq_lens = _decode_case([5, 20], torch.float32, 64, 2, 16)
+    pq, pcache, ptables, starts, cached = _prefill_case([(16, 8)], torch.float32, 64, 2, 16)
+    for scale in (0.0, -0.125):
+        with pytest.raises(RuntimeError, match="attention scale must be positive"):
+            cpu_attention.paged_decode_attention(q, cache, tables, seq_lens, scale, ops=ops)
+        with pytest.raises(RuntimeError, match="attention scale must be positive"):
+            cpu_attention.paged_prefill_attention(pq, pcache, ptables, starts, cached, scale,
+                                                  ops=ops)
 
 
 @pytest.mark.parametrize("tokens", [1, 60, 700])
