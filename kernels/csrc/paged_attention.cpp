@@ -1467,7 +1467,10 @@ void check_cache(const at::Tensor& kv_cache) {
               "kv_cache: a contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
 }
 
-void check_common(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& out) {
+// What both attention ops check of their query, cache, output and scale (the prefill kernels
+// keep their running maxima times the scale, so it must be positive).
+void check_common(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& out,
+                  double scale) {
   TORCH_CHECK(q.device().is_cpu(), "CPU tensors expected");
   check_cache(kv_cache);
   TORCH_CHECK(q.dim() == 3 && q.size(2) == kv_cache.size(4) && q.stride(2) == 1 &&
@@ -1478,13 +1481,13 @@ void check_common(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
               "q, kv_cache and out must share a dtype");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == q.size(2),
               "out: q's shape with contiguous heads");
+  TORCH_CHECK(scale > 0, "the attention scale must be positive");
 }
 
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale, at::Tensor out) {
-  check_common(q, kv_cache, out);
-  TORCH_CHECK(scale > 0, "the attention scale must be positive");
+  check_common(q, kv_cache, out, scale);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
                   seq_lens.is_contiguous() && seq_lens.size(0) == q.size(0) &&
@@ -1511,8 +1514,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& num_cached, double scale, int64_t gemm,
                              at::Tensor out) {
-  check_common(q, kv_cache, out);
-  TORCH_CHECK(scale > 0, "the attention scale must be positive");
+  check_common(q, kv_cache, out, scale);
   const int64_t n = num_cached.size(0);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
                   block_tables.stride(1) == 1 && block_tables.size(0) == n &&
