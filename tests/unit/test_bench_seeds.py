@@ -54,14 +54,16 @@ def test_stacks_launched_side_by_side_on_a_gpu_split_its_memory():
 def test_each_rate_of_a_sweep_draws_its_own_prompts(name):
     """The same prompts at every rate would be prefix-cache hits from the second rate on."""
     args = serve.argparse.Namespace(workload=name, num_requests=6)
+
+    def endings(by_rate):  # each prompt's last 20 tokens, over every rate's draw
+        return [tuple(p[-20:]) for draw in by_rate.values() for p in draw]
+
     by_rate = serve.draws(args, [1.5, 2.5, 3.5], seed=7)
     assert list(by_rate) == [1.5, 2.5, 3.5]
-    endings = [tuple(p[-20:]) for draw in by_rate.values() for p in draw]
-    assert len(set(endings)) == len(endings)  # no prompt ends as another one does
+    first = endings(by_rate)
+    assert len(set(first)) == len(first)  # no prompt ends as another one does
     # the first rate draws what a single-rate run with this seed draws
     assert by_rate[1.5] == serve.workload(name, 6, 7)
     assert serve.draws(args, [1.5], seed=7) == {1.5: by_rate[1.5]}
     # --seeds 7 8 run on the same servers: the next seed's sweep shares no draw with this one's
-    later = [tuple(p[-20:]) for draw in serve.draws(args, [1.5, 2.5, 3.5], seed=8).values()
-             for p in draw]
-    assert not set(later) & set(endings)
+    assert not set(endings(serve.draws(args, [1.5, 2.5, 3.5], seed=8))) & set(first)
