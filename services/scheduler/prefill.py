@@ -33,19 +33,19 @@ Who prefills a prompt:
                                    and, among prefill workers, the one caching most of its
                                    prefix
 
-With --prefill-take-back (off by default: see README), a long prompt a decode worker holds goes
-to a prefill worker that has none left to compute, when that one would finish it sooner than
-the decode worker from where it is (in 1/--decode-hold-margin of that time): the decode
-worker's pace beside its batch falls as the batch grows, and a prompt taken when it was the
-sooner one would otherwise end the slowest while a prefill worker idles. The decode worker
+With --prefill-take-back (off by default: docs/performance.md), a long prompt a decode worker
+holds goes to a prefill worker that has none left to compute, when that one would finish it
+sooner than the decode worker from where it is (in 1/--decode-hold-margin of that time): the
+decode worker's pace beside its batch falls as the batch grows, and a prompt taken when it was
+the sooner one would otherwise end the slowest while a prefill worker idles. The decode worker
 first sends the blocks it has computed into the prefill worker's prefix cache (a prefix fill,
 transfers.py; it goes on computing meanwhile), and the prompt goes back to the front of the
 queue once they are there: the prefill worker goes on from them, recomputing only what the
 decode worker computed during the fill. Where no fill can be made (no transport between the
 two, prompt logprobs, a fill that failed) it starts from the beginning, and that counts once
 more the time of the tokens the decode worker computed (work thrown away, which delays the
-prompts it takes next). The decode worker's pace is the one it has had on that prompt since
-it took it; its blocks stay in its prefix cache, so the KV sent back to it later skips them.
+prompts it takes next). The decode worker's pace is the one it has had on that prompt since it
+took it; its blocks stay in its prefix cache, so the KV sent back to it later skips them.
 
 So a free prefill worker takes every prompt but a long one its decode worker can take beside
 its batch on shared cores, and while prefill workers are busy short prompts do not queue behind
