@@ -132,11 +132,20 @@ def phases(trace: dict, sent_unix: float, sent: float) -> list[list]:
     return out
 
 
+def complete(trace: dict) -> bool:
+    """Whether a request's trace holds its decode and a prefill step: each service exports on
+    its own schedule, and a prefill worker at a low CPU priority (`--cpu-nice`) may export its
+    steps after the decode worker has exported the whole decode."""
+    names = {r[1] for r in trace["spans"]}
+    return "worker.decode" in names and "worker.prefill" in names
+
+
 def attach(records: list, receiver: Receiver, timeout_s: float = 10.0) -> int:
     """Gives each record (loadgen.Record with its response id) the phases of its request's
-    trace, once the services have exported them (within timeout_s); returns how many found
-    theirs. It takes the receiver's spans: a run's spans are read once, not again with each
-    later run's (a warm-up request's, or one's that came too late, are dropped)."""
+    trace, once the services have exported them all (`complete`; past timeout_s, what has come
+    of the traces that hold their decode); returns how many found theirs. It takes the
+    receiver's spans: a run's spans are read once, not again with each later run's (a warm-up
+    request's, or one's that came too late, are dropped)."""
     want = {r.id for r in records if r.id and not r.error}
     deadline = time.monotonic() + timeout_s
     received: list[tuple[str, Span]] = []
@@ -147,7 +156,8 @@ def attach(records: list, receiver: Receiver, timeout_s: float = 10.0) -> int:
             rid = request_id(trace)
             if rid in want and any(r[1] == "worker.decode" for r in trace["spans"]):
                 by_id[rid] = trace
-        if len(by_id) >= len(want) or time.monotonic() > deadline:
+        whole = sum(complete(t) for t in by_id.values())
+        if whole >= len(want) or time.monotonic() > deadline:
             break
         time.sleep(0.3)
     for r in records:

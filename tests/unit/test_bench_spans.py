@@ -1,0 +1,94 @@
+"""benchmarks/spans.py's attach: a request's phases wait for every service's spans, those of a
+prefill worker that exports after the decode worker included; spans sent over OTLP/gRPC to the
+benchmark's own receiver."""
+import threading
+import time
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from benchmarks.loadgen import Record
+from benchmarks.spans import Receiver, attach
+from common.tracing import REQUEST_SPAN
+
+TRACE = bytes(range(16))
+ROOT = b"\x01" * 8
+T0 = 1_700_000_000_000_000_000  # the request's start, ns since the epoch
+
+
+def _attr(key: str, value) -> KeyValue:
+    v = AnyValue(int_value=value) if isinstance(value, int) else AnyValue(string_value=value)
+    return KeyValue(key=key, value=v)
+
+
+def _span(name: str, span_id: int, start_ms: float, end_ms: float, **attrs) -> Span:
+    root = span_id == 1
+    return Span(trace_id=TRACE, span_id=ROOT if root else span_id.to_bytes(8, "big"),
+                parent_span_id=b"" if root else ROOT, name=name,
+                start_time_unix_nano=T0 + int(start_ms * 1e6),
+                end_time_unix_nano=T0 + int(end_ms * 1e6),
+                attributes=[_attr(k.replace("_", ".", 1), v) for k, v in attrs.items()])
+
+
+def _export(port: int, service: str, *spans: Span) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        trace_service_pb2_grpc.TraceServiceStub(channel).Export(
+            trace_service_pb2.ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+                resource=Resource(attributes=[_attr("service.name", service)]),
+                scope_spans=[ScopeSpans(spans=list(spans))])]), timeout=10)
+
+
+def _request(port: int) -> None:
+    """A disaggregated request's scheduler and decode worker spans (not its prefill step)."""
+    _export(port, "pdserve-scheduler",
+            _span(REQUEST_SPAN, 1, 0, 100, pdserve_request_id="cmpl-1"),
+            _span("scheduler.queue", 2, 1, 3),
+            _span("scheduler.placement", 3, 3, 4, pdserve_decode_worker="d0"))
+    _export(port, "pdserve-decode-worker", _span("worker.decode", 4, 40, 99,
+                                                 pdserve_worker_id="d0"))
+
+
+def _prefill(port: int) -> None:
+    _export(port, "pdserve-prefill-worker",
+            _span("worker.prefill", 5, 5, 30, pdserve_worker_id="p0", pdserve_tokens=7,
+                  pdserve_threads=1))
+
+
+def _record() -> Record:
+    return Record(prompt_tokens=7, start=2.0, id="cmpl-1", sent_unix=T0 / 1e9)
+
+
+def test_phases_wait_for_a_prefill_step_exported_after_the_decode():
+    receiver = Receiver()
+    try:
+        _request(receiver.port)
+        late = threading.Timer(0.8, _prefill, args=(receiver.port,))
+        late.start()
+        rec = _record()
+        began = time.monotonic()
+        assert attach([rec], receiver, timeout_s=20) == 1
+        assert time.monotonic() - began >= 0.7  # it waited for the prefill worker's export
+        late.join()
+        assert [p[0] for p in rec.phases] == ["queue", "prefill", "decode"]
+        prefill = rec.phases[1]
+        assert prefill[3:] == ["p0", 7, 1]
+        # on the client's clock: sent at 2.0 s, the step 5-30 ms into the request
+        assert abs(prefill[1] - 2.005) < 1e-6 and abs(prefill[2] - 2.030) < 1e-6
+    finally:
+        receiver.close()
+
+
+def test_past_the_deadline_a_trace_with_its_decode_keeps_what_came():
+    receiver = Receiver()
+    try:
+        _request(receiver.port)
+        rec = _record()
+        began = time.monotonic()
+        assert attach([rec], receiver, timeout_s=0.5) == 1
+        assert 0.4 <= time.monotonic() - began < 5
+        assert [p[0] for p in rec.phases] == ["queue", "decode"]
+    finally:
+        receiver.close()
