@@ -132,32 +132,46 @@ def phases(trace: dict, sent_unix: float, sent: float) -> list[list]:
     return out
 
 
+# once every request's decode is in, no span for this long: the rest is not coming (a prompt
+# cached but for its last token has no prefill step; its one token is counted as decode)
+SETTLE_S = 2.0
+
+
 def complete(trace: dict) -> bool:
-    """Whether a request's trace holds its decode and a prefill step: each service exports on
-    its own schedule, and a prefill worker at a low CPU priority (`--cpu-nice`) may export its
-    steps after the decode worker has exported the whole decode."""
-    names = {r[1] for r in trace["spans"]}
-    return "worker.decode" in names and "worker.prefill" in names
+    """Whether a request's trace holds its decode and the prefill step that sampled its first
+    token (its prompt's last chunk): each service exports on its own schedule, and a prefill
+    worker at a low CPU priority (`--cpu-nice`) may export its steps, and its KV sends, after
+    the decode worker has exported the whole decode."""
+    return any(r[1] == "worker.decode" for r in trace["spans"]) and any(
+        r[1] == "worker.prefill" and r[4].get("pdserve.sampled") for r in trace["spans"])
 
 
 def attach(records: list, receiver: Receiver, timeout_s: float = 10.0) -> int:
     """Gives each record (loadgen.Record with its response id) the phases of its request's
-    trace, once the services have exported them all (`complete`; past timeout_s, what has come
-    of the traces that hold their decode); returns how many found theirs. It takes the
-    receiver's spans: a run's spans are read once, not again with each later run's (a warm-up
-    request's, or one's that came too late, are dropped)."""
+    trace, once the services have exported them (every trace `complete`, or SETTLE_S without
+    a span once each holds its decode; past timeout_s, the traces that hold their decode with
+    what has come of them); returns how many found theirs. It takes the receiver's spans: a
+    run's spans are read once, not again with each later run's (a warm-up request's, or one's
+    that came too late, are dropped)."""
     want = {r.id for r in records if r.id and not r.error}
-    deadline = time.monotonic() + timeout_s
+    now = time.monotonic()
+    deadline, last_span = now + timeout_s, now
     received: list[tuple[str, Span]] = []
     while True:
-        received += receiver.take()
+        new = receiver.take()
+        now = time.monotonic()
+        if new:
+            received += new
+            last_span = now
         by_id = {}
         for trace in request_traces(received):
             rid = request_id(trace)
             if rid in want and any(r[1] == "worker.decode" for r in trace["spans"]):
                 by_id[rid] = trace
-        whole = sum(complete(t) for t in by_id.values())
-        if whole >= len(want) or time.monotonic() > deadline:
+        if len(by_id) >= len(want) and (all(complete(t) for t in by_id.values())
+                                        or now - last_span >= SETTLE_S):
+            break
+        if now > deadline:
             break
         time.sleep(0.3)
     for r in records:

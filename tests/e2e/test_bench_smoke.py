@@ -27,8 +27,8 @@ def test_the_serving_benchmark_writes_its_files(tiny_llama, tmp_path):
             names = [p[0] for p in r["phases"]]
             assert names[0] == "queue" and names[-1] == "decode", (rate, names)
             assert {"prefill", "local"} & set(names), (rate, names)
-            # each prefill step with its tokens (what the prefix cache did not hold: the
-            # second rate sends the same prompts again) and the threads its cores gave it
+            # each prefill step with its tokens (what the prefix cache did not hold) and the
+            # threads its cores gave it
             steps = [p for p in r["phases"] if p[0] in ("prefill", "local")]
             assert 0 < sum(p[4] for p in steps) <= r["prompt_tokens"], steps
             assert all(p[5] in (1, 2) for p in steps), steps

@@ -1,6 +1,7 @@
-"""benchmarks/spans.py's attach: a request's phases wait for every service's spans, those of a
-prefill worker that exports after the decode worker included; spans sent over OTLP/gRPC to the
-benchmark's own receiver."""
+"""benchmarks/spans.py's attach: a request's phases wait for every service's spans, the prefill
+steps of a prefill worker that exports after the decode worker included, and no longer than
+SETTLE_S for a request with no prefill step; spans sent over OTLP/gRPC to the benchmark's own
+receiver."""
 import threading
 import time
 
@@ -11,7 +12,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
 from benchmarks.loadgen import Record
-from benchmarks.spans import Receiver, attach
+from benchmarks.spans import SETTLE_S, Receiver, attach
 from common.tracing import REQUEST_SPAN
 
 TRACE = bytes(range(16))
@@ -20,7 +21,12 @@ T0 = 1_700_000_000_000_000_000  # the request's start, ns since the epoch
 
 
 def _attr(key: str, value) -> KeyValue:
-    v = AnyValue(int_value=value) if isinstance(value, int) else AnyValue(string_value=value)
+    if isinstance(value, bool):
+        v = AnyValue(bool_value=value)
+    elif isinstance(value, int):
+        v = AnyValue(int_value=value)
+    else:
+        v = AnyValue(string_value=value)
     return KeyValue(key=key, value=v)
 
 
@@ -42,7 +48,7 @@ def _export(port: int, service: str, *spans: Span) -> None:
 
 
 def _request(port: int) -> None:
-    """A disaggregated request's scheduler and decode worker spans (not its prefill step)."""
+    """A disaggregated request's scheduler and decode worker spans (not its prefill steps)."""
     _export(port, "pdserve-scheduler",
             _span(REQUEST_SPAN, 1, 0, 100, pdserve_request_id="cmpl-1"),
             _span("scheduler.queue", 2, 1, 3),
@@ -51,32 +57,51 @@ def _request(port: int) -> None:
                                                  pdserve_worker_id="d0"))
 
 
-def _prefill(port: int) -> None:
+def _chunk(port: int, span_id: int, start_ms: float, end_ms: float, tokens: int,
+           sampled: bool) -> None:
     _export(port, "pdserve-prefill-worker",
-            _span("worker.prefill", 5, 5, 30, pdserve_worker_id="p0", pdserve_tokens=7,
-                  pdserve_threads=1))
+            _span("worker.prefill", span_id, start_ms, end_ms, pdserve_worker_id="p0",
+                  pdserve_tokens=tokens, pdserve_threads=1, pdserve_sampled=sampled))
 
 
 def _record() -> Record:
-    return Record(prompt_tokens=7, start=2.0, id="cmpl-1", sent_unix=T0 / 1e9)
+    return Record(prompt_tokens=12, start=2.0, id="cmpl-1", sent_unix=T0 / 1e9)
 
 
-def test_phases_wait_for_a_prefill_step_exported_after_the_decode():
+def _attach(receiver: Receiver, timeout_s: float) -> tuple[Record, float]:
+    rec = _record()
+    began = time.monotonic()
+    assert attach([rec], receiver, timeout_s=timeout_s) == 1
+    return rec, time.monotonic() - began
+
+
+def test_phases_wait_for_the_last_prefill_chunk_exported_after_the_decode():
     receiver = Receiver()
+    late = threading.Timer(0.8, _chunk, args=(receiver.port, 6, 20, 30, 5, True))
     try:
         _request(receiver.port)
-        late = threading.Timer(0.8, _prefill, args=(receiver.port,))
+        _chunk(receiver.port, 5, 5, 20, 7, False)  # the first chunk, in an earlier export
         late.start()
-        rec = _record()
-        began = time.monotonic()
-        assert attach([rec], receiver, timeout_s=20) == 1
-        assert time.monotonic() - began >= 0.7  # it waited for the prefill worker's export
+        rec, waited = _attach(receiver, timeout_s=20)
+        assert waited >= 0.7  # the prompt's last chunk came after the decode
+        assert [p[0] for p in rec.phases] == ["queue", "prefill", "prefill", "decode"]
+        last = rec.phases[2]
+        assert last[3:] == ["p0", 5, 1]
+        # on the client's clock: sent at 2.0 s, the chunk 20-30 ms into the request
+        assert abs(last[1] - 2.020) < 1e-6 and abs(last[2] - 2.030) < 1e-6
+    finally:
+        late.cancel()
         late.join()
-        assert [p[0] for p in rec.phases] == ["queue", "prefill", "decode"]
-        prefill = rec.phases[1]
-        assert prefill[3:] == ["p0", 7, 1]
-        # on the client's clock: sent at 2.0 s, the step 5-30 ms into the request
-        assert abs(prefill[1] - 2.005) < 1e-6 and abs(prefill[2] - 2.030) < 1e-6
+        receiver.close()
+
+
+def test_a_request_with_no_prefill_step_waits_until_the_spans_settle():
+    receiver = Receiver()
+    try:
+        _request(receiver.port)  # its prompt cached but for its last token: decode only
+        rec, waited = _attach(receiver, timeout_s=30)
+        assert SETTLE_S - 0.1 <= waited < SETTLE_S + 3
+        assert [p[0] for p in rec.phases] == ["queue", "decode"]
     finally:
         receiver.close()
 
@@ -85,10 +110,9 @@ def test_past_the_deadline_a_trace_with_its_decode_keeps_what_came():
     receiver = Receiver()
     try:
         _request(receiver.port)
-        rec = _record()
-        began = time.monotonic()
-        assert attach([rec], receiver, timeout_s=0.5) == 1
-        assert 0.4 <= time.monotonic() - began < 5
-        assert [p[0] for p in rec.phases] == ["queue", "decode"]
+        _chunk(receiver.port, 5, 5, 20, 7, False)
+        rec, waited = _attach(receiver, timeout_s=0.5)
+        assert 0.4 <= waited < 5
+        assert [p[0] for p in rec.phases] == ["queue", "prefill", "decode"]
     finally:
         receiver.close()
