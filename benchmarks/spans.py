@@ -137,12 +137,17 @@ def phases(trace: dict, sent_unix: float, sent: float) -> list[list]:
 SETTLE_S = 2.0
 
 
+def decoded(trace: dict) -> bool:
+    """Whether a request's trace holds its decode (the decode worker exports it at the end)."""
+    return any(r[1] == "worker.decode" for r in trace["spans"])
+
+
 def complete(trace: dict) -> bool:
     """Whether a request's trace holds its decode and the prefill step that sampled its first
     token (its prompt's last chunk): each service exports on its own schedule, and a prefill
     worker at a low CPU priority (`--cpu-nice`) may export its steps, and its KV sends, after
     the decode worker has exported the whole decode."""
-    return any(r[1] == "worker.decode" for r in trace["spans"]) and any(
+    return decoded(trace) and any(
         r[1] == "worker.prefill" and r[4].get("pdserve.sampled") for r in trace["spans"])
 
 
@@ -166,7 +171,7 @@ def attach(records: list, receiver: Receiver, timeout_s: float = 10.0) -> int:
         by_id = {}
         for trace in request_traces(received):
             rid = request_id(trace)
-            if rid in want and any(r[1] == "worker.decode" for r in trace["spans"]):
+            if rid in want and decoded(trace):
                 by_id[rid] = trace
         if len(by_id) >= len(want) and (all(complete(t) for t in by_id.values())
                                         or now - last_span >= SETTLE_S):
