@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import spans  # noqa: E402
 from spans import EXPORT_DELAY_MS, Receiver, request_traces  # noqa: E402
 
 # the phases printed, in the order a request meets them; others are kept in --out only
@@ -42,13 +43,24 @@ def phase_table(trace: dict) -> list[str]:
 
 def wait_for(receiver: Receiver, n: int, timeout_s: float = 30.0) -> list[dict]:
     """The traces of n requests once each has its spans from the gateway, scheduler and
-    workers (spans are exported in batches, a request's last ones after it has ended)."""
+    workers: spans are exported in batches, a request's last ones after it has ended, and a
+    prefill worker at a low CPU priority may export its steps after the decode worker exported
+    the whole decode. So it waits until each holds its gateway span and is `complete`, or for
+    SETTLE_S without a new span once each holds its decode (a prompt cached but for its last
+    token has no prefill step), or until timeout_s."""
     deadline = time.monotonic() + timeout_s
+    seen, last_span = 0, time.monotonic()
     while True:
-        traces = request_traces(receiver.snapshot())
-        done = [t for t in traces if {"worker.decode", "gateway.generate"} <=
-                {r[1] for r in t["spans"]}]
-        if len(done) >= n or time.monotonic() > deadline:
+        received = receiver.snapshot()
+        now = time.monotonic()
+        if len(received) > seen:
+            seen, last_span = len(received), now
+        traces = request_traces(received)
+        done = [t for t in traces if spans.decoded(t)
+                and any(r[1] == "gateway.generate" for r in t["spans"])]
+        settled = now - last_span >= spans.SETTLE_S
+        if len(done) >= n and (settled or all(spans.complete(t) for t in done)) \
+                or now > deadline:
             return traces
         time.sleep(0.3)
 

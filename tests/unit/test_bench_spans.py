@@ -1,7 +1,7 @@
-"""benchmarks/spans.py's attach: a request's phases wait for every service's spans, the prefill
-steps of a prefill worker that exports after the decode worker included, and no longer than
-SETTLE_S for a request with no prefill step; spans sent over OTLP/gRPC to the benchmark's own
-receiver."""
+"""benchmarks/spans.py's attach, and benchmarks/request_spans.py's wait_for: a request's phases
+wait for every service's spans, the prefill steps of a prefill worker that exports after the
+decode worker included, and no longer than SETTLE_S for a request with no prefill step; spans
+sent over OTLP/gRPC to the benchmark's own receiver."""
 import threading
 import time
 
@@ -12,6 +12,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
 from benchmarks.loadgen import Record
+from benchmarks.request_spans import wait_for
 from benchmarks.spans import SETTLE_S, Receiver, attach
 from common.tracing import REQUEST_SPAN
 
@@ -114,5 +115,40 @@ def test_past_the_deadline_a_trace_with_its_decode_keeps_what_came():
         rec, waited = _attach(receiver, timeout_s=0.5)
         assert 0.4 <= waited < 5
         assert [p[0] for p in rec.phases] == ["queue", "prefill", "decode"]
+    finally:
+        receiver.close()
+
+
+def _gateway(port: int) -> None:
+    _export(port, "pdserve-gateway", _span("gateway.generate", 7, 0, 101))
+
+
+def test_the_phase_table_waits_for_the_last_prefill_chunk_exported_after_the_decode():
+    receiver = Receiver()
+    late = threading.Timer(0.8, _chunk, args=(receiver.port, 6, 20, 30, 5, True))
+    try:
+        _request(receiver.port)
+        _gateway(receiver.port)
+        _chunk(receiver.port, 5, 5, 20, 7, False)
+        late.start()
+        began = time.monotonic()
+        (trace,) = wait_for(receiver, 1, timeout_s=20)
+        assert time.monotonic() - began >= 0.7
+        assert [r[1] for r in trace["spans"] if r[1] == "worker.prefill"] == ["worker.prefill"] * 2
+    finally:
+        late.cancel()
+        late.join()
+        receiver.close()
+
+
+def test_the_phase_table_of_a_request_with_no_prefill_step_waits_until_the_spans_settle():
+    receiver = Receiver()
+    try:
+        _request(receiver.port)
+        _gateway(receiver.port)
+        began = time.monotonic()
+        (trace,) = wait_for(receiver, 1, timeout_s=30)
+        assert SETTLE_S - 0.1 <= time.monotonic() - began < SETTLE_S + 3
+        assert {r[1] for r in trace["spans"]} >= {"gateway.generate", "worker.decode"}
     finally:
         receiver.close()
