@@ -134,7 +134,7 @@ def test_the_phase_table_waits_for_the_last_prefill_chunk_exported_after_the_dec
         began = time.monotonic()
         (trace,) = wait_for(receiver, 1, timeout_s=20)
         assert time.monotonic() - began >= 0.7
-        assert [r[1] for r in trace["spans"] if r[1] == "worker.prefill"] == ["worker.prefill"] * 2
+        assert sum(r[1] == "worker.prefill" for r in trace["spans"]) == 2  # both chunks
     finally:
         late.cancel()
         late.join()
