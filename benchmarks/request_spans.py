@@ -16,12 +16,10 @@ import os
 import shlex
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import spans  # noqa: E402
-from spans import EXPORT_DELAY_MS, Receiver, request_traces  # noqa: E402
+from spans import EXPORT_DELAY_MS, Receiver, decoded, wait_complete  # noqa: E402
 
 # the phases printed, in the order a request meets them; others are kept in --out only
 PHASES = ("gateway.tokenize", "scheduler.queue", "scheduler.placement", "worker.prefill",
@@ -45,24 +43,12 @@ def wait_for(receiver: Receiver, n: int, timeout_s: float = 30.0) -> list[dict]:
     """The traces of n requests once each has its spans from the gateway, scheduler and
     workers: spans are exported in batches, a request's last ones after it has ended, and a
     prefill worker at a low CPU priority may export its steps after the decode worker exported
-    the whole decode. So it waits until each holds its gateway span and is `complete`, or for
-    SETTLE_S without a new span once each holds its decode (a prompt cached but for its last
-    token has no prefill step), or until timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    seen, last_span = 0, time.monotonic()
-    while True:
-        received = receiver.snapshot()
-        now = time.monotonic()
-        if len(received) > seen:
-            seen, last_span = len(received), now
-        traces = request_traces(received)
-        done = [t for t in traces if spans.decoded(t)
-                and any(r[1] == "gateway.generate" for r in t["spans"])]
-        settled = now - last_span >= spans.SETTLE_S
-        if len(done) >= n and (settled or all(spans.complete(t) for t in done)) \
-                or now > deadline:
-            return traces
-        time.sleep(0.3)
+    the whole decode (`spans.wait_complete`, over the requests whose trace holds its gateway
+    span and its decode)."""
+    traces, _ = wait_complete(
+        receiver.snapshot, lambda traces: [t for t in traces if decoded(t) and any(
+            r[1] == "gateway.generate" for r in t["spans"])], n, timeout_s)
+    return traces
 
 
 def main() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -151,34 +152,45 @@ def complete(trace: dict) -> bool:
         r[1] == "worker.prefill" and r[4].get("pdserve.sampled") for r in trace["spans"])
 
 
+def wait_complete(received: Callable[[], list[tuple[str, Span]]],
+                  pick: Callable[[list[dict]], list[dict]], n: int,
+                  timeout_s: float) -> tuple[list[dict], list[dict]]:
+    """Polls received() (every span received so far) until pick (the traces waited for, each
+    holding its decode) gives n traces and either every one is `complete` or SETTLE_S has passed
+    without a new span, or until timeout_s; returns the last poll's request traces and pick's."""
+    now = time.monotonic()
+    deadline, last_span, seen = now + timeout_s, now, 0
+    while True:
+        spans = received()
+        now = time.monotonic()
+        if len(spans) > seen:
+            seen, last_span = len(spans), now
+        traces = request_traces(spans)
+        picked = pick(traces)
+        settled = now - last_span >= SETTLE_S
+        if len(picked) >= n and (settled or all(complete(t) for t in picked)) \
+                or now > deadline:
+            return traces, picked
+        time.sleep(0.3)
+
+
 def attach(records: list, receiver: Receiver, timeout_s: float = 10.0) -> int:
     """Gives each record (loadgen.Record with its response id) the phases of its request's
-    trace, once the services have exported them (every trace `complete`, or SETTLE_S without
-    a span once each holds its decode; past timeout_s, the traces that hold their decode with
-    what has come of them); returns how many found theirs. It takes the receiver's spans: a
-    run's spans are read once, not again with each later run's (a warm-up request's, or one's
-    that came too late, are dropped)."""
+    trace, once the services have exported them (`wait_complete`; past timeout_s, the traces
+    that hold their decode with what has come of them); returns how many found theirs. It takes
+    the receiver's spans: a run's spans are read once, not again with each later run's (a
+    warm-up request's, or one's that came too late, are dropped)."""
     want = {r.id for r in records if r.id and not r.error}
-    now = time.monotonic()
-    deadline, last_span = now + timeout_s, now
-    received: list[tuple[str, Span]] = []
-    while True:
-        new = receiver.take()
-        now = time.monotonic()
-        if new:
-            received += new
-            last_span = now
-        by_id = {}
-        for trace in request_traces(received):
-            rid = request_id(trace)
-            if rid in want and decoded(trace):
-                by_id[rid] = trace
-        if len(by_id) >= len(want) and (all(complete(t) for t in by_id.values())
-                                        or now - last_span >= SETTLE_S):
-            break
-        if now > deadline:
-            break
-        time.sleep(0.3)
+    taken: list[tuple[str, Span]] = []
+
+    def received() -> list[tuple[str, Span]]:
+        taken.extend(receiver.take())
+        return taken
+
+    _, found = wait_complete(
+        received, lambda traces: [t for t in traces if request_id(t) in want and decoded(t)],
+        len(want), timeout_s)
+    by_id = {request_id(t): t for t in found}
     for r in records:
         if r.id in by_id:
             r.phases = phases(by_id[r.id], r.sent_unix, r.start)
