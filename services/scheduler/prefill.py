@@ -33,6 +33,11 @@ Who prefills a prompt:
                                    and, among prefill workers, the one caching most of its
                                    prefix
 
+                                   A long prompt is held beside the batch (either bypass) only
+                                   when that pays (`_hold_pays`): the batch loses less than
+                                   the prompt gains, the latter weighed up by the prefill
+                                   workers' load
+
 With --prefill-take-back (off by default: docs/performance.md), a long prompt a decode worker
 holds goes to a prefill worker that has none left to compute, when that one would finish it
 sooner than the decode worker from where it is (in 1/--decode-hold-margin of that time): the
@@ -60,17 +65,23 @@ way), so its core computes prompts instead of stepping nearly empty. While it ho
 prompt its steps carry the prompt tokens that fit in --decode-step-target-ms (250) at the pace
 of its last such step on as many threads (--decode-long-prefill-tokens, 32, before one is
 timed): the TPOT its requests see meanwhile, whatever its batch, model, hardware or share of
-the cores.
+the cores. That is the price of a hold: each request of the batch steps at the target until the
+prompt is done or its own tokens are, where on its own it would step in a fraction of that.
+At a light load a long prompt meeting a few streams goes to the prefill worker (on its share of
+the cores while the batch lives, then on all of them) and the streams keep their short steps;
+under a burst of long prompts, each second the prefill workers lose delays the prompts behind,
+and the decode worker takes its share.
 """
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.plans import ScheduledTokens, StepPlan
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.cores import shares_cores
+from services.scheduler.cores import shares_cores, threads_for
 from services.scheduler.placement import Placement
 from services.scheduler.request import Request, Status
 from services.scheduler.request_queue import RequestQueue
@@ -79,6 +90,7 @@ from services.scheduler.worker_state import MIN_TIMED_PREFILL, WorkerState, tran
 from services.scheduler.workers import Workers
 
 ADMISSION_LOOKAHEAD = 8  # waiting requests a worker looks past a head that cannot start now
+LOAD_WINDOW_S = 20.0  # long prompts' arrivals over this long measure the prefill workers' load
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,20 @@ class Prefill:
         self._threads = threads  # the threads a worker's next step runs on (cores.py)
         self.num_long_on_decode = 0  # long prompts decode workers took beside their batch
         self.num_long_taken_back = 0  # ... that went back to a prefill worker (`to_take_back`)
+        self.num_long_left = 0  # ... that one would have taken but for its batch (`_hold_pays`)
+        self._long_arrivals: deque[tuple[float, int]] = deque()  # (clock, prompt tokens)
+
+    def arrived(self, req: Request) -> None:
+        """Counts a new long prompt into the prefill workers' load (`long_load`)."""
+        if req.num_tokens > self.config.prefill_bypass_threshold:
+            self._long_arrivals.append((self._clock(), req.num_tokens))
+        self._forget_old_arrivals()
+
+    def _forget_old_arrivals(self) -> None:
+        """Drops the arrivals older than LOAD_WINDOW_S."""
+        since = self._clock() - LOAD_WINDOW_S
+        while self._long_arrivals and self._long_arrivals[0][0] < since:
+            self._long_arrivals.popleft()
 
     def admits(self, w: WorkerState) -> bool:
         """Whether w may take requests from the waiting queue at all."""
@@ -355,8 +381,11 @@ class Prefill:
         if not self.config.saturated_prefill_bypass or any(map(self._long_here, partial)):
             return False
         prefills = self.workers.of_role("prefill")
-        return self._has_room(w, todo) and not any(map(self._free, prefills)) and \
-            self._done_sooner_here(w, req, todo, prefills)
+        if not self._has_room(w, todo) or any(map(self._free, prefills)):
+            return False
+        there = self._elsewhere_seconds(req, todo, prefills)
+        return self._done_sooner_here(w, todo, there) and \
+            self._hold_pays(w, req, todo * w.prefill_speed.seconds_per_token, there)
 
     def _has_room(self, w: WorkerState, todo: int) -> bool:
         """Whether decode worker w keeps a quarter of its blocks free after a long prompt's."""
@@ -379,20 +408,17 @@ class Prefill:
             and todo > self.config.prefill_bypass_threshold \
             and w.num_seqs < self.config.max_num_seqs \
             and not any(map(self._long_here, self._partials(w))) and self._has_room(w, todo) \
-            and any(shares_cores(w, p) and self._free(p) for p in prefills) \
-            and todo <= self._prefill_todo(req, hashes)
+            and todo <= self._prefill_todo(req, hashes) \
+            and any(shares_cores(w, p) and self._free(p)
+                    and self._hold_pays(w, req, todo * w.prefill_speed.on(len(w.cpu_cores)),
+                                        self._on_share_seconds(w, p, todo))
+                    for p in prefills)
 
-    def _done_sooner_here(self, w: WorkerState, req: Request, todo: int,
-                          prefills: list[WorkerState]) -> bool:
-        """Whether decode worker w, at its measured prefill speed, finishes req's prefill in
-        1/--decode-hold-margin of the time the soonest prefill worker would take: that one
-        first finishes what it has started and the longer prompts queued ahead of req. A
-        decode worker prefills in chunks beside its batch, slower than a prefill worker, and
-        every request it decodes meanwhile runs at --decode-step-target-ms; a prompt it takes
-        stays with it, so it takes one only when the prefill workers are far enough behind
-        that the prompt gains much. Unmeasured speeds (no step timed yet): it takes it."""
-        if not w.prefill_speed.seconds_per_token:
-            return True
+    def _elsewhere_seconds(self, req: Request, todo: int,
+                           prefills: list[WorkerState]) -> float | None:
+        """Seconds until the soonest prefill worker would have req's `todo` tokens computed:
+        it first finishes what it has started and the longer prompts queued ahead of req, at
+        its measured speed (None: no prefill worker's is measured)."""
         ahead = 0
         for r in self.waiting:
             if r is req:
@@ -401,8 +427,83 @@ class Prefill:
                 ahead += r.num_tokens - r.num_computed_tokens
         elsewhere = [p.prefill_speed.seconds(self._backlog(p) + ahead + todo)
                      for p in prefills if p.prefill_speed.seconds_per_token]
-        here = w.prefill_speed.seconds(todo) * self.config.decode_hold_margin
-        return not elsewhere or here < min(elsewhere)
+        return min(elsewhere) if elsewhere else None
+
+    def _done_sooner_here(self, w: WorkerState, todo: int, there: float | None) -> bool:
+        """Whether decode worker w, at its measured prefill speed, finishes `todo` prompt
+        tokens in 1/--decode-hold-margin of `there`, the time the soonest prefill worker would
+        take. A decode worker prefills in chunks beside its batch, slower than a prefill
+        worker, and every request it decodes meanwhile runs at --decode-step-target-ms; a
+        prompt it takes stays with it, so it takes one only when the prefill workers are far
+        enough behind that the prompt gains much. Unmeasured speeds (no step timed yet): it
+        takes it."""
+        if not w.prefill_speed.seconds_per_token or there is None:
+            return True
+        return w.prefill_speed.seconds(todo) * self.config.decode_hold_margin < there
+
+    def _on_share_seconds(self, w: WorkerState, p: WorkerState, todo: int) -> float | None:
+        """Seconds prefill worker p, sharing decode worker w's cores, would take for `todo`
+        prompt tokens: on its share of the cores while w's batch lives (the most tokens any of
+        its requests has left, at w's decode step time), then on all of them; None while p's
+        speed is unmeasured."""
+        alone = p.prefill_speed.on(len(p.cpu_cores))
+        if not alone:
+            return None
+        share = threads_for(p, (w,), lambda _: True)
+        shared = p.prefill_speed.by_threads.get(share) or \
+            alone * len(p.cpu_cores) / max(1, share)
+        lives = max(map(self._tokens_left, w.decoding), default=0) * w.decode_step_seconds
+        if todo * shared <= lives:
+            return todo * shared
+        return lives + (todo - lives / shared) * alone
+
+    def _tokens_left(self, req: Request) -> int:
+        """The most tokens a decoding request has still to produce."""
+        return max(0, min(req.max_tokens - len(req.output_token_ids),
+                          self.workers.max_model_len - req.num_tokens))
+
+    def _hold_pays(self, w: WorkerState, req: Request, here: float,
+                   there: float | None) -> bool:
+        """Whether decode worker w holding req gains more than its batch loses, with `here` the
+        seconds w would take for it at its measured pace beside its batch (on the threads it
+        would have) and `there` those a prefill worker would take instead. Each request w
+        decodes steps at --decode-step-target-ms until the prompt is done, or until it has no
+        tokens left: the batch loses the sum of those times. The prompt gains there - here,
+        and so do the long prompts arriving meanwhile, which find the prefill workers that
+        much sooner free: at a load rho of those workers (`long_load`) they add about
+        rho / (1 - rho) times as much (a busy period's arrivals), so the hold pays when
+        loss * (1 - rho) < there - here, and always at rho >= 1. Unmeasured paces, or no step
+        target: it pays (the hold as before). A prompt it does not pay for counts once in
+        num_long_left."""
+        target = self.config.decode_step_target_ms / 1000
+        rho = self.long_load()
+        if not target or not here or there is None or rho is None or rho >= 1:
+            return True
+        loss = sum(min(self._tokens_left(r) * target, here) for r in w.decoding)
+        if loss * (1 - rho) < there - here:
+            return True
+        if not req.hold_declined:
+            req.hold_declined = True
+            self.num_long_left += 1
+        return False
+
+    def long_load(self) -> float | None:
+        """The prefill workers' load from long prompts: the prompt tokens of those that arrived
+        in the last LOAD_WINDOW_S seconds, at the prefill workers' measured speed on all their
+        cores, over LOAD_WINDOW_S and their number (1: they arrive as fast as the prefill
+        workers compute them alone). None while no prefill worker's speed is measured."""
+        self._forget_old_arrivals()
+        if not (alone := self._alone()):
+            return None
+        tokens = sum(n for _, n in self._long_arrivals)
+        return tokens * alone / LOAD_WINDOW_S / len(self.workers.of_role("prefill"))
+
+    def _alone(self) -> float:
+        """Seconds per prompt token of the prefill workers on all their cores, the mean of
+        those measured (0: none is)."""
+        speeds = [s for p in self.workers.of_role("prefill")
+                  if (s := p.prefill_speed.on(len(p.cpu_cores)))]
+        return sum(speeds) / len(speeds) if speeds else 0.0
 
     def _backlog(self, p: WorkerState) -> int:
         """Prompt tokens prefill worker p has started and not computed yet: in its steps

@@ -56,6 +56,7 @@ class Request:
     prefill_locally: bool = False  # its KV transfer failed once: its decode worker prefills it
     taken_back: bool = False  # a prefill worker took it back from the decode worker prefilling it
     prefix_filled: bool = False  # ... after that decode worker sent it the prompt's KV so far
+    hold_declined: bool = False  # a decode worker would have held it but for its batch
     held_at: float = 0.0  # a long prompt on a decode worker: when that one took it (the
     held_from: int = 0    # scheduler's clock), and its tokens computed then
     # n > 1: the leader prefills the prompt once; its forks (FORKING) sample their first token

@@ -108,6 +108,12 @@ class Scheduler:
         return self.prefill.num_long_on_decode
 
     @property
+    def num_long_prefills_left(self) -> int:
+        """Long prompts a decode worker would have taken but left to a prefill worker: its
+        batch would have lost more than they gained (Prefill._hold_pays)."""
+        return self.prefill.num_long_left
+
+    @property
     def num_long_prefills_taken_back(self) -> int:
         """Of those, the ones a prefill worker took back (it would finish them sooner)."""
         return self.prefill.num_long_taken_back
@@ -160,6 +166,7 @@ class Scheduler:
         more samples of req's prompt (n > 1), prefilled once with it and sharing its prompt's
         blocks."""
         self.lifecycle.add(req, forks, 0 if resumed else self.config.max_waiting_requests)
+        self.prefill.arrived(req)
 
     def abort(self, request_id: str) -> Output | None:
         req = self.requests.get(request_id)
@@ -290,9 +297,10 @@ class Scheduler:
         _check_result(w.steps[0], result, self.requests)  # before anything changes
         # a plan of several decode steps answers after each: it runs until its last answer
         step = w.steps[0] if result.more else w.steps.popleft()
+        w.step_answered(step, self.clock())
         if step.prefill_tokens >= MIN_TIMED_PREFILL:  # fewer (a last chunk) say little
             seconds = self.clock() - step.planned_at
-            w.prefill_speed.observe(step.prefill_tokens, seconds)
+            w.prefill_speed.observe(step.prefill_tokens, seconds, step.threads)
             if step.held:
                 self.prefill.held_step_timed(w, step.threads, step.prefill_tokens, seconds)
         ran = step.request_ids

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from common import tracing
 from common.metrics import LATENCY_BUCKETS, PREFIX
 from common.plans import NewRequest, StepPlan
+from services.scheduler.prefill import LOAD_WINDOW_S
 from services.scheduler.request import Output, Request
 from services.scheduler.scheduler import Scheduler
 
@@ -114,7 +115,8 @@ class SchedulerTelemetry:
                  "pdserve.cached_tokens": new.num_computed_tokens,
                  "pdserve.transport": getattr(transfer, "transport", "") if transfer else "",
                  "pdserve.disaggregated": transfer is not None,
-                 "pdserve.taken_back": req.taken_back}
+                 "pdserve.taken_back": req.taken_back,
+                 "pdserve.hold_declined": req.hold_declined}
         tracing.record_span("scheduler.placement", planned_at, now, t.context, attrs)
         assert t.span is not None, "on_generate sets the span whenever it sets the context"
         t.span.set_attributes(attrs)
@@ -160,6 +162,17 @@ class _StateCollector:
                                   "Of those, the ones a prefill worker with nothing left to "
                                   "compute took back because it would finish them sooner.",
                                   value=s.num_long_prefills_taken_back)
+        yield CounterMetricFamily(PREFIX + "decode_worker_long_prefills_left",
+                                  "Long prompts a decode worker would have prefilled beside "
+                                  "its batch but left to a prefill worker: its batch would "
+                                  "have lost more time than the prompts gained.",
+                                  value=s.num_long_prefills_left)
+        yield GaugeMetricFamily(PREFIX + "prefill_long_load",
+                                "The prefill workers' load from long prompts: their tokens "
+                                f"arrived over the last {LOAD_WINDOW_S:g} s at the measured "
+                                "prefill speed (1: as fast as the prefill workers compute "
+                                "them; 0 unmeasured).",
+                                value=s.prefill.long_load() or 0.0)
         labels = ["worker_id", "role"]
         usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
                                   "KV-cache usage of a worker: 1 means 100 percent.",

@@ -16,23 +16,34 @@ MIN_TIMED_PREFILL = 16  # prompt tokens a step computes for its time to measure 
                         # prefill speed (fewer: its decodes would be most of that time)
 
 
+def smoothed(old: float, sample: float) -> float:
+    """The newest sample folded into a measure smoothed over steps (0: none yet)."""
+    return sample if not old else SPEED_SMOOTHING * sample + (1 - SPEED_SMOOTHING) * old
+
+
 @dataclass
 class PrefillSpeed:
     """Seconds per prompt token of a worker's steps that prefill, from the plan leaving the
     scheduler to its result coming back, smoothed over steps; 0 until one is measured. On a
-    decode worker it includes the batch decoded beside the chunk: what a prompt costs there."""
+    decode worker it includes the batch decoded beside the chunk: what a prompt costs there.
+    Also kept per thread count of the steps (0: threads not managed, cores.py)."""
     seconds_per_token: float = 0.0
+    by_threads: dict[int, float] = field(default_factory=dict)
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, threads: int = 0) -> None:
         if seconds <= 0:
             return
         sample = seconds / tokens
-        old = self.seconds_per_token
-        self.seconds_per_token = sample if not old else \
-            SPEED_SMOOTHING * sample + (1 - SPEED_SMOOTHING) * old
+        self.seconds_per_token = smoothed(self.seconds_per_token, sample)
+        self.by_threads[threads] = smoothed(self.by_threads.get(threads, 0.0), sample)
 
     def seconds(self, tokens: int) -> float:
         return tokens * self.seconds_per_token
+
+    def on(self, threads: int) -> float:
+        """Seconds per token of its steps on `threads` threads; over all its steps before
+        one on as many is measured."""
+        return self.by_threads.get(threads) or self.seconds_per_token
 
 
 @dataclass(eq=False)
@@ -64,6 +75,17 @@ class WorkerState:
     # that step runs on (0: a worker whose threads are not managed), sized from the time of the
     # last such step on as many threads (none yet: --decode-long-prefill-tokens)
     held_step_tokens: dict[int, int] = field(default_factory=dict)
+    decode_step_seconds: float = 0.0  # a decode-only step's time, smoothed over steps; 0: none
+    last_result_at: float = 0.0       # the scheduler's clock when its last step answered
+
+    def step_answered(self, step: Step, now: float) -> None:
+        """Times a decode-only step: from its plan leaving, or from the answer before when it
+        was planned ahead of that one (it ran after it), to its answer."""
+        if step.decodes_only:
+            seconds = now - max(step.planned_at, self.last_result_at)
+            if seconds > 0:
+                self.decode_step_seconds = smoothed(self.decode_step_seconds, seconds)
+        self.last_result_at = now
 
     @property
     def is_idle(self) -> bool:

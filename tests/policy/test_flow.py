@@ -3,6 +3,7 @@ blocks each step uses and the exact KV each transfer moves."""
 import pytest
 
 from services.scheduler.request import Status
+from services.scheduler.worker_state import PrefillSpeed, Step
 from tests.policy.harness import Cluster, scheduled, token_at
 
 
@@ -158,6 +159,36 @@ def test_steps_that_prefill_measure_their_workers_prefill_speed():
     c.now += 1.0
     c.run_step("p0")
     assert p.prefill_speed.seconds_per_token == before
+
+
+def test_a_prefill_speed_is_kept_per_thread_count_too():
+    """20 tokens in 20 ms on two threads, then 20 in 80 ms on one: 1 and 4 ms a token by
+    thread count, 0.2 * 4 + 0.8 * 1 over both; a thread count not seen yet gets the latter."""
+    speed = PrefillSpeed()
+    assert speed.on(2) == 0.0
+    speed.observe(20, 0.020, threads=2)
+    speed.observe(20, 0.080, threads=1)
+    assert speed.by_threads == pytest.approx({2: 0.001, 1: 0.004})
+    assert speed.seconds_per_token == pytest.approx(0.2 * 0.004 + 0.8 * 0.001)
+    assert (speed.on(2), speed.on(1)) == pytest.approx((0.001, 0.004))
+    assert speed.on(3) == pytest.approx(speed.seconds_per_token)
+
+
+def test_decode_only_steps_are_timed_from_the_later_of_their_plan_and_the_answer_before():
+    """A step planned at 1.00 s and answered at 1.05 s took 50 ms; the next one, planned
+    ahead at 1.02 s while the first ran, ran from 1.05 s to 1.15 s: 100 ms, smoothed 0.2 :
+    0.8. A step that prefills is not timed here, but the one after it starts at its answer."""
+    c = Cluster({"p0": 32, "d0": 32})
+    d = c.sched.workers["d0"]
+    d.step_answered(Step(1, decodes_only=True, planned_at=1.00), 1.05)
+    assert d.decode_step_seconds == pytest.approx(0.050)
+    d.step_answered(Step(2, decodes_only=True, planned_at=1.02), 1.15)
+    assert d.decode_step_seconds == pytest.approx(0.2 * 0.100 + 0.8 * 0.050)
+    before = d.decode_step_seconds
+    d.step_answered(Step(3, prefill_tokens=40, planned_at=1.15), 1.40)
+    assert d.decode_step_seconds == before
+    d.step_answered(Step(4, decodes_only=True, planned_at=1.20), 1.45)
+    assert d.decode_step_seconds == pytest.approx(0.2 * 0.050 + 0.8 * before)
 
 
 def test_a_long_prompt_on_the_decode_worker_takes_small_chunks_after_short_ones():
@@ -570,4 +601,98 @@ def test_a_prompt_the_prefill_worker_caches_more_of_stays_there():
     assert _scheduled(c.plan("p0")) == [("again", 8)]
     c.run()
     assert c.workers["d0"].prompt_tokens == 0
+    c.assert_all_free()
+
+
+def _priced(share_ms, step_ms, earlier_long=0):
+    """p0 and d0 share cores 0 and 1 (a held step: --decode-step-target-ms 1000). p0 computes
+    a prompt token in 100 ms on both cores and in `share_ms` on the one d0's batch leaves it;
+    d0 computes one beside its batch in 100 ms on both, and steps `a` alone in `step_ms`. A
+    long prompt of `earlier_long` tokens came 10 s before."""
+    c = Cluster({"p0": 64, "d0": 32}, cpu_cores=(0, 1), prefill_bypass_threshold=4,
+                decode_prefill_tokens=8, decode_long_prefill_tokens=3,
+                decode_step_target_ms=1000)
+    if earlier_long:
+        c.submit("earlier", list(range(600, 600 + earlier_long)), max_tokens=1)
+        c.run()
+        c.now += 10.0
+    _a_decodes(c)
+    p0, d0 = c.sched.workers["p0"], c.sched.workers["d0"]
+    p0.prefill_speed.by_threads = {2: 0.1, 1: share_ms / 1000}
+    d0.prefill_speed.by_threads = {2: 0.1}
+    d0.decode_step_seconds = step_ms / 1000
+    return c
+
+
+@pytest.mark.parametrize("share_ms, step_ms, earlier_long, held", [
+    (400, 1000, 0, True), (150, 1000, 0, False), (150, 1000, 108, True),
+    (400, 100, 0, False)])
+def test_a_decode_worker_holds_a_lone_long_prompt_only_when_it_gains_more_than_its_batch_loses(
+        share_ms, step_ms, earlier_long, held):
+    """`a` has 8 tokens left; long2 (12 tokens) would take d0 1.2 s beside it, and `a`'s
+    steps would be 1 s long meanwhile: `a` loses 1.2 s. On p0 long2 would take 12 * 0.4 = 4.8
+    s on its share while `a` lives (8 s): it gains 3.6 s, and d0 holds it. On a share of 150
+    ms a token (1.8 s) it gains 0.6 s, less than `a` loses at a load of 12 * 0.1 / 20 = 0.06
+    (1.2 * 0.94), and p0 takes it; unless the earlier long prompt (108 tokens) brings the
+    load to (108 + 12) * 0.1 / 20 = 0.6: 1.2 * 0.4 = 0.48 < 0.6. With `a` stepping every 100
+    ms it lives 0.8 s: long2 gets 2 tokens done on p0's share, then 10 on both cores, 1.8 s in
+    all, a gain of 0.6 s, less than `a`'s 1.2."""
+    c = _priced(share_ms, step_ms, earlier_long)
+    a = c.sched.requests["a"]
+    assert a.max_tokens - len(a.output_token_ids) == 8
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert c.sched.prefill.long_load() == pytest.approx((earlier_long + 12) * 0.1 / 20)
+    if held:
+        assert c.plan("p0") is None
+        assert _scheduled(c.plan("d0")) == [("a", 1), ("long2", 3)]
+    else:
+        assert _scheduled(c.plan("p0")) == [("long2", 12)]
+    assert (c.sched.num_long_prefills_on_decode, c.sched.num_long_prefills_left) == \
+        (int(held), int(not held))
+    c.run()
+    assert c.workers["d0"].prompt_tokens == (12 if held else 0)
+    c.assert_all_free()
+
+
+def test_a_long_prompt_older_than_the_load_window_no_longer_counts():
+    """The case above at a load of 0.6, 21 s later: the earlier prompt has left the window and
+    p0 takes long2."""
+    c = _priced(150, 1000, 108)
+    c.now += 21.0
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert c.sched.prefill.long_load() == pytest.approx(12 * 0.1 / 20)
+    assert _scheduled(c.plan("p0")) == [("long2", 12)]
+    assert c.sched.num_long_prefills_left == 1
+    c.run()
+    c.assert_all_free()
+
+
+@pytest.mark.parametrize("decode_ms_per_token, held", [(50, True), (300, False)])
+def test_the_saturated_bypass_holds_a_long_prompt_only_when_it_gains_more_than_the_batch_loses(
+        decode_ms_per_token, held):
+    """p0 chunks long1 (40 tokens) at 100 ms a token with 28 to go; long2 (12 tokens) would be
+    done there in 4 s. d0, decoding `a` (10 tokens left) in held steps of 1 s, would be done
+    with long2 in 0.6 s at 50 ms a token: a gain of 3.4 s against `a`'s 0.6 (load (40 + 12) *
+    0.1 / 20 = 0.26), and it holds it. At 300 ms a token it would still be done sooner (3.6
+    s), but gain 0.4 s against the 3.6 `a` loses (10 steps of 1 s, capped at the hold's
+    length; 3.6 * 0.74 > 0.4): p0 takes long2 after long1."""
+    c = Cluster({"p0": 64, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
+                max_num_batched_tokens=8, max_num_partial_prefills=1, decode_step_target_ms=1000)
+    c.submit("a", list(range(100, 104)), max_tokens=12)
+    c.submit("long1", list(range(400, 440)), max_tokens=1)
+    assert _scheduled(c.plan("p0")) == [("a", 4), ("long1", 4)]
+    while c.sched.requests["a"].status is not Status.DECODING:
+        c.step()
+    a = c.sched.requests["a"]
+    assert (a.max_tokens - len(a.output_token_ids), c.sched.requests["long1"].num_computed_tokens,
+            c.sched.workers["p0"].is_idle) == (10, 12, True)
+    c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.1
+    c.sched.workers["d0"].prefill_speed.seconds_per_token = decode_ms_per_token / 1000
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert _scheduled(c.plan("d0")) == ([("a", 1), ("long2", 7)] if held else [("a", 1)])
+    assert (c.sched.num_long_prefills_on_decode, c.sched.num_long_prefills_left) == \
+        (int(held), int(not held))
+    c.run()
+    assert c.workers["d0"].prompt_tokens == (12 if held else 0)
+    assert c.workers["p0"].prompt_tokens == 4 + 40 + (0 if held else 12)
     c.assert_all_free()

@@ -144,6 +144,8 @@ def test_scheduler_metrics_read_its_state():
     assert samples["pdserve:num_preemptions_total", ()] == 0
     assert samples["pdserve:decode_worker_long_prefills_total", ()] == 0
     assert samples["pdserve:decode_worker_long_prefills_taken_back_total", ()] == 0
+    assert samples["pdserve:decode_worker_long_prefills_left_total", ()] == 0
+    assert samples["pdserve:prefill_long_load", ()] == 0  # no prefill worker's speed measured
     assert samples["pdserve:worker_prefill_seconds_per_token", key] == 0  # none timed yet
     w.prefill_speed.observe(32, 0.064)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -203,3 +205,35 @@ def test_a_prompt_taken_back_is_placed_again_in_its_trace(monkeypatch):
     request = next(s for s in exporter.get_finished_spans() if s.name == "request")
     assert request.attributes["pdserve.prefill_worker"] == "p0"
     assert request.attributes["pdserve.taken_back"] is True
+
+
+def test_a_long_prompt_left_to_a_prefill_worker_is_counted_and_traced(monkeypatch):
+    """The priced case where d0's batch would lose more than the prompt gains: the counter,
+    the load gauge, and `pdserve.hold_declined` on the prompt's placement span."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tests.policy.test_flow import _priced
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_enabled", True)
+    monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("pdserve"))
+    c = _priced(share_ms=150, step_ms=1000)
+    telemetry = SchedulerTelemetry(c.sched)
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    telemetry.on_generate(c.sched.requests["long2"], span=tracing.start_span("request"))
+    telemetry.on_plan("p0", c.plan("p0"), 0.0)
+    samples = {s.name: s.value for f in telemetry.registry.collect() for s in f.samples
+               if not s.labels}
+    assert samples["pdserve:decode_worker_long_prefills_left_total"] == 1
+    assert samples["pdserve:decode_worker_long_prefills_total"] == 0
+    assert samples["pdserve:prefill_long_load"] == pytest.approx(12 * 0.1 / 20)
+    placed = [dict(s.attributes) for s in exporter.get_finished_spans()
+              if s.name == "scheduler.placement"]
+    assert [(a["pdserve.prefill_worker"], a["pdserve.hold_declined"]) for a in placed] == \
+        [("p0", True)]
+    c.run()
+    c.assert_all_free()
