@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from common.plans import Registration, SampledToken, StepPlan, StepResult, TransfersDone
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.cores import threads_for
+from services.scheduler.cores import shares_cores, threads_for
 from services.scheduler.decode import Decode
 from services.scheduler.forks import Forks
 from services.scheduler.lifecycle import Lifecycle, QueueFull
@@ -271,12 +271,20 @@ class Scheduler:
         """Threads for w's step, from the cores it shares with busy peers (cores.py)."""
         return threads_for(w, self.workers.values(), self._computes)
 
+    def _crowded(self, w: WorkerState, step: Step) -> bool:
+        """Whether w's step, planned on all its cores, shared them with a peer's step of
+        requests after all (one running, or answered since it was planned): its time then says
+        little of its pace on that many threads."""
+        if not w.cpu_cores or step.threads < len(w.cpu_cores):
+            return False
+        return any(shares_cores(w, x) and (x.computes or x.computed_at > step.planned_at)
+                   for x in self.workers.values())
+
     def _computes(self, w: WorkerState) -> bool:
         """Whether w computes tokens now or has tokens to compute: a step of requests running,
         a batch to decode, a prefill under way. Steps that only register or send transfers do
         not count, nor prompts waiting for room on a decode worker."""
-        return bool(any(s.request_ids for s in w.steps) or w.decoding or w.arrivals
-                    or self.prefill.has_partial(w))
+        return bool(w.computes or w.decoding or w.arrivals or self.prefill.has_partial(w))
 
     def _has_other_work(self, w: WorkerState) -> bool:
         """Whether w has something to do besides decoding its running batch."""
@@ -297,12 +305,13 @@ class Scheduler:
         _check_result(w.steps[0], result, self.requests)  # before anything changes
         # a plan of several decode steps answers after each: it runs until its last answer
         step = w.steps[0] if result.more else w.steps.popleft()
-        w.step_answered(step, self.clock())
         if step.prefill_tokens >= MIN_TIMED_PREFILL:  # fewer (a last chunk) say little
             seconds = self.clock() - step.planned_at
-            w.prefill_speed.observe(step.prefill_tokens, seconds, step.threads)
+            w.prefill_speed.observe(step.prefill_tokens, seconds,
+                                    None if self._crowded(w, step) else step.threads)
             if step.held:
                 self.prefill.held_step_timed(w, step.threads, step.prefill_tokens, seconds)
+        w.step_answered(step, self.clock())
         ran = step.request_ids
         w.counters = result.counters
         self.transfers.receivers_ready(step.recvs)

@@ -26,16 +26,18 @@ class PrefillSpeed:
     """Seconds per prompt token of a worker's steps that prefill, from the plan leaving the
     scheduler to its result coming back, smoothed over steps; 0 until one is measured. On a
     decode worker it includes the batch decoded beside the chunk: what a prompt costs there.
-    Also kept per thread count of the steps (0: threads not managed, cores.py)."""
+    Also kept per thread count of the steps (0: threads not managed, cores.py), from the steps
+    that ran on that many (`threads` None: one that did not)."""
     seconds_per_token: float = 0.0
     by_threads: dict[int, float] = field(default_factory=dict)
 
-    def observe(self, tokens: int, seconds: float, threads: int = 0) -> None:
+    def observe(self, tokens: int, seconds: float, threads: int | None = 0) -> None:
         if seconds <= 0:
             return
         sample = seconds / tokens
         self.seconds_per_token = smoothed(self.seconds_per_token, sample)
-        self.by_threads[threads] = smoothed(self.by_threads.get(threads, 0.0), sample)
+        if threads is not None:
+            self.by_threads[threads] = smoothed(self.by_threads.get(threads, 0.0), sample)
 
     def seconds(self, tokens: int) -> float:
         return tokens * self.seconds_per_token
@@ -76,16 +78,23 @@ class WorkerState:
     # last such step on as many threads (none yet: --decode-long-prefill-tokens)
     held_step_tokens: dict[int, int] = field(default_factory=dict)
     decode_step_seconds: float = 0.0  # a decode-only step's time, smoothed over steps; 0: none
-    last_result_at: float = 0.0       # the scheduler's clock when its last step answered
+    computed_at: float = 0.0  # the scheduler's clock when its last step of requests answered
 
     def step_answered(self, step: Step, now: float) -> None:
         """Times a decode-only step: from its plan leaving, or from the answer before when it
         was planned ahead of that one (it ran after it), to its answer."""
         if step.decodes_only:
-            seconds = now - max(step.planned_at, self.last_result_at)
+            seconds = now - max(step.planned_at, self.computed_at)
             if seconds > 0:
                 self.decode_step_seconds = smoothed(self.decode_step_seconds, seconds)
-        self.last_result_at = now
+        if step.request_ids:
+            self.computed_at = now
+
+    @property
+    def computes(self) -> bool:
+        """Whether a step of requests runs (steps that only register or send transfers do
+        not count)."""
+        return any(s.request_ids for s in self.steps)
 
     @property
     def is_idle(self) -> bool:

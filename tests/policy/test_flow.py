@@ -180,15 +180,43 @@ def test_decode_only_steps_are_timed_from_the_later_of_their_plan_and_the_answer
     0.8. A step that prefills is not timed here, but the one after it starts at its answer."""
     c = Cluster({"p0": 32, "d0": 32})
     d = c.sched.workers["d0"]
-    d.step_answered(Step(1, decodes_only=True, planned_at=1.00), 1.05)
+    d.step_answered(Step(1, {"a"}, decodes_only=True, planned_at=1.00), 1.05)
     assert d.decode_step_seconds == pytest.approx(0.050)
-    d.step_answered(Step(2, decodes_only=True, planned_at=1.02), 1.15)
+    d.step_answered(Step(2, {"a"}, decodes_only=True, planned_at=1.02), 1.15)
     assert d.decode_step_seconds == pytest.approx(0.2 * 0.100 + 0.8 * 0.050)
     before = d.decode_step_seconds
-    d.step_answered(Step(3, prefill_tokens=40, planned_at=1.15), 1.40)
+    d.step_answered(Step(3, {"a", "b"}, prefill_tokens=40, planned_at=1.15), 1.40)
     assert d.decode_step_seconds == before
-    d.step_answered(Step(4, decodes_only=True, planned_at=1.20), 1.45)
+    d.step_answered(Step(4, {"a", "b"}, decodes_only=True, planned_at=1.20), 1.45)
     assert d.decode_step_seconds == pytest.approx(0.2 * 0.050 + 0.8 * before)
+    assert d.computed_at == 1.45
+    d.step_answered(Step(5, recvs=["t"], planned_at=1.50), 1.51)  # computes nothing
+    assert d.computed_at == 1.45
+
+
+def test_a_step_on_all_cores_that_a_peer_crowded_counts_for_no_thread_count():
+    """p0 and d0 share cores 0 and 1. x (20 tokens) on p0's two threads alone in 20 ms: 1 ms a
+    token on 2. y (20 tokens) on both again, but d0 computes a short prompt meanwhile, and y
+    takes 40 ms: only the speed over all steps takes it in."""
+    c = Cluster({"p0": 64, "d0": 64}, cpu_cores=(0, 1), prefill_bypass_threshold=4)
+    p0 = c.sched.workers["p0"]
+    c.submit("x", list(range(100, 120)), max_tokens=1)
+    assert c.plan("p0").num_threads == 2
+    c.now += 0.020
+    c.run_step("p0")
+    assert p0.prefill_speed.by_threads == pytest.approx({2: 0.001})
+    c.submit("y", list(range(200, 220)), max_tokens=1)
+    assert c.plan("p0").num_threads == 2
+    c.submit("z", list(range(300, 304)), max_tokens=1)
+    assert _scheduled(c.plan("d0")) == [("z", 4)]  # no prefill worker free: d0 takes it
+    c.now += 0.010
+    c.run_step("d0")
+    c.now += 0.030
+    c.run_step("p0")
+    assert p0.prefill_speed.by_threads == pytest.approx({2: 0.001})
+    assert p0.prefill_speed.seconds_per_token == pytest.approx(0.2 * 0.002 + 0.8 * 0.001)
+    c.run()
+    c.assert_all_free()
 
 
 def test_a_long_prompt_on_the_decode_worker_takes_small_chunks_after_short_ones():
