@@ -473,14 +473,15 @@ class Prefill:
         much sooner free: at a load rho of those workers (`long_load`) they add about
         rho / (1 - rho) times as much (a busy period's arrivals), so the hold pays when
         loss * (1 - rho) < there - here, and always at rho >= 1. Unmeasured paces, or no step
-        target: it pays (the hold as before). A prompt it does not pay for counts once in
-        num_long_left."""
+        target: it pays (the hold as before). The terms go on the request (its placement
+        span); a prompt it does not pay for counts once in num_long_left."""
         target = self.config.decode_step_target_ms / 1000
         rho = self.long_load()
-        if not target or not here or there is None or rho is None or rho >= 1:
+        if not target or not here or there is None or rho is None:
             return True
         loss = sum(min(self._tokens_left(r) * target, here) for r in w.decoding)
-        if loss * (1 - rho) < there - here:
+        req.hold_terms = (loss, there - here, rho)
+        if rho >= 1 or loss * (1 - rho) < there - here:
             return True
         if not req.hold_declined:
             req.hold_declined = True

@@ -209,7 +209,7 @@ def test_a_prompt_taken_back_is_placed_again_in_its_trace(monkeypatch):
 
 def test_a_long_prompt_left_to_a_prefill_worker_is_counted_and_traced(monkeypatch):
     """The priced case where d0's batch would lose more than the prompt gains: the counter,
-    the load gauge, and `pdserve.hold_declined` on the prompt's placement span."""
+    the load gauge, and `pdserve.hold_declined` with the terms on its placement span."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -235,5 +235,8 @@ def test_a_long_prompt_left_to_a_prefill_worker_is_counted_and_traced(monkeypatc
               if s.name == "scheduler.placement"]
     assert [(a["pdserve.prefill_worker"], a["pdserve.hold_declined"]) for a in placed] == \
         [("p0", True)]
+    # `a` would lose 1.2 s, long2 gain 1.8 - 1.2 s, at a load of 0.06
+    assert (placed[0]["pdserve.hold_loss_s"], placed[0]["pdserve.hold_gain_s"],
+            placed[0]["pdserve.prefill_long_load"]) == pytest.approx((1.2, 0.6, 0.06))
     c.run()
     c.assert_all_free()
