@@ -74,6 +74,8 @@ SHAPES = {  # --shapes key: (row name, `pdserve up` flags)
                       ["--scheduler-args=--decode-hold-margin 2"]),
     "take-back": ("pdserve, prefill take-back",  # P takes a long prompt back from D
                   ["--scheduler-args=--prefill-take-back"]),
+    "unpriced-holds": ("pdserve, holds not priced",  # D holds whatever its batch loses
+                       ["--scheduler-args=--no-price-holds"]),
     "eager": ("pdserve, no CUDA graphs",  # GPU: every decode step launches its kernels
               ["--prefill-worker-args=--enforce-eager", "--decode-worker-args=--enforce-eager"]),
     "torch-attention": ("pdserve, gather + SDPA attention",  # before the paged CPU kernels

@@ -26,6 +26,7 @@ class SchedulerConfig:
     decode_long_prefill_tokens: int = 32  # ... while it holds a long prompt, until timed
     decode_step_target_ms: float = 250.0  # ... then sized to steps of this length (0: fixed)
     decode_hold_margin: float = 1.0    # ... taken if done in 1/margin of a prefill worker's time
+    price_holds: bool = True           # ... and if its batch loses less than the prompts gain
     prefill_take_back: bool = False    # ... and taken back by a prefill worker done sooner
     max_num_partial_prefills: int = 2  # a short prompt's fast lane beside one long prompt
     max_long_partial_prefills: int = 1

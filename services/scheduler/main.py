@@ -81,6 +81,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "prompt): its decodes slow to --decode-step-target-ms meanwhile, so "
                         "it takes one only when that wins the prompt much time; 1: whenever "
                         "it would finish sooner")
+    p.add_argument("--price-holds", action=argparse.BooleanOptionalAction,
+                   default=d.price_holds,
+                   help="either bypass holds a long prompt beside a decode worker's batch only "
+                        "when the batch loses less time (its requests step at "
+                        "--decode-step-target-ms until the prompt is done) than the prompt "
+                        "gains against a prefill worker, the gain weighed up by the prefill "
+                        "workers' measured load from long prompts (always at a load of 1 or "
+                        "more); --no-price-holds: whenever the bypass's own conditions hold")
     p.add_argument("--prefill-take-back", action=argparse.BooleanOptionalAction,
                    default=d.prefill_take_back,
                    help="a prefill worker with no prompt left to compute takes over a long "
@@ -139,6 +147,7 @@ def config_from_args(args) -> SchedulerConfig:
                            decode_long_prefill_tokens=args.decode_long_prefill_tokens,
                            decode_step_target_ms=args.decode_step_target_ms,
                            decode_hold_margin=args.decode_hold_margin,
+                           price_holds=args.price_holds,
                            prefill_take_back=args.prefill_take_back,
                            max_num_partial_prefills=args.max_num_partial_prefills,
                            max_long_partial_prefills=args.max_long_partial_prefills,

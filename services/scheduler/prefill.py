@@ -473,9 +473,12 @@ class Prefill:
         much sooner free: at a load rho of those workers (`long_load`) they add about
         rho / (1 - rho) times as much (a busy period's arrivals), so the hold pays when
         loss * (1 - rho) < there - here, and always at rho >= 1. Unmeasured paces, or no step
-        target: it pays (the hold as before). The terms go on the request (its placement
-        span); a prompt it does not pay for counts once in num_long_left."""
+        target, or --no-price-holds: it pays (the hold as before). The terms go on the
+        request (its placement span); a prompt it does not pay for counts once in
+        num_long_left."""
         target = self.config.decode_step_target_ms / 1000
+        if not self.config.price_holds:
+            return True
         rho = self.long_load()
         if not target or not here or there is None or rho is None:
             return True

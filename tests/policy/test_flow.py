@@ -632,14 +632,14 @@ def test_a_prompt_the_prefill_worker_caches_more_of_stays_there():
     c.assert_all_free()
 
 
-def _priced(share_ms, step_ms, earlier_long=0):
+def _priced(share_ms, step_ms, earlier_long=0, **config):
     """p0 and d0 share cores 0 and 1 (a held step: --decode-step-target-ms 1000). p0 computes
     a prompt token in 100 ms on both cores and in `share_ms` on the one d0's batch leaves it;
     d0 computes one beside its batch in 100 ms on both, and steps `a` alone in `step_ms`. A
     long prompt of `earlier_long` tokens came 10 s before."""
     c = Cluster({"p0": 64, "d0": 32}, cpu_cores=(0, 1), prefill_bypass_threshold=4,
                 decode_prefill_tokens=8, decode_long_prefill_tokens=3,
-                decode_step_target_ms=1000)
+                decode_step_target_ms=1000, **config)
     if earlier_long:
         c.submit("earlier", list(range(600, 600 + earlier_long)), max_tokens=1)
         c.run()
@@ -679,6 +679,18 @@ def test_a_decode_worker_holds_a_lone_long_prompt_only_when_it_gains_more_than_i
         (int(held), int(not held))
     c.run()
     assert c.workers["d0"].prompt_tokens == (12 if held else 0)
+    c.assert_all_free()
+
+
+def test_without_pricing_a_decode_worker_holds_whatever_its_batch_loses():
+    """The case above where p0 takes long2 (a gain of 0.6 s against 1.2), with
+    --no-price-holds: d0 holds it, as the shared-cores bypass alone says."""
+    c = _priced(150, 1000, price_holds=False)
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert c.plan("p0") is None
+    assert _scheduled(c.plan("d0")) == [("a", 1), ("long2", 3)]
+    assert (c.sched.num_long_prefills_on_decode, c.sched.num_long_prefills_left) == (1, 0)
+    c.run()
     c.assert_all_free()
 
 
