@@ -443,9 +443,10 @@ class Prefill:
 
     def _on_share_seconds(self, w: WorkerState, p: WorkerState, todo: int) -> float | None:
         """Seconds prefill worker p, sharing decode worker w's cores, would take for `todo`
-        prompt tokens: on its share of the cores while w's batch lives (the most tokens any of
-        its requests has left, at w's decode step time), then on all of them; None while p's
-        speed is unmeasured."""
+        prompt tokens in its chunks: a chunk that starts while w's batch lives (the most tokens
+        any of its requests has left, at w's decode step time) runs on p's share of the cores
+        (a step keeps the threads it was planned with), a later one on all of them; None while
+        p's speed is unmeasured."""
         alone = p.prefill_speed.on(len(p.cpu_cores))
         if not alone:
             return None
@@ -453,9 +454,11 @@ class Prefill:
         shared = p.prefill_speed.by_threads.get(share) or \
             alone * len(p.cpu_cores) / max(1, share)
         lives = max(map(self._tokens_left, w.decoding), default=0) * w.decode_step_seconds
-        if todo * shared <= lives:
-            return todo * shared
-        return lives + (todo - lives / shared) * alone
+        chunk = min(self._chunk_cap(), self.config.max_num_batched_tokens)
+        seconds = 0.0
+        for start in range(0, todo, chunk):
+            seconds += min(chunk, todo - start) * (shared if seconds < lives else alone)
+        return seconds
 
     def _tokens_left(self, req: Request) -> int:
         """The most tokens a decoding request has still to produce."""

@@ -633,13 +633,14 @@ def test_a_prompt_the_prefill_worker_caches_more_of_stays_there():
 
 
 def _priced(share_ms, step_ms, earlier_long=0, **config):
-    """p0 and d0 share cores 0 and 1 (a held step: --decode-step-target-ms 1000). p0 computes
-    a prompt token in 100 ms on both cores and in `share_ms` on the one d0's batch leaves it;
-    d0 computes one beside its batch in 100 ms on both, and steps `a` alone in `step_ms`. A
-    long prompt of `earlier_long` tokens came 10 s before."""
+    """p0 and d0 share cores 0 and 1 (a held step: --decode-step-target-ms 1000; p0's chunks
+    4 tokens, half its 8-token steps). p0 computes a prompt token in 100 ms on both cores and
+    in `share_ms` on the one d0's batch leaves it; d0 computes one beside its batch in 100 ms
+    on both, and steps `a` alone in `step_ms`. A long prompt of `earlier_long` tokens came 10
+    s before."""
     c = Cluster({"p0": 64, "d0": 32}, cpu_cores=(0, 1), prefill_bypass_threshold=4,
-                decode_prefill_tokens=8, decode_long_prefill_tokens=3,
-                decode_step_target_ms=1000, **config)
+                max_num_batched_tokens=8, decode_prefill_tokens=8,
+                decode_long_prefill_tokens=3, decode_step_target_ms=1000, **config)
     if earlier_long:
         c.submit("earlier", list(range(600, 600 + earlier_long)), max_tokens=1)
         c.run()
@@ -654,7 +655,7 @@ def _priced(share_ms, step_ms, earlier_long=0, **config):
 
 @pytest.mark.parametrize("share_ms, step_ms, earlier_long, held", [
     (400, 1000, 0, True), (150, 1000, 0, False), (150, 1000, 108, True),
-    (400, 100, 0, False)])
+    (300, 1000, 0, True), (300, 100, 0, False)])
 def test_a_decode_worker_holds_a_lone_long_prompt_only_when_it_gains_more_than_its_batch_loses(
         share_ms, step_ms, earlier_long, held):
     """`a` has 8 tokens left; long2 (12 tokens) would take d0 1.2 s beside it, and `a`'s
@@ -662,9 +663,10 @@ def test_a_decode_worker_holds_a_lone_long_prompt_only_when_it_gains_more_than_i
     s on its share while `a` lives (8 s): it gains 3.6 s, and d0 holds it. On a share of 150
     ms a token (1.8 s) it gains 0.6 s, less than `a` loses at a load of 12 * 0.1 / 20 = 0.06
     (1.2 * 0.94), and p0 takes it; unless the earlier long prompt (108 tokens) brings the
-    load to (108 + 12) * 0.1 / 20 = 0.6: 1.2 * 0.4 = 0.48 < 0.6. With `a` stepping every 100
-    ms it lives 0.8 s: long2 gets 2 tokens done on p0's share, then 10 on both cores, 1.8 s in
-    all, a gain of 0.6 s, less than `a`'s 1.2."""
+    load to (108 + 12) * 0.1 / 20 = 0.6: 1.2 * 0.4 = 0.48 < 0.6. On a share of 300 ms a
+    token long2 gains 3.6 - 1.2 s while `a` lives through its three chunks; with `a` stepping
+    every 100 ms it lives 0.8 s, through long2's first chunk only (4 * 0.3 s), and the other
+    two go on both cores (8 * 0.1 s): 2 s in all, a gain of 0.8 s, less than `a`'s 1.2."""
     c = _priced(share_ms, step_ms, earlier_long)
     a = c.sched.requests["a"]
     assert a.max_tokens - len(a.output_token_ids) == 8
@@ -674,7 +676,7 @@ def test_a_decode_worker_holds_a_lone_long_prompt_only_when_it_gains_more_than_i
         assert c.plan("p0") is None
         assert _scheduled(c.plan("d0")) == [("a", 1), ("long2", 3)]
     else:
-        assert _scheduled(c.plan("p0")) == [("long2", 12)]
+        assert _scheduled(c.plan("p0")) == [("long2", 4)]  # its first chunk
     assert (c.sched.num_long_prefills_on_decode, c.sched.num_long_prefills_left) == \
         (int(held), int(not held))
     c.run()
@@ -701,7 +703,7 @@ def test_a_long_prompt_older_than_the_load_window_no_longer_counts():
     c.now += 21.0
     c.submit("long2", list(range(200, 212)), max_tokens=1)
     assert c.sched.prefill.long_load() == pytest.approx(12 * 0.1 / 20)
-    assert _scheduled(c.plan("p0")) == [("long2", 12)]
+    assert _scheduled(c.plan("p0")) == [("long2", 4)]
     assert c.sched.num_long_prefills_left == 1
     c.run()
     c.assert_all_free()
