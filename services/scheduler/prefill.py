@@ -34,9 +34,9 @@ Who prefills a prompt:
                                    prefix
 
                                    A long prompt is held beside the batch (either bypass) only
-                                   when that pays (`_hold_pays`): the batch loses less than
-                                   the prompt gains, the latter weighed up by the prefill
-                                   workers' load
+                                   when that pays (--price-holds, `_hold_pays`): the batch
+                                   loses less than the prompt gains, the latter weighed up by
+                                   the prefill workers' load
 
 With --prefill-take-back (off by default: docs/performance.md), a long prompt a decode worker
 holds goes to a prefill worker that has none left to compute, when that one would finish it

@@ -568,18 +568,25 @@ def test_a_decode_worker_sharing_cores_takes_a_long_prompt_beside_its_batch():
     c.assert_all_free()
 
 
-def test_a_busy_prefill_worker_lends_no_cores_so_the_saturated_bypass_decides():
-    """p0 chunks long1 (it started it beside `a` before d0 had a batch); d0, decoding `a`, would
-    compute long2 at 10 ms a token (120 ms) where p0, at 1 ms, gets through the rest of long1
-    and long2 in less: d0 leaves long2 to p0."""
-    c = Cluster({"p0": 32, "d0": 32}, cpu_cores=(0, 1), prefill_bypass_threshold=4,
-                decode_prefill_tokens=8, max_num_batched_tokens=8, max_num_partial_prefills=1)
+def _a_decodes_while_p0_chunks_long1(**config):
+    """p0 started long1 (40 tokens, in chunks of at most 8) beside `a` (4 tokens) before d0
+    had a batch; `a` now decodes on d0 and long1 is partial on p0."""
+    c = Cluster({"p0": 64, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
+                max_num_batched_tokens=8, max_num_partial_prefills=1, **config)
     c.submit("a", list(range(100, 104)), max_tokens=12)
     c.submit("long1", list(range(400, 440)), max_tokens=1)
     assert _scheduled(c.plan("p0")) == [("a", 4), ("long1", 4)]
     while c.sched.requests["a"].status is not Status.DECODING:
         c.step()
     assert c.sched.requests["long1"].status is Status.PREFILLING
+    return c
+
+
+def test_a_busy_prefill_worker_lends_no_cores_so_the_saturated_bypass_decides():
+    """p0 chunks long1 (it started it beside `a` before d0 had a batch); d0, decoding `a`, would
+    compute long2 at 10 ms a token (120 ms) where p0, at 1 ms, gets through the rest of long1
+    and long2 in less: d0 leaves long2 to p0."""
+    c = _a_decodes_while_p0_chunks_long1(cpu_cores=(0, 1))
     c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.001
     c.sched.workers["d0"].prefill_speed.seconds_per_token = 0.01
     c.submit("long2", list(range(200, 212)), max_tokens=1)
@@ -718,13 +725,7 @@ def test_the_saturated_bypass_holds_a_long_prompt_only_when_it_gains_more_than_t
     0.1 / 20 = 0.26), and it holds it. At 300 ms a token it would still be done sooner (3.6
     s), but gain 0.4 s against the 3.6 `a` loses (10 steps of 1 s, capped at the hold's
     length; 3.6 * 0.74 > 0.4): p0 takes long2 after long1."""
-    c = Cluster({"p0": 64, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
-                max_num_batched_tokens=8, max_num_partial_prefills=1, decode_step_target_ms=1000)
-    c.submit("a", list(range(100, 104)), max_tokens=12)
-    c.submit("long1", list(range(400, 440)), max_tokens=1)
-    assert _scheduled(c.plan("p0")) == [("a", 4), ("long1", 4)]
-    while c.sched.requests["a"].status is not Status.DECODING:
-        c.step()
+    c = _a_decodes_while_p0_chunks_long1(decode_step_target_ms=1000)
     a = c.sched.requests["a"]
     assert (a.max_tokens - len(a.output_token_ids), c.sched.requests["long1"].num_computed_tokens,
             c.sched.workers["p0"].is_idle) == (10, 12, True)
