@@ -479,9 +479,9 @@ class Prefill:
         target, or --no-price-holds: it pays (the hold as before). The terms go on the
         request (its placement span); a prompt it does not pay for counts once in
         num_long_left."""
-        target = self.config.decode_step_target_ms / 1000
         if not self.config.price_holds:
             return True
+        target = self.config.decode_step_target_ms / 1000
         rho = self.long_load()
         if not target or not here or there is None or rho is None:
             return True
