@@ -188,6 +188,7 @@ class Record:
     id: str = ""                  # the server's id of the response
     sent_unix: float = float("nan")  # `start` in wall-clock time (spans.attach)
     phases: list = field(default_factory=list)  # its spans in the server (spans.phases)
+    hold: list = field(default_factory=list)  # the scheduler's price of a hold (spans.hold_terms)
 
     @property
     def ttft(self) -> float:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shlex
 import statistics
@@ -156,9 +157,11 @@ def report(out: Path, meta: dict, records: dict[str, dict[float, list[Record]]],
 def long_prompts(records: list[Record], long_at: int) -> list[str]:
     """A line per traced prompt of long_at tokens or more, in arrival order: when it came, its
     TTFT, and where that went (s): queued, prefill steps on a prefill worker and on the
-    decode worker (first start to last end, and how many), the KV send."""
+    decode worker (first start to last end, and how many), the KV send; and where the
+    scheduler priced a hold, the times it expected for the prompt on the decode worker and
+    on a prefill worker, and the seconds it expected the batch to lose."""
     lines = [f"{'arrived':>8} {'tokens':>6} {'TTFT':>6} {'queued':>6}  {'prefill worker':>20}  "
-             f"{'decode worker':>20} {'KV':>5}"]
+             f"{'decode worker':>20} {'KV':>5}  {'est here':>8} {'there':>6} {'loss':>6}"]
     for r in sorted(records, key=lambda r: r.start):
         if r.prompt_tokens < long_at or not r.phases:
             continue
@@ -169,8 +172,10 @@ def long_prompts(records: list[Record], long_at: int) -> list[str]:
                          f"x{len(steps):<3}" if steps else "")
         queued = sum(b - a for p, a, b, *_ in r.phases if p == "queue")
         kv = sum(b - a for p, a, b, *_ in r.phases if p == "kv")
+        loss, here, gain, _ = r.hold or (math.nan,) * 4
+        est = f"  {here:8.2f} {here + gain:6.2f} {loss:6.2f}" if r.hold else ""
         lines.append(f"{r.start:8.2f} {r.prompt_tokens:6d} {r.ttft:6.2f} {queued:6.2f}  "
-                     f"{cells[0]:>20}  {cells[1]:>20} {kv:5.2f}")
+                     f"{cells[0]:>20}  {cells[1]:>20} {kv:5.2f}{est}")
     return lines
 
 

@@ -105,6 +105,21 @@ def request_traces(spans: list[tuple[str, Span]]) -> list[dict]:
     return sorted(out, key=lambda t: t["start_ns"])
 
 
+HOLD_TERMS = ("pdserve.hold_loss_s", "pdserve.hold_here_s", "pdserve.hold_gain_s",
+              "pdserve.prefill_long_load")
+
+
+def hold_terms(trace: dict) -> list[float]:
+    """The scheduler's price of holding a long prompt beside a decode worker's batch, from the
+    placement that decided where it went: the seconds the batch would lose, those the decode
+    worker would take, those the prompt would gain there, the prefill workers' load; [] where
+    the placement priced no hold."""
+    for r in trace["spans"]:
+        if r[1] == "scheduler.placement" and HOLD_TERMS[1] in r[4]:
+            return [r[4][k] for k in HOLD_TERMS]
+    return []
+
+
 def request_id(trace: dict) -> str:
     """The scheduler's id of a trace's request ('' if no span names it)."""
     return next((r[4]["pdserve.request_id"] for r in trace["spans"]
@@ -194,4 +209,5 @@ def attach(records: list, receiver: Receiver, timeout_s: float = 10.0) -> int:
     for r in records:
         if r.id in by_id:
             r.phases = phases(by_id[r.id], r.sent_unix, r.start)
+            r.hold = hold_terms(by_id[r.id])
     return len(by_id)

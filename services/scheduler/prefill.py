@@ -25,10 +25,11 @@ Who prefills a prompt:
                                    - it is longer, every prefill worker is busy
                                      (--saturated-prefill-bypass), the decode worker has no
                                      long prompt of its own and a quarter of its blocks free,
-                                     and at the prefill speeds measured so far it finishes the
-                                     prompt before a prefill worker would get through its
-                                     backlog and the prompt (in 1/--decode-hold-margin of that
-                                     time), or
+                                     and at the prefill speeds measured so far (its own at
+                                     the pace the short prompts arriving leave it,
+                                     `_held_seconds`) it finishes the prompt before a prefill
+                                     worker would get through its backlog and the prompt (in
+                                     1/--decode-hold-margin of that time), or
                                    - its KV transfer failed once (prefill_locally)
                                    and, among prefill workers, the one caching most of its
                                    prefix
@@ -75,9 +76,11 @@ and the decode worker takes its share.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from common.plans import ScheduledTokens, StepPlan
 from services.scheduler.config import SchedulerConfig
@@ -90,7 +93,20 @@ from services.scheduler.worker_state import MIN_TIMED_PREFILL, WorkerState, tran
 from services.scheduler.workers import Workers
 
 ADMISSION_LOOKAHEAD = 8  # waiting requests a worker looks past a head that cannot start now
-LOAD_WINDOW_S = 20.0  # long prompts' arrivals over this long measure the prefill workers' load
+LOAD_WINDOW_S = 20.0  # arrivals over this long measure the prefill workers' and batches' loads
+
+
+class ShortLoad(NamedTuple):
+    """The short prompts arriving at each decode worker (`Prefill.short_load`)."""
+    rate: float = 0.0           # requests a second
+    tokens_per_s: float = 0.0   # their prompt tokens a second
+    mean_tokens: float = 0.0    # the tokens each generates at most, on average
+
+
+def _stepped_beside(each: float, span: float) -> float:
+    """Seconds that requests arriving at one a second through `span` seconds spend inside it,
+    each at most `each` seconds: one arriving at s stays min(each, span - s)."""
+    return span * span / 2 if span <= each else each * span - each * each / 2
 
 
 @dataclass(frozen=True)
@@ -122,18 +138,24 @@ class Prefill:
         self.num_long_taken_back = 0  # ... that went back to a prefill worker (`to_take_back`)
         self.num_long_left = 0  # ... that one would have taken but for its batch (`_hold_pays`)
         self._long_arrivals: deque[tuple[float, int]] = deque()  # (clock, prompt tokens)
+        # (clock, prompt tokens, tokens it generates at most)
+        self._short_arrivals: deque[tuple[float, int, int]] = deque()
 
     def arrived(self, req: Request) -> None:
-        """Counts a new long prompt into the prefill workers' load (`long_load`)."""
+        """Counts a new prompt into a load: a long one into the prefill workers' (`long_load`),
+        a short one into the decode workers' batches (`short_load`)."""
         if req.num_tokens > self.config.prefill_bypass_threshold:
             self._long_arrivals.append((self._clock(), req.num_tokens))
+        else:
+            self._short_arrivals.append((self._clock(), req.num_tokens, self._tokens_left(req)))
         self._forget_old_arrivals()
 
     def _forget_old_arrivals(self) -> None:
         """Drops the arrivals older than LOAD_WINDOW_S."""
         since = self._clock() - LOAD_WINDOW_S
-        while self._long_arrivals and self._long_arrivals[0][0] < since:
-            self._long_arrivals.popleft()
+        for arrivals in (self._long_arrivals, self._short_arrivals):
+            while arrivals and arrivals[0][0] < since:
+                arrivals.popleft()
 
     def admits(self, w: WorkerState) -> bool:
         """Whether w may take requests from the waiting queue at all."""
@@ -209,7 +231,7 @@ class Prefill:
         bs = p.kv.block_size
         for d in self.workers.of_role("decode"):
             for req in self._partials(d):
-                if not self._beside_batch(d, req) or (there := self._held_seconds(d, req)) is None:
+                if not self._beside_batch(d, req) or (there := self._rest_held(d, req)) is None:
                     continue
                 hashes = req.hashes(bs)
                 prefix = p.kv.find_prefix(hashes, req.num_tokens)
@@ -236,16 +258,16 @@ class Prefill:
         req.taken_back = True
         self.num_long_taken_back += 1
 
-    def _held_seconds(self, d: WorkerState, req: Request) -> float | None:
+    def _rest_held(self, d: WorkerState, req: Request) -> float | None:
         """Seconds decode worker d needs for the rest of req, a long prompt it holds: at the
         pace it has gone at on it since it took it (its steps beside its batch, the short
-        prompts it took meanwhile), at its measured prefill speed before it has a pace; None
-        with neither."""
+        prompts it took meanwhile), as `_held_seconds` says before it has a pace; None with
+        neither."""
         left = req.num_tokens - req.num_computed_tokens
         done, elapsed = req.num_computed_tokens - req.held_from, self._clock() - req.held_at
         if done > 0 and elapsed > 0:
             return left * elapsed / done
-        return d.prefill_speed.seconds(left) if d.prefill_speed.seconds_per_token else None
+        return self._held_seconds(d, left, self._threads(d))
 
     def _fillable(self, d: WorkerState, p: WorkerState, req: Request, hashed: int,
                   cached: int) -> int:
@@ -384,8 +406,8 @@ class Prefill:
         if not self._has_room(w, todo) or any(map(self._free, prefills)):
             return False
         there = self._elsewhere_seconds(req, todo, prefills)
-        return self._done_sooner_here(w, todo, there) and \
-            self._hold_pays(w, req, todo * w.prefill_speed.seconds_per_token, there)
+        here = self._held_seconds(w, todo, self._threads(w))
+        return self._done_sooner_here(here, there) and self._hold_pays(w, req, here, there)
 
     def _has_room(self, w: WorkerState, todo: int) -> bool:
         """Whether decode worker w keeps a quarter of its blocks free after a long prompt's."""
@@ -410,7 +432,7 @@ class Prefill:
             and not any(map(self._long_here, self._partials(w))) and self._has_room(w, todo) \
             and todo <= self._prefill_todo(req, hashes) \
             and any(shares_cores(w, p) and self._free(p)
-                    and self._hold_pays(w, req, todo * w.prefill_speed.on(len(w.cpu_cores)),
+                    and self._hold_pays(w, req, self._held_seconds(w, todo, len(w.cpu_cores)),
                                         self._on_share_seconds(w, p, todo))
                     for p in prefills)
 
@@ -429,24 +451,39 @@ class Prefill:
                      for p in prefills if p.prefill_speed.seconds_per_token]
         return min(elsewhere) if elsewhere else None
 
-    def _done_sooner_here(self, w: WorkerState, todo: int, there: float | None) -> bool:
-        """Whether decode worker w, at its measured prefill speed, finishes `todo` prompt
-        tokens in 1/--decode-hold-margin of `there`, the time the soonest prefill worker would
-        take. A decode worker prefills in chunks beside its batch, slower than a prefill
-        worker, and every request it decodes meanwhile runs at --decode-step-target-ms; a
-        prompt it takes stays with it, so it takes one only when the prefill workers are far
-        enough behind that the prompt gains much. Unmeasured speeds (no step timed yet): it
-        takes it."""
-        if not w.prefill_speed.seconds_per_token or there is None:
+    def _done_sooner_here(self, here: float | None, there: float | None) -> bool:
+        """Whether a decode worker, taking `here` seconds for a long prompt beside its batch
+        (`_held_seconds`), finishes it in 1/--decode-hold-margin of `there`, the time the
+        soonest prefill worker would take. A decode worker prefills in chunks beside its
+        batch, slower than a prefill worker, and every request it decodes meanwhile runs at
+        --decode-step-target-ms; a prompt it takes stays with it, so it takes one only when
+        the prefill workers are far enough behind that the prompt gains much. Unmeasured
+        speeds (no step timed yet): it takes it."""
+        if here is None or there is None:
             return True
-        return w.prefill_speed.seconds(todo) * self.config.decode_hold_margin < there
+        return here * self.config.decode_hold_margin < there
+
+    def _held_seconds(self, w: WorkerState, todo: int, threads: int) -> float | None:
+        """Seconds decode worker w would take for `todo` tokens of a long prompt beside its
+        batch, its steps on `threads` threads: they compute a prompt token in the time measured
+        on as many (its batch stepping beside it), and the short prompts that arrive meanwhile
+        (`short_load`) go first in them, so the long prompt gets the pace they leave; inf
+        where they would leave it none, None while w's speed is unmeasured."""
+        if not (per_token := w.prefill_speed.on(threads)):
+            return None
+        pace = 1 / per_token - self.short_load().tokens_per_s
+        return todo / pace if pace > 0 else math.inf
 
     def _on_share_seconds(self, w: WorkerState, p: WorkerState, todo: int) -> float | None:
         """Seconds prefill worker p, sharing decode worker w's cores, would take for `todo`
         prompt tokens in its chunks: a chunk that starts while w's batch lives (the most tokens
         any of its requests has left, at w's decode step time) runs on p's share of the cores
-        (a step keeps the threads it was planned with), a later one on all of them; None while
-        p's speed is unmeasured."""
+        (a step keeps the threads it was planned with). A later one runs there too if short
+        prompts arriving since keep a batch stepping: with `short_load`'s requests a second,
+        each stepping its tokens at that step time, a batch is there a fraction
+        1 - e^(-rate * their time) of the time (as many requests as arrive in that time,
+        Poisson), and the chunk runs on all of p's cores for the rest. None while p's speed is
+        unmeasured."""
         alone = p.prefill_speed.on(len(p.cpu_cores))
         if not alone:
             return None
@@ -454,10 +491,13 @@ class Prefill:
         shared = p.prefill_speed.by_threads.get(share) or \
             alone * len(p.cpu_cores) / max(1, share)
         lives = max(map(self._tokens_left, w.decoding), default=0) * w.decode_step_seconds
+        short = self.short_load()
+        busy = 1 - math.exp(-short.rate * short.mean_tokens * w.decode_step_seconds)
+        later = busy * shared + (1 - busy) * alone
         chunk = min(self._chunk_cap(), self.config.max_num_batched_tokens)
         seconds = 0.0
         for start in range(0, todo, chunk):
-            seconds += min(chunk, todo - start) * (shared if seconds < lives else alone)
+            seconds += min(chunk, todo - start) * (shared if seconds < lives else later)
         return seconds
 
     def _tokens_left(self, req: Request) -> int:
@@ -465,34 +505,55 @@ class Prefill:
         return max(0, min(req.max_tokens - len(req.output_token_ids),
                           self.workers.max_model_len - req.num_tokens))
 
-    def _hold_pays(self, w: WorkerState, req: Request, here: float,
+    def _hold_pays(self, w: WorkerState, req: Request, here: float | None,
                    there: float | None) -> bool:
         """Whether decode worker w holding req gains more than its batch loses, with `here` the
-        seconds w would take for it at its measured pace beside its batch (on the threads it
-        would have) and `there` those a prefill worker would take instead. Each request w
-        decodes steps at --decode-step-target-ms until the prompt is done, or until it has no
-        tokens left: the batch loses the sum of those times. The prompt gains there - here,
-        and so do the long prompts arriving meanwhile, which find the prefill workers that
-        much sooner free: at a load rho of those workers (`long_load`) they add about
-        rho / (1 - rho) times as much (a busy period's arrivals), so the hold pays when
-        loss * (1 - rho) < there - here, and always at rho >= 1. Unmeasured paces, or no step
-        target, or --no-price-holds: it pays (the hold as before). The terms go on the
-        request (its placement span); a prompt it does not pay for counts once in
-        num_long_left."""
+        seconds w would take for it beside its batch (`_held_seconds`) and `there` those a
+        prefill worker would take instead. Each request w decodes steps at
+        --decode-step-target-ms until the prompt is done, or until it has no tokens left, and
+        so does each short request arriving meanwhile (`short_load`, `_stepped_beside`): the
+        batch loses the sum of those times. The prompt gains there - here, and so do the long
+        prompts arriving meanwhile, which find the prefill workers that much sooner free: at a
+        load rho of those workers (`long_load`) they add about rho / (1 - rho) times as much
+        (a busy period's arrivals), so the hold pays when loss * (1 - rho) < there - here, and
+        always at rho >= 1. It never pays where the short prompts would leave the long one no
+        pace (`here` inf). Unmeasured paces, or no step target, or --no-price-holds: it pays
+        (the hold as before). The terms go on the request (its placement span); a prompt it
+        does not pay for counts once in num_long_left."""
         if not self.config.price_holds:
             return True
         target = self.config.decode_step_target_ms / 1000
         rho = self.long_load()
         if not target or not here or there is None or rho is None:
             return True
-        loss = sum(min(self._tokens_left(r) * target, here) for r in w.decoding)
-        req.hold_terms = (loss, there - here, rho)
+        if math.isinf(here):
+            return self._declined(req)
+        short = self.short_load()
+        loss = sum(min(self._tokens_left(r) * target, here) for r in w.decoding) + \
+            short.rate * _stepped_beside(short.mean_tokens * target, here)
+        req.hold_terms = (loss, here, there - here, rho)
         if rho >= 1 or loss * (1 - rho) < there - here:
             return True
+        return self._declined(req)
+
+    def _declined(self, req: Request) -> bool:
+        """A hold declined (False): req counts once in num_long_left."""
         if not req.hold_declined:
             req.hold_declined = True
             self.num_long_left += 1
         return False
+
+    def short_load(self) -> ShortLoad:
+        """The short prompts that arrived in the last LOAD_WINDOW_S seconds, a second and per
+        decode worker (they prefill and decode there), and the mean of the tokens each
+        generates at most."""
+        self._forget_old_arrivals()
+        arrivals = self._short_arrivals
+        if not arrivals:
+            return ShortLoad()
+        per_second = LOAD_WINDOW_S * max(1, len(self.workers.of_role("decode")))
+        return ShortLoad(len(arrivals) / per_second, sum(n for _, n, _ in arrivals) / per_second,
+                         sum(m for _, _, m in arrivals) / len(arrivals))
 
     def long_load(self) -> float | None:
         """The prefill workers' load from long prompts: the prompt tokens of those that arrived

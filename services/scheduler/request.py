@@ -58,8 +58,9 @@ class Request:
     prefix_filled: bool = False  # ... after that decode worker sent it the prompt's KV so far
     hold_declined: bool = False  # a decode worker would have held it but for its batch
     # the last price of holding it beside a decode worker's batch (Prefill._hold_pays): the
-    # seconds the batch would lose, those the prompt would gain, the prefill workers' load
-    hold_terms: tuple[float, float, float] | None = None
+    # seconds the batch would lose, those the decode worker would take for it, those the
+    # prompt would gain there, the prefill workers' load
+    hold_terms: tuple[float, float, float, float] | None = None
     held_at: float = 0.0  # a long prompt on a decode worker: when that one took it (the
     held_from: int = 0    # scheduler's clock), and its tokens computed then
     # n > 1: the leader prefills the prompt once; its forks (FORKING) sample their first token

@@ -1,7 +1,10 @@
 """Requests through prefill, transfer and decode, and prefix-cache hits on both pools: the exact
 blocks each step uses and the exact KV each transfer moves."""
+import math
+
 import pytest
 
+from services.scheduler.prefill import ShortLoad
 from services.scheduler.request import Status
 from services.scheduler.worker_state import PrefillSpeed, Step
 from tests.policy.harness import Cluster, scheduled, token_at
@@ -568,11 +571,13 @@ def test_a_decode_worker_sharing_cores_takes_a_long_prompt_beside_its_batch():
     c.assert_all_free()
 
 
-def _a_decodes_while_p0_chunks_long1(**config):
+def _a_decodes_while_p0_chunks_long1(shorts=0, **config):
     """p0 started long1 (40 tokens, in chunks of at most 8) beside `a` (4 tokens) before d0
-    had a batch; `a` now decodes on d0 and long1 is partial on p0."""
+    had a batch; `a` now decodes on d0 and long1 is partial on p0. `shorts` 4-token prompts
+    (one token each) came and went before `a`."""
     c = Cluster({"p0": 64, "d0": 32}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
                 max_num_batched_tokens=8, max_num_partial_prefills=1, **config)
+    _shorts_come_and_go(c, shorts, 4, 1)
     c.submit("a", list(range(100, 104)), max_tokens=12)
     c.submit("long1", list(range(400, 440)), max_tokens=1)
     assert _scheduled(c.plan("p0")) == [("a", 4), ("long1", 4)]
@@ -639,15 +644,25 @@ def test_a_prompt_the_prefill_worker_caches_more_of_stays_there():
     c.assert_all_free()
 
 
-def _priced(share_ms, step_ms, earlier_long=0, **config):
+def _shorts_come_and_go(c, count, tokens, max_tokens):
+    """`count` short prompts of `tokens` tokens, each generating max_tokens, come and finish."""
+    for i in range(count):
+        c.submit(f"short{i}", list(range(1000 + 10 * i, 1000 + 10 * i + tokens)),
+                 max_tokens=max_tokens)
+    c.run(1000)
+
+
+def _priced(share_ms, step_ms, earlier_long=0, shorts=(0, 0, 0), **config):
     """p0 and d0 share cores 0 and 1 (a held step: --decode-step-target-ms 1000; p0's chunks
     4 tokens, half its 8-token steps). p0 computes a prompt token in 100 ms on both cores and
     in `share_ms` on the one d0's batch leaves it; d0 computes one beside its batch in 100 ms
     on both, and steps `a` alone in `step_ms`. A long prompt of `earlier_long` tokens came 10
-    s before."""
-    c = Cluster({"p0": 64, "d0": 32}, cpu_cores=(0, 1), prefill_bypass_threshold=4,
+    s before; `shorts` (how many, their tokens, the tokens each generates) came and went
+    before `a`."""
+    c = Cluster({"p0": 256, "d0": 256}, cpu_cores=(0, 1), prefill_bypass_threshold=4,
                 max_num_batched_tokens=8, decode_prefill_tokens=8,
                 decode_long_prefill_tokens=3, decode_step_target_ms=1000, **config)
+    _shorts_come_and_go(c, *shorts)
     if earlier_long:
         c.submit("earlier", list(range(600, 600 + earlier_long)), max_tokens=1)
         c.run()
@@ -691,6 +706,48 @@ def test_a_decode_worker_holds_a_lone_long_prompt_only_when_it_gains_more_than_i
     c.assert_all_free()
 
 
+def test_short_prompts_arriving_keep_a_batch_stepping_so_a_lone_long_prompt_is_held():
+    """The case above where `a` lives through long2's first chunk only (300 ms a token on p0's
+    share, `a` stepping every 100 ms), after five short prompts that each generated 100
+    tokens: 6 short prompts in the window (`a` too), 0.3 a second, 24 tokens, 1.2 a second,
+    generating 85.3 tokens on average. d0 would take 12 / (10 - 1.2) = 1.364 s for long2. On
+    p0, after `a`'s 0.8 s, a batch keeps stepping a fraction 1 - e^(-0.3 * 8.53) = 0.922 of
+    the time, so the other two chunks take 8 * (0.922 * 0.3 + 0.078 * 0.1) = 2.276 s: 3.476
+    s in all, a gain of 2.113 s. `a` loses 1.364 s and the short requests arriving meanwhile
+    0.3 * 1.364^2 / 2 = 0.279: (1.364 + 0.279) * 0.94 < 2.113, and d0 holds long2 (without
+    the short prompts p0 would have taken it on 2 s, a gain of 0.8)."""
+    c = _priced(300, 100, shorts=(5, 4, 100))
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert c.sched.prefill.short_load() == pytest.approx(ShortLoad(0.3, 1.2, 512 / 6))
+    assert c.plan("p0") is None
+    assert _scheduled(c.plan("d0")) == [("a", 1), ("long2", 3)]
+    assert c.sched.requests["long2"].hold_terms == pytest.approx(
+        (12 / 8.8 + 0.3 * (12 / 8.8) ** 2 / 2, 12 / 8.8,
+         1.2 + 8 * (0.3 - 0.2 * math.exp(-0.3 * 512 / 60)) - 12 / 8.8, 0.06))
+    c.run()
+    assert c.workers["d0"].prompt_tokens == 12
+    c.assert_all_free()
+
+
+def test_short_requests_arriving_during_a_hold_count_in_what_it_costs():
+    """The same, after eight short prompts of one token that each generated 12: 0.45 a
+    second, 0.6 tokens a second. d0 would take 12 / 9.4 = 1.277 s; on p0 long2 would gain
+    1.391 s. `a` alone loses 1.277 s (1.2 after the load of 0.06, which long2 would gain), but
+    the short requests arriving meanwhile step beside long2 too: 0.45 * 1.277^2 / 2 = 0.367 s
+    more, 1.545 in all after the load, and p0 takes long2."""
+    c = _priced(300, 100, shorts=(8, 1, 12))
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert _scheduled(c.plan("p0")) == [("long2", 4)]
+    loss, here, gain, rho = c.sched.requests["long2"].hold_terms
+    assert (loss, here, rho) == pytest.approx((12 / 9.4 + 0.45 * (12 / 9.4) ** 2 / 2, 12 / 9.4,
+                                               0.06))
+    assert here * (1 - rho) < gain < loss * (1 - rho)
+    assert c.sched.num_long_prefills_left == 1
+    c.run()
+    assert c.workers["d0"].prompt_tokens == 0
+    c.assert_all_free()
+
+
 def test_without_pricing_a_decode_worker_holds_whatever_its_batch_loses():
     """The case above where p0 takes long2 (a gain of 0.6 s against 1.2), with
     --no-price-holds: d0 holds it, as the shared-cores bypass alone says."""
@@ -713,6 +770,26 @@ def test_a_long_prompt_older_than_the_load_window_no_longer_counts():
     assert _scheduled(c.plan("p0")) == [("long2", 4)]
     assert c.sched.num_long_prefills_left == 1
     c.run()
+    c.assert_all_free()
+
+
+@pytest.mark.parametrize("shorts, held", [(0, True), (5, False)])
+def test_short_prompts_arriving_slow_a_held_prompt_so_the_saturated_bypass_may_leave_it(
+        shorts, held):
+    """Unpriced: p0 would be done with long1 and long2 in 4 s; d0, at 250 ms a prompt token
+    beside its batch, would take 12 / (4 - 0.2) = 3.16 s for long2 with only `a` (4 tokens)
+    in the window, and holds it. After five more short prompts of 4 tokens, 1.2 tokens a
+    second go first in d0's steps: 12 / 2.8 = 4.29 s, no sooner than p0, which takes it."""
+    c = _a_decodes_while_p0_chunks_long1(shorts=shorts, decode_step_target_ms=1000,
+                                         price_holds=False)
+    c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.1
+    c.sched.workers["d0"].prefill_speed.seconds_per_token = 0.25
+    before = c.workers["d0"].prompt_tokens
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert c.sched.prefill.short_load().tokens_per_s == pytest.approx((shorts + 1) * 4 / 20)
+    assert _scheduled(c.plan("d0")) == ([("a", 1), ("long2", 7)] if held else [("a", 1)])
+    c.run()
+    assert c.workers["d0"].prompt_tokens - before == (12 if held else 0)
     c.assert_all_free()
 
 

@@ -13,7 +13,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 
 from benchmarks.loadgen import Record
 from benchmarks.request_spans import wait_for
-from benchmarks.spans import SETTLE_S, Receiver, attach
+from benchmarks.serve import long_prompts
+from benchmarks.spans import SETTLE_S, Receiver, attach, hold_terms, phases
 from common.tracing import REQUEST_SPAN
 
 TRACE = bytes(range(16))
@@ -152,3 +153,28 @@ def test_the_phase_table_of_a_request_with_no_prefill_step_waits_until_the_spans
         assert {r[1] for r in trace["spans"]} >= {"gateway.generate", "worker.decode"}
     finally:
         receiver.close()
+
+
+def test_a_priced_placement_puts_its_estimates_beside_the_long_prompt_it_placed():
+    """The placement that priced a hold gives the record its terms (the take-back's placement
+    after it has none), and the long-prompt table prints the times the scheduler expected on
+    the decode worker (here) and on a prefill worker (here + gain) beside the batch's loss."""
+    terms = {"pdserve.hold_loss_s": 1.5, "pdserve.hold_here_s": 4.25,
+             "pdserve.hold_gain_s": 2.0, "pdserve.prefill_long_load": 0.5}
+    trace = {"start_ns": T0, "spans": [
+        ("pdserve-scheduler", "scheduler.queue", 1.0, 3.0, {}),
+        ("pdserve-scheduler", "scheduler.placement", 3.0, 4.0,
+         {"pdserve.decode_worker": "d0", **terms}),
+        ("pdserve-scheduler", "scheduler.placement", 900.0, 901.0,
+         {"pdserve.decode_worker": "d0", "pdserve.taken_back": True}),
+        ("pdserve-decode-worker", "worker.prefill", 5.0, 6000.0,
+         {"pdserve.worker_id": "d0", "pdserve.tokens": 3000, "pdserve.threads": 1})]}
+    assert hold_terms(trace) == [1.5, 4.25, 2.0, 0.5]
+    rec = Record(prompt_tokens=3000, start=2.0, first=8.0, id="cmpl-1", sent_unix=T0 / 1e9,
+                 phases=phases(trace, T0 / 1e9, 2.0), hold=hold_terms(trace))
+    header, line = long_prompts([rec], 1000)
+    assert header.split()[-3:] == ["here", "there", "loss"]
+    assert line.split()[-3:] == ["4.25", "6.25", "1.50"]
+    assert "x1" in line  # its one step on the decode worker
+    unpriced = Record(prompt_tokens=3000, start=2.0, first=8.0, phases=rec.phases)
+    assert long_prompts([unpriced], 1000)[1] == line[:line.index("4.25")].rstrip()
