@@ -136,7 +136,8 @@ class Prefill:
         self._threads = threads  # the threads a worker's next step runs on (cores.py)
         self.num_long_on_decode = 0  # long prompts decode workers took beside their batch
         self.num_long_taken_back = 0  # ... that went back to a prefill worker (`to_take_back`)
-        self.num_long_left = 0  # ... that one would have taken but for its batch (`_hold_pays`)
+        self.num_long_left = 0  # ... that one would have taken but for its batch (`_hold_pays`),
+                                # counted when a prefill worker starts them
         self._long_arrivals: deque[tuple[float, int]] = deque()  # (clock, prompt tokens)
         # (clock, prompt tokens, tokens it generates at most)
         self._short_arrivals: deque[tuple[float, int, int]] = deque()
@@ -351,6 +352,8 @@ class Prefill:
         req.num_computed_tokens = hit * w.kv.block_size
         if req.num_cached_tokens is None:  # first admission: the hit the client is told
             req.num_cached_tokens = req.num_computed_tokens
+            if w.role == "prefill" and req.hold_declined:
+                self.num_long_left += 1  # a decode worker's batch would have lost more
         if self._beside_batch(w, req):
             self.num_long_on_decode += 1
             req.held_at, req.held_from = self._clock(), req.num_computed_tokens
@@ -466,10 +469,12 @@ class Prefill:
     def _held_seconds(self, w: WorkerState, todo: int, threads: int) -> float | None:
         """Seconds decode worker w would take for `todo` tokens of a long prompt beside its
         batch, its steps on `threads` threads: they compute a prompt token in the time measured
-        on as many (its batch stepping beside it), and the short prompts that arrive meanwhile
-        (`short_load`) go first in them, so the long prompt gets the pace they leave; inf
-        where they would leave it none, None while w's speed is unmeasured."""
-        if not (per_token := w.prefill_speed.on(threads)):
+        on as many (its batch stepping beside it) in its steps beside the last long prompt it
+        held (before it held one: in any step with prompt tokens, which a batch that then
+        carried a few short prompts makes look slower), and the short prompts that arrive
+        meanwhile (`short_load`) go first in them, so the long prompt gets the pace they
+        leave; inf where they would leave it none, None while w's speed is unmeasured."""
+        if not (per_token := w.held_speed.on(threads) or w.prefill_speed.on(threads)):
             return None
         pace = 1 / per_token - self.short_load().tokens_per_s
         return todo / pace if pace > 0 else math.inf
@@ -518,8 +523,9 @@ class Prefill:
         (a busy period's arrivals), so the hold pays when loss * (1 - rho) < there - here, and
         always at rho >= 1. It never pays where the short prompts would leave the long one no
         pace (`here` inf). Unmeasured paces, or no step target, or --no-price-holds: it pays
-        (the hold as before). The terms go on the request (its placement span); a prompt it
-        does not pay for counts once in num_long_left."""
+        (the hold as before). The terms and the verdict go on the request (its placement
+        span); a prompt it did not pay for when a prefill worker starts it counts in
+        num_long_left."""
         if not self.config.price_holds:
             return True
         target = self.config.decode_step_target_ms / 1000
@@ -533,14 +539,15 @@ class Prefill:
             short.rate * _stepped_beside(short.mean_tokens * target, here)
         req.hold_terms = (loss, here, there - here, rho)
         if rho >= 1 or loss * (1 - rho) < there - here:
+            req.hold_declined = False
             return True
         return self._declined(req)
 
-    def _declined(self, req: Request) -> bool:
-        """A hold declined (False): req counts once in num_long_left."""
-        if not req.hold_declined:
-            req.hold_declined = True
-            self.num_long_left += 1
+    @staticmethod
+    def _declined(req: Request) -> bool:
+        """A hold declined (False), as last priced: should a prefill worker start req, it
+        counts in num_long_left (`_try_admit`)."""
+        req.hold_declined = True
         return False
 
     def short_load(self) -> ShortLoad:

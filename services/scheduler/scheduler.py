@@ -307,9 +307,10 @@ class Scheduler:
         step = w.steps[0] if result.more else w.steps.popleft()
         if step.prefill_tokens >= MIN_TIMED_PREFILL:  # fewer (a last chunk) say little
             seconds = self.clock() - step.planned_at
-            w.prefill_speed.observe(step.prefill_tokens, seconds,
-                                    None if self._crowded(w, step) else step.threads)
+            threads = None if self._crowded(w, step) else step.threads
+            w.prefill_speed.observe(step.prefill_tokens, seconds, threads)
             if step.held:
+                w.held_speed.observe(step.prefill_tokens, seconds, threads)
                 self.prefill.held_step_timed(w, step.threads, step.prefill_tokens, seconds)
         w.step_answered(step, self.clock())
         ran = step.request_ids

@@ -72,6 +72,8 @@ class WorkerState:
     steps: deque[Step] = field(default_factory=deque)     # planned, result not in yet; oldest first
     counters: WorkerCounters = WorkerCounters()
     prefill_speed: PrefillSpeed = field(default_factory=PrefillSpeed)
+    held_speed: PrefillSpeed = field(default_factory=PrefillSpeed)  # ... of a decode worker's
+                                    # steps beside a long prompt it holds (`Step.held`)
     leaving: bool = False  # it asked to leave: nothing new goes to it (Workers.of_role)
     # a decode worker holding a long prompt: the prompt tokens of its next step by the threads
     # that step runs on (0: a worker whose threads are not managed), sized from the time of the

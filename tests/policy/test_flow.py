@@ -272,6 +272,30 @@ def test_steps_beside_a_long_prompt_are_sized_to_the_decode_step_target():
     c.assert_all_free()
 
 
+def test_the_steps_beside_a_held_prompt_have_their_own_speed():
+    """A step of d0's with a short prompt's 16 tokens (p0 busy with long1) that took 32 ms
+    counts for d0's prefill speed alone; its steps beside long2, which it holds, for both."""
+    c = Cluster({"p0": 128, "d0": 256}, prefill_bypass_threshold=20, decode_prefill_tokens=64,
+                decode_long_prefill_tokens=16, decode_step_target_ms=100, price_holds=False)
+    c.submit("long1", list(range(1000, 1200)), max_tokens=1)
+    c.plan("p0")
+    c.submit("short", list(range(3000, 3016)), max_tokens=1)
+    assert _scheduled(c.plan("d0")) == [("short", 16)]
+    c.now += 0.032
+    c.run_step("d0")
+    d0 = c.sched.workers["d0"]
+    assert (d0.prefill_speed.seconds_per_token, d0.held_speed.seconds_per_token) == \
+        pytest.approx((0.002, 0.0))
+    c.submit("long2", list(range(2000, 2156)), max_tokens=1)
+    assert _scheduled(c.plan("d0")) == [("long2", 16)]
+    c.now += 0.080
+    c.run_step("d0")
+    assert d0.held_speed.by_threads == pytest.approx({0: 0.005})
+    assert d0.prefill_speed.seconds_per_token == pytest.approx(0.2 * 0.005 + 0.8 * 0.002)
+    c.run()
+    c.assert_all_free()
+
+
 def test_a_decode_step_target_of_zero_keeps_the_long_prompt_chunk_fixed():
     c = Cluster({"p0": 128, "d0": 256}, prefill_bypass_threshold=4, decode_prefill_tokens=64,
                 decode_long_prefill_tokens=16, decode_step_target_ms=0)
@@ -680,15 +704,19 @@ def _priced(share_ms, step_ms, earlier_long=0, shorts=(0, 0, 0), **config):
     (300, 1000, 0, True), (300, 100, 0, False)])
 def test_a_decode_worker_holds_a_lone_long_prompt_only_when_it_gains_more_than_its_batch_loses(
         share_ms, step_ms, earlier_long, held):
-    """`a` has 8 tokens left; long2 (12 tokens) would take d0 1.2 s beside it, and `a`'s
-    steps would be 1 s long meanwhile: `a` loses 1.2 s. On p0 long2 would take 12 * 0.4 = 4.8
-    s on its share while `a` lives (8 s): it gains 3.6 s, and d0 holds it. On a share of 150
-    ms a token (1.8 s) it gains 0.6 s, less than `a` loses at a load of 12 * 0.1 / 20 = 0.06
-    (1.2 * 0.94), and p0 takes it; unless the earlier long prompt (108 tokens) brings the
-    load to (108 + 12) * 0.1 / 20 = 0.6: 1.2 * 0.4 = 0.48 < 0.6. On a share of 300 ms a
-    token long2 gains 3.6 - 1.2 s while `a` lives through its three chunks; with `a` stepping
-    every 100 ms it lives 0.8 s, through long2's first chunk only (4 * 0.3 s), and the other
-    two go on both cores (8 * 0.1 s): 2 s in all, a gain of 0.8 s, less than `a`'s 1.2."""
+    """`a` has 8 tokens left; long2 (12 tokens) would take d0 12 / (10 - 0.2) = 1.22 s beside
+    it (`a`'s 4 prompt tokens, the short load of the last 20 s, go first in its steps), and
+    `a`'s steps would be 1 s long meanwhile: `a` loses 1.22 s, and the short requests
+    arriving meanwhile (one in 20 s) 0.05 * 1.22^2 / 2 = 0.04 s more: 1.26. On p0 long2 would
+    take 12 * 0.4 = 4.8 s on its share while `a` lives (8 s): it gains 3.58 s, and d0 holds
+    it. On a share of 150 ms a token (1.8 s) it gains 0.58 s, less than the batch loses at a
+    load of 12 * 0.1 / 20 = 0.06 (1.26 * 0.94), and p0 takes it; unless the earlier long
+    prompt (108 tokens) brings the load to (108 + 12) * 0.1 / 20 = 0.6: 1.26 * 0.4 = 0.50 <
+    0.58. On a share of 300 ms a token long2 gains 3.6 - 1.22 s while `a` lives through its
+    three chunks; with `a` stepping every 100 ms it lives 0.8 s, through long2's first chunk
+    only (4 * 0.3 s), and the other two go on both cores but while a short request arriving
+    would step (1 - e^(-0.05 * 1.2) = 6% of the time): 8 * 0.112 s, 2.09 s in all, a gain of
+    0.87 s, less than 1.26 * 0.94."""
     c = _priced(share_ms, step_ms, earlier_long)
     a = c.sched.requests["a"]
     assert a.max_tokens - len(a.output_token_ids) == 8
@@ -748,6 +776,24 @@ def test_short_requests_arriving_during_a_hold_count_in_what_it_costs():
     c.assert_all_free()
 
 
+def test_a_long_prompt_declined_then_held_as_the_load_rises_is_not_counted_as_left():
+    """d0 prices long2 first (the share of 150 ms a token: a gain of 0.58 s against 1.26) and
+    leaves it; before p0 starts it, a 108-token prompt arrives, the load rises to 0.6, and
+    d0's next step holds long2 (1.26 * 0.4 < 0.58): it is not counted as left, and its
+    placement no longer says declined."""
+    c = _priced(150, 1000)
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert _scheduled(c.plan("d0")) == [("a", 1)]
+    assert c.sched.requests["long2"].hold_declined
+    c.run_step("d0")
+    c.submit("burst", list(range(700, 808)), max_tokens=1)
+    assert _scheduled(c.plan("d0")) == [("a", 1), ("long2", 3)]
+    assert not c.sched.requests["long2"].hold_declined
+    c.run()
+    assert (c.sched.num_long_prefills_on_decode, c.sched.num_long_prefills_left) == (1, 0)
+    c.assert_all_free()
+
+
 def test_without_pricing_a_decode_worker_holds_whatever_its_batch_loses():
     """The case above where p0 takes long2 (a gain of 0.6 s against 1.2), with
     --no-price-holds: d0 holds it, as the shared-cores bypass alone says."""
@@ -793,15 +839,34 @@ def test_short_prompts_arriving_slow_a_held_prompt_so_the_saturated_bypass_may_l
     c.assert_all_free()
 
 
+def test_the_pace_beside_the_last_held_prompt_prices_the_next_hold():
+    """The 300 ms case below, with d0's steps with prompt tokens at 50 ms a token but those
+    beside the long prompt it held last at 300: the hold is priced at the latter, 3.83 s for
+    long2 against the 4 s p0 would take, and the 4.2 s the batch would lose: p0 takes it."""
+    c = _a_decodes_while_p0_chunks_long1(decode_step_target_ms=1000)
+    c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.1
+    d0 = c.sched.workers["d0"]
+    d0.prefill_speed.seconds_per_token, d0.held_speed.seconds_per_token = 0.05, 0.3
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert _scheduled(c.plan("d0")) == [("a", 1)]
+    assert c.sched.requests["long2"].hold_terms[1] == pytest.approx(12 / (1 / 0.3 - 0.2))
+    c.run()
+    assert c.sched.num_long_prefills_left == 1
+    assert c.workers["d0"].prompt_tokens == 0
+    c.assert_all_free()
+
+
 @pytest.mark.parametrize("decode_ms_per_token, held", [(50, True), (300, False)])
 def test_the_saturated_bypass_holds_a_long_prompt_only_when_it_gains_more_than_the_batch_loses(
         decode_ms_per_token, held):
     """p0 chunks long1 (40 tokens) at 100 ms a token with 28 to go; long2 (12 tokens) would be
     done there in 4 s. d0, decoding `a` (10 tokens left) in held steps of 1 s, would be done
-    with long2 in 0.6 s at 50 ms a token: a gain of 3.4 s against `a`'s 0.6 (load (40 + 12) *
-    0.1 / 20 = 0.26), and it holds it. At 300 ms a token it would still be done sooner (3.6
-    s), but gain 0.4 s against the 3.6 `a` loses (10 steps of 1 s, capped at the hold's
-    length; 3.6 * 0.74 > 0.4): p0 takes long2 after long1."""
+    with long2 in 12 / (20 - 0.2) = 0.61 s at 50 ms a token (`a`'s prompt tokens go first): a
+    gain of 3.39 s against the batch's 0.62 (load (40 + 12) * 0.1 / 20 = 0.26), and it holds
+    it. At 300 ms a token it would still be done sooner (12 / (3.33 - 0.2) = 3.83 s), but
+    gain 0.17 s against the 4.2 the batch loses (`a`'s 10 steps of 1 s capped at the hold's
+    length, and the short requests arriving meanwhile; 4.2 * 0.74 > 0.17): p0 takes long2
+    after long1."""
     c = _a_decodes_while_p0_chunks_long1(decode_step_target_ms=1000)
     a = c.sched.requests["a"]
     assert (a.max_tokens - len(a.output_token_ids), c.sched.requests["long1"].num_computed_tokens,
@@ -810,9 +875,9 @@ def test_the_saturated_bypass_holds_a_long_prompt_only_when_it_gains_more_than_t
     c.sched.workers["d0"].prefill_speed.seconds_per_token = decode_ms_per_token / 1000
     c.submit("long2", list(range(200, 212)), max_tokens=1)
     assert _scheduled(c.plan("d0")) == ([("a", 1), ("long2", 7)] if held else [("a", 1)])
-    assert (c.sched.num_long_prefills_on_decode, c.sched.num_long_prefills_left) == \
-        (int(held), int(not held))
+    assert c.sched.num_long_prefills_on_decode == int(held)
     c.run()
+    assert c.sched.num_long_prefills_left == int(not held)  # counted once p0 started it
     assert c.workers["d0"].prompt_tokens == (12 if held else 0)
     assert c.workers["p0"].prompt_tokens == 4 + 40 + (0 if held else 12)
     c.assert_all_free()
