@@ -268,7 +268,7 @@ class Prefill:
         done, elapsed = req.num_computed_tokens - req.held_from, self._clock() - req.held_at
         if done > 0 and elapsed > 0:
             return left * elapsed / done
-        return self._held_seconds(d, left, self._threads(d))
+        return self._held_seconds(d, left, self._threads(d), shorts=False)
 
     def _fillable(self, d: WorkerState, p: WorkerState, req: Request, hashed: int,
                   cached: int) -> int:
@@ -409,8 +409,26 @@ class Prefill:
         if not self._has_room(w, todo) or any(map(self._free, prefills)):
             return False
         there = self._elsewhere_seconds(req, todo, prefills)
-        here = self._held_seconds(w, todo, self._threads(w))
-        return self._done_sooner_here(here, there) and self._hold_pays(w, req, here, there)
+        here = self._held_seconds(w, todo, self._threads(w), shorts=True)
+        if not self._done_sooner_here(here, there) and not self._newest_at_overload(req):
+            return False
+        return self._hold_pays(w, req, here, there)
+
+    def _newest_at_overload(self, req: Request) -> bool:
+        """Whether req is the newest long prompt in the waiting queue's lookahead while the
+        prefill workers' load (`long_load`) is 1 or more: a decode worker that would finish
+        none of them sooner than a prefill worker takes this one all the same. Each long
+        prompt a prefill worker computes delays every one queued or arriving after it, so the
+        decode worker's share of its cores goes to prompts while they keep coming; the older
+        ones keep their turn on the prefill worker, and the newest, which would wait there
+        longest, takes the slower lane (of two prompts that a decode worker would finish
+        after a prefill worker, holding the older one would give it the later first token: its
+        wait so far and then the slower lane's time)."""
+        rho = self.long_load()
+        if rho is None or rho < 1:
+            return False
+        longs = [r for r in itertools.islice(self.waiting, self.lookahead) if self._long_here(r)]
+        return bool(longs) and longs[-1] is req
 
     def _has_room(self, w: WorkerState, todo: int) -> bool:
         """Whether decode worker w keeps a quarter of its blocks free after a long prompt's."""
@@ -435,7 +453,8 @@ class Prefill:
             and not any(map(self._long_here, self._partials(w))) and self._has_room(w, todo) \
             and todo <= self._prefill_todo(req, hashes) \
             and any(shares_cores(w, p) and self._free(p)
-                    and self._hold_pays(w, req, self._held_seconds(w, todo, len(w.cpu_cores)),
+                    and self._hold_pays(w, req,
+                                        self._held_seconds(w, todo, len(w.cpu_cores), False),
                                         self._on_share_seconds(w, p, todo))
                     for p in prefills)
 
@@ -466,17 +485,20 @@ class Prefill:
             return True
         return here * self.config.decode_hold_margin < there
 
-    def _held_seconds(self, w: WorkerState, todo: int, threads: int) -> float | None:
+    def _held_seconds(self, w: WorkerState, todo: int, threads: int,
+                      shorts: bool) -> float | None:
         """Seconds decode worker w would take for `todo` tokens of a long prompt beside its
         batch, its steps on `threads` threads: they compute a prompt token in the time measured
         on as many (its batch stepping beside it) in its steps beside the last long prompt it
         held (before it held one: in any step with prompt tokens, which a batch that then
-        carried a few short prompts makes look slower), and the short prompts that arrive
-        meanwhile (`short_load`) go first in them, so the long prompt gets the pace they
-        leave; inf where they would leave it none, None while w's speed is unmeasured."""
+        carried a few short prompts makes look slower). With `shorts` (every prefill worker
+        busy), the short prompts that arrive meanwhile (`short_load`) go first in its steps,
+        so the long prompt gets the pace they leave (inf where they would leave it none);
+        while a prefill worker is free they go to that one. None while w's speed is
+        unmeasured."""
         if not (per_token := w.held_speed.on(threads) or w.prefill_speed.on(threads)):
             return None
-        pace = 1 / per_token - self.short_load().tokens_per_s
+        pace = 1 / per_token - (self.short_load().tokens_per_s if shorts else 0.0)
         return todo / pace if pace > 0 else math.inf
 
     def _on_share_seconds(self, w: WorkerState, p: WorkerState, todo: int) -> float | None:

@@ -704,19 +704,18 @@ def _priced(share_ms, step_ms, earlier_long=0, shorts=(0, 0, 0), **config):
     (300, 1000, 0, True), (300, 100, 0, False)])
 def test_a_decode_worker_holds_a_lone_long_prompt_only_when_it_gains_more_than_its_batch_loses(
         share_ms, step_ms, earlier_long, held):
-    """`a` has 8 tokens left; long2 (12 tokens) would take d0 12 / (10 - 0.2) = 1.22 s beside
-    it (`a`'s 4 prompt tokens, the short load of the last 20 s, go first in its steps), and
-    `a`'s steps would be 1 s long meanwhile: `a` loses 1.22 s, and the short requests
-    arriving meanwhile (one in 20 s) 0.05 * 1.22^2 / 2 = 0.04 s more: 1.26. On p0 long2 would
-    take 12 * 0.4 = 4.8 s on its share while `a` lives (8 s): it gains 3.58 s, and d0 holds
-    it. On a share of 150 ms a token (1.8 s) it gains 0.58 s, less than the batch loses at a
-    load of 12 * 0.1 / 20 = 0.06 (1.26 * 0.94), and p0 takes it; unless the earlier long
-    prompt (108 tokens) brings the load to (108 + 12) * 0.1 / 20 = 0.6: 1.26 * 0.4 = 0.50 <
-    0.58. On a share of 300 ms a token long2 gains 3.6 - 1.22 s while `a` lives through its
-    three chunks; with `a` stepping every 100 ms it lives 0.8 s, through long2's first chunk
-    only (4 * 0.3 s), and the other two go on both cores but while a short request arriving
-    would step (1 - e^(-0.05 * 1.2) = 6% of the time): 8 * 0.112 s, 2.09 s in all, a gain of
-    0.87 s, less than 1.26 * 0.94."""
+    """`a` has 8 tokens left; long2 (12 tokens) would take d0 1.2 s beside it, and `a`'s
+    steps would be 1 s long meanwhile: `a` loses 1.2 s, and the short requests arriving
+    meanwhile (one in the last 20 s, `a`) 0.05 * 1.2^2 / 2 = 0.036 s more: 1.236. On p0 long2
+    would take 12 * 0.4 = 4.8 s on its share while `a` lives (8 s): it gains 3.6 s, and d0
+    holds it. On a share of 150 ms a token (1.8 s) it gains 0.6 s, less than the batch loses
+    at a load of 12 * 0.1 / 20 = 0.06 (1.236 * 0.94), and p0 takes it; unless the earlier
+    long prompt (108 tokens) brings the load to (108 + 12) * 0.1 / 20 = 0.6: 1.236 * 0.4 =
+    0.49 < 0.6. On a share of 300 ms a token long2 gains 3.6 - 1.2 s while `a` lives through
+    its three chunks; with `a` stepping every 100 ms it lives 0.8 s, through long2's first
+    chunk only (4 * 0.3 s), and the other two go on both cores but while a short request
+    arriving would step (1 - e^(-0.05 * 1.2) = 6% of the time): 8 * 0.112 s, 2.09 s in all, a
+    gain of 0.89 s, less than 1.236 * 0.94."""
     c = _priced(share_ms, step_ms, earlier_long)
     a = c.sched.requests["a"]
     assert a.max_tokens - len(a.output_token_ids) == 8
@@ -738,37 +737,37 @@ def test_short_prompts_arriving_keep_a_batch_stepping_so_a_lone_long_prompt_is_h
     """The case above where `a` lives through long2's first chunk only (300 ms a token on p0's
     share, `a` stepping every 100 ms), after five short prompts that each generated 100
     tokens: 6 short prompts in the window (`a` too), 0.3 a second, 24 tokens, 1.2 a second,
-    generating 85.3 tokens on average. d0 would take 12 / (10 - 1.2) = 1.364 s for long2. On
-    p0, after `a`'s 0.8 s, a batch keeps stepping a fraction 1 - e^(-0.3 * 8.53) = 0.922 of
-    the time, so the other two chunks take 8 * (0.922 * 0.3 + 0.078 * 0.1) = 2.276 s: 3.476
-    s in all, a gain of 2.113 s. `a` loses 1.364 s and the short requests arriving meanwhile
-    0.3 * 1.364^2 / 2 = 0.279: (1.364 + 0.279) * 0.94 < 2.113, and d0 holds long2 (without
-    the short prompts p0 would have taken it on 2 s, a gain of 0.8)."""
+    generating 85.3 tokens on average. d0 would take 1.2 s for long2 (the short prompts would
+    go to p0, free). On p0, after `a`'s 0.8 s, a batch keeps stepping a fraction
+    1 - e^(-0.3 * 8.53) = 0.922 of the time, so the other two chunks take
+    8 * (0.922 * 0.3 + 0.078 * 0.1) = 2.276 s: 3.476 s in all, a gain of 2.276 s. `a` loses
+    1.2 s and the short requests arriving meanwhile 0.3 * 1.2^2 / 2 = 0.216: (1.2 + 0.216) *
+    0.94 < 2.276, and d0 holds long2 (without the short prompts p0 would have taken it on 2 s,
+    a gain of 0.8)."""
     c = _priced(300, 100, shorts=(5, 4, 100))
     c.submit("long2", list(range(200, 212)), max_tokens=1)
     assert c.sched.prefill.short_load() == pytest.approx(ShortLoad(0.3, 1.2, 512 / 6))
     assert c.plan("p0") is None
     assert _scheduled(c.plan("d0")) == [("a", 1), ("long2", 3)]
     assert c.sched.requests["long2"].hold_terms == pytest.approx(
-        (12 / 8.8 + 0.3 * (12 / 8.8) ** 2 / 2, 12 / 8.8,
-         1.2 + 8 * (0.3 - 0.2 * math.exp(-0.3 * 512 / 60)) - 12 / 8.8, 0.06))
+        (1.2 + 0.3 * 1.2 ** 2 / 2, 1.2, 8 * (0.3 - 0.2 * math.exp(-0.3 * 512 / 60)), 0.06))
     c.run()
     assert c.workers["d0"].prompt_tokens == 12
     c.assert_all_free()
 
 
 def test_short_requests_arriving_during_a_hold_count_in_what_it_costs():
-    """The same, after eight short prompts of one token that each generated 12: 0.45 a
-    second, 0.6 tokens a second. d0 would take 12 / 9.4 = 1.277 s; on p0 long2 would gain
-    1.391 s. `a` alone loses 1.277 s (1.2 after the load of 0.06, which long2 would gain), but
-    the short requests arriving meanwhile step beside long2 too: 0.45 * 1.277^2 / 2 = 0.367 s
-    more, 1.545 in all after the load, and p0 takes long2."""
-    c = _priced(300, 100, shorts=(8, 1, 12))
+    """`a` stepping every second (it lives through long2), on a share of 200 ms a token, after
+    eight short prompts of one token that each generated 12: 9 in the window, 0.45 a second.
+    d0 would take 1.2 s for long2, p0 2.4 s: a gain of 1.2 s. `a` alone loses 1.2 s, 1.128
+    after the load of 0.06, less than that; but the short requests arriving meanwhile step
+    beside long2 too: 0.45 * 1.2^2 / 2 = 0.324 s more, 1.433 in all after the load, and p0
+    takes long2."""
+    c = _priced(200, 1000, shorts=(8, 1, 12))
     c.submit("long2", list(range(200, 212)), max_tokens=1)
     assert _scheduled(c.plan("p0")) == [("long2", 4)]
     loss, here, gain, rho = c.sched.requests["long2"].hold_terms
-    assert (loss, here, rho) == pytest.approx((12 / 9.4 + 0.45 * (12 / 9.4) ** 2 / 2, 12 / 9.4,
-                                               0.06))
+    assert (loss, here, gain, rho) == pytest.approx((1.2 + 0.45 * 1.2 ** 2 / 2, 1.2, 1.2, 0.06))
     assert here * (1 - rho) < gain < loss * (1 - rho)
     assert c.sched.num_long_prefills_left == 1
     c.run()
@@ -836,6 +835,28 @@ def test_short_prompts_arriving_slow_a_held_prompt_so_the_saturated_bypass_may_l
     assert _scheduled(c.plan("d0")) == ([("a", 1), ("long2", 7)] if held else [("a", 1)])
     c.run()
     assert c.workers["d0"].prompt_tokens - before == (12 if held else 0)
+    c.assert_all_free()
+
+
+@pytest.mark.parametrize("p0_seconds_per_token, held", [(1.0, "long3"), (0.1, None)])
+def test_at_overload_a_decode_worker_done_sooner_with_none_takes_the_newest_long_prompt(
+        p0_seconds_per_token, held):
+    """p0 chunks long1 (28 tokens to go); long2 and long3 (12 tokens each) wait. d0, at 3 s a
+    prompt token beside `a` and 0.2 tokens a second of short prompts, would take 12 / (1/3 -
+    0.2) = 90 s for either: later than p0 for both. At 1 s a token on p0 (40 and 52 s) the
+    load is (40 + 24) * 1 / 20 = 3.2: d0 takes the newest, long3, and long2 keeps its turn on
+    p0; d0 is done with long3 before p0 with long1, and long2, the newest then, goes to d0
+    too. At 0.1 s a token (4 and 5.2 s; load 0.32) it takes neither."""
+    c = _a_decodes_while_p0_chunks_long1(decode_step_target_ms=1000)
+    c.sched.workers["p0"].prefill_speed.seconds_per_token = p0_seconds_per_token
+    c.sched.workers["d0"].prefill_speed.seconds_per_token = 3.0
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    c.submit("long3", list(range(300, 312)), max_tokens=1)
+    assert c.sched.prefill.long_load() == pytest.approx(64 * p0_seconds_per_token / 20)
+    assert _scheduled(c.plan("d0")) == [("a", 1)] + ([(held, 7)] if held else [])
+    c.run()
+    assert c.workers["d0"].prompt_tokens == (24 if held else 0)
+    assert c.workers["p0"].prompt_tokens == 4 + 40 + (0 if held else 24)
     c.assert_all_free()
 
 

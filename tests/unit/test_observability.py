@@ -235,10 +235,9 @@ def test_a_long_prompt_left_to_a_prefill_worker_is_counted_and_traced(monkeypatc
               if s.name == "scheduler.placement"]
     assert [(a["pdserve.prefill_worker"], a["pdserve.hold_declined"]) for a in placed] == \
         [("p0", True)]
-    # d0 would take 12 / (10 - 0.2) s (`a`'s prompt tokens arriving, 4 in 20 s, go first in
-    # its steps); `a` would lose as much and the short requests arriving meanwhile (one in 20 s)
-    # h^2 / 2 at 0.05 a second; long2 would gain 1.8 - h s, at a load of 0.06
-    h = 12 / 9.8
+    # d0 would take 1.2 s; `a` would lose as much and the short requests arriving meanwhile
+    # (one in 20 s) 1.2^2 / 2 s at 0.05 a second; long2 would gain 1.8 - 1.2 s, at a load of 0.06
+    h = 1.2
     assert (placed[0]["pdserve.hold_loss_s"], placed[0]["pdserve.hold_here_s"],
             placed[0]["pdserve.hold_gain_s"], placed[0]["pdserve.prefill_long_load"]) == \
         pytest.approx((h + 0.05 * h * h / 2, h, 1.8 - h, 0.06))
