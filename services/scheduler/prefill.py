@@ -29,7 +29,9 @@ Who prefills a prompt:
                                      the pace the short prompts arriving leave it,
                                      `_held_seconds`) it finishes the prompt before a prefill
                                      worker would get through its backlog and the prompt (in
-                                     1/--decode-hold-margin of that time), or
+                                     1/--decode-hold-margin of that time), the oldest such one
+                                     waiting; or, at a prefill load of 1 or more, finishing
+                                     none sooner, the newest (`_newest_at_overload`), or
                                    - its KV transfer failed once (prefill_locally)
                                    and, among prefill workers, the one caching most of its
                                    prefix
