@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import shlex
 import statistics
@@ -172,8 +171,10 @@ def long_prompts(records: list[Record], long_at: int) -> list[str]:
                          f"x{len(steps):<3}" if steps else "")
         queued = sum(b - a for p, a, b, *_ in r.phases if p == "queue")
         kv = sum(b - a for p, a, b, *_ in r.phases if p == "kv")
-        loss, here, gain, _ = r.hold or (math.nan,) * 4
-        est = f"  {here:8.2f} {here + gain:6.2f} {loss:6.2f}" if r.hold else ""
+        est = ""
+        if r.hold:
+            loss, here, gain, _ = r.hold
+            est = f"  {here:8.2f} {here + gain:6.2f} {loss:6.2f}"
         lines.append(f"{r.start:8.2f} {r.prompt_tokens:6d} {r.ttft:6.2f} {queued:6.2f}  "
                      f"{cells[0]:>20}  {cells[1]:>20} {kv:5.2f}{est}")
     return lines
