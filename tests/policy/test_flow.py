@@ -776,9 +776,9 @@ def test_short_requests_arriving_during_a_hold_count_in_what_it_costs():
 
 
 def test_a_long_prompt_declined_then_held_as_the_load_rises_is_not_counted_as_left():
-    """d0 prices long2 first (the share of 150 ms a token: a gain of 0.58 s against 1.26) and
-    leaves it; before p0 starts it, a 108-token prompt arrives, the load rises to 0.6, and
-    d0's next step holds long2 (1.26 * 0.4 < 0.58): it is not counted as left, and its
+    """d0 prices long2 first (the share of 150 ms a token: a gain of 0.6 s against 1.236 * 0.94)
+    and leaves it; before p0 starts it, a 108-token prompt arrives, the load rises to 0.6, and
+    d0's next step holds long2 (1.236 * 0.4 < 0.6): it is not counted as left, and its
     placement no longer says declined."""
     c = _priced(150, 1000)
     c.submit("long2", list(range(200, 212)), max_tokens=1)
@@ -839,7 +839,7 @@ def test_short_prompts_arriving_slow_a_held_prompt_so_the_saturated_bypass_may_l
 
 
 @pytest.mark.parametrize("p0_seconds_per_token, held", [(1.0, "long3"), (0.1, None)])
-def test_at_overload_a_decode_worker_done_sooner_with_none_takes_the_newest_long_prompt(
+def test_at_overload_a_decode_worker_sooner_with_no_long_prompt_takes_the_newest(
         p0_seconds_per_token, held):
     """p0 chunks long1 (28 tokens to go); long2 and long3 (12 tokens each) wait. d0, at 3 s a
     prompt token beside `a` and 0.2 tokens a second of short prompts, would take 12 / (1/3 -
