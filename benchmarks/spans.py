@@ -15,7 +15,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from common.tracing import REQUEST_SPAN
+from common.tracing import HOLD_TERMS, REQUEST_SPAN
 
 # what a timeline draws of a request, in the order a request meets them
 TIMELINE_PHASES = {"scheduler.queue": "queue", "worker.prefill": "prefill",
@@ -103,10 +103,6 @@ def request_traces(spans: list[tuple[str, Span]]) -> list[dict]:
                  (s.end_time_unix_nano - t0) / 1e6, attributes(s)) for svc, s in group]
         out.append({"start_ns": t0, "spans": sorted(rows, key=lambda r: r[2])})
     return sorted(out, key=lambda t: t["start_ns"])
-
-
-HOLD_TERMS = ("pdserve.hold_loss_s", "pdserve.hold_here_s", "pdserve.hold_gain_s",
-              "pdserve.prefill_long_load")
 
 
 def hold_terms(trace: dict) -> list[float]:

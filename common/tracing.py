@@ -25,6 +25,9 @@ from collections.abc import Iterator, Mapping, MutableMapping
 
 SERVICE_PREFIX = "pdserve-"
 REQUEST_SPAN = "/pdserve.scheduler.Scheduler/Generate"  # as the gRPC instrumentation names it
+# a priced hold's attributes on the placement span, in the order of Request.hold_terms
+HOLD_TERMS = ("pdserve.hold_loss_s", "pdserve.hold_here_s", "pdserve.hold_gain_s",
+              "pdserve.prefill_long_load")
 _enabled = False
 
 

@@ -118,8 +118,7 @@ class SchedulerTelemetry:
                  "pdserve.taken_back": req.taken_back,
                  "pdserve.hold_declined": req.hold_declined}
         if req.hold_terms is not None:
-            attrs.update(zip(("pdserve.hold_loss_s", "pdserve.hold_here_s", "pdserve.hold_gain_s",
-                              "pdserve.prefill_long_load"), req.hold_terms))
+            attrs.update(zip(tracing.HOLD_TERMS, req.hold_terms))
         tracing.record_span("scheduler.placement", planned_at, now, t.context, attrs)
         assert t.span is not None, "on_generate sets the span whenever it sets the context"
         t.span.set_attributes(attrs)
