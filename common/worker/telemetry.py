@@ -239,6 +239,14 @@ class _CountersCollector:
                 labels=["worker_id", "role"])
             m.add_metric(self.key, self.worker.taken)
             yield m
+            m = CounterMetricFamily(
+                PREFIX + "worker_cpu_starved_seconds",
+                "Wall seconds of steps (of 0.5 s or more) whose thread ran on a core less than a "
+                "quarter of the time: another process busy on the worker's cores. A prefill "
+                "worker sharing cores runs at nice 19 and yields them to any such process.",
+                labels=["worker_id", "role"])
+            m.add_metric(self.key, self.worker.starved_s)
+            yield m
         if not self.worker.runner.num_speculative_tokens:
             return
         for name, value, doc in (

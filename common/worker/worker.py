@@ -6,6 +6,7 @@ No I/O here besides the KV transport calls the plan orders; the gRPC loop lives 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +35,15 @@ from common.worker.model_runner import ModelRunner, RequestState, stops
 from common.worker.pipeline import LastStage, Outcome
 
 log = logging.getLogger(__name__)
+
+# A step of STARVED_MIN_S or more whose thread ran less than STARVED_SHARE of that time was kept
+# off its core: on a CPU a step's thread computes throughout (its OpenMP team's first thread).
+# A prefill worker sharing cores runs at nice 19 and yields its core to any busy process, not
+# only to the decode worker: beside one busy loop a ~950-token prompt took 60-80 s instead of
+# 1-2 (2-core Zen 1). Shorter steps say little (a wake-up, a burst of the gateway's).
+STARVED_MIN_S = 0.5
+STARVED_SHARE = 0.25
+STARVED_LOG_EVERY_S = 60.0
 
 
 @dataclass
@@ -76,6 +86,8 @@ class Worker:
         self.board = board  # a CPU worker's: which peers sharing its cores step now
         self.yielded = 0  # times a step gave lent cores back to a peer (core_board.py)
         self.taken = 0  # times a step took a quiet peer's cores beyond its plan
+        self.starved_s = 0.0  # wall seconds of its steps kept off their core (STARVED_SHARE)
+        self._starved_logged = float("-inf")
         self._planned_threads = 0  # the running step's plan's CPU threads (0: not planned)
         self._streamer: LayerStreamer | None = None  # sends of the step that ran last
         self.requests: dict[str, RequestState] = {}
@@ -139,6 +151,7 @@ class Worker:
         board = self.board if plan.scheduled else None  # steps that compute tokens
         if board is not None:
             board.stepping(True)
+        start, cpu = time.monotonic(), time.thread_time()
         try:
             with on_device(self.cache.tensor.device):
                 if sub_step == 0:
@@ -147,8 +160,26 @@ class Worker:
         finally:
             if board is not None:
                 board.stepping(False)
+                self._cpu_share(time.monotonic() - start, time.thread_time() - cpu)
             if plan.num_threads and torch.get_num_threads() > threads:
                 torch.set_num_threads(threads)  # cores taken go back with the step
+
+    def _cpu_share(self, wall: float, cpu: float) -> None:
+        """Counts a step that ran `wall` seconds with its thread on a core for `cpu` of them as
+        starved where that is under STARVED_SHARE (and the step STARVED_MIN_S or more), and
+        says so in the log at most every STARVED_LOG_EVERY_S."""
+        if wall < STARVED_MIN_S or cpu >= STARVED_SHARE * wall:
+            return
+        self.starved_s += wall
+        now = time.monotonic()
+        if now - self._starved_logged >= STARVED_LOG_EVERY_S:
+            self._starved_logged = now
+            niced = os.getpriority(os.PRIO_PROCESS, 0) > 0  # this thread's nice value
+            log.warning("a step of %.1f s ran on a core for %.2f s of it: another process is "
+                        "busy on this worker's cores%s; give the server cores of its own "
+                        "(pdserve up --pin-cpus, --cpu-cores, a cpuset)", wall, cpu,
+                        " and this worker, at a lower priority (--cpu-nice), yields them to it"
+                        if niced else "")
 
     def _yield_check(self) -> Callable[[int], None] | None:
         """For a step of a worker sharing its cores with peers (core_board.py), what runs after

@@ -1,7 +1,9 @@
 """Workers sharing cores give lent ones back mid-step (common/worker/core_board.py): which peers
 a board counts as stepping (or as stepped lately), a real worker's step dropping to its share at
 the first layer that ends with a peer stepping, and one planned on its share taking a peer's
-cores once that one has been quiet for QUIET_S; its tokens unchanged."""
+cores once that one has been quiet for QUIET_S; its tokens unchanged. A step kept off its core
+by another process counts as starved."""
+import logging
 import multiprocessing
 import os
 import time
@@ -11,6 +13,7 @@ import torch
 
 from common.worker.core_board import BOARD_PREFIX, QUIET_S, RESCAN_S, CoreBoard, core_mask
 from common.worker.telemetry import _CountersCollector
+from common.worker.worker import STARVED_MIN_S
 from tests.unit.test_scheduler_inprocess import _greedy, _prompt, cluster, hf  # noqa: F401
 
 
@@ -283,6 +286,51 @@ def test_a_worker_on_one_core_gives_its_extra_threads_back_while_a_peer_steps(cl
     peer.stepping(False)
     c.run()
     assert c.tokens("a") == _greedy(hf, prompt, 3)
+    c.assert_all_free()
+
+
+def _starved_metric(worker) -> float:
+    metric, = [m for m in _CountersCollector(worker, "w", "decode").collect()
+               if m.name == "pdserve:worker_cpu_starved_seconds"]
+    return metric.samples[0].value
+
+
+def test_a_step_kept_off_its_core_counts_as_starved_and_says_so_once(cluster, hf, tmp_path,
+                                                                     caplog):
+    """Steps whose thread is off its core for most of their time (it sleeps in each layer, as a
+    thread waits while a busier process at a higher priority has its core) count their wall
+    seconds as starved, with one warning for both; steps as long on the core count nothing. The
+    tokens stay HuggingFace's."""
+    c, worker, _ = _board_cluster(cluster, tmp_path)
+    layers = worker.runner.model.layers
+    per_layer = STARVED_MIN_S / len(layers)
+
+    def off_core(*_):
+        time.sleep(per_layer)
+
+    def on_core(*_):
+        end = time.thread_time() + per_layer
+        while time.thread_time() < end:
+            pass
+    prompt = _prompt(31, 5)
+    c.submit("a", prompt, max_tokens=4)
+    hooks = [layer.register_forward_hook(on_core) for layer in layers]
+    c.step()  # the prompt, on its core throughout
+    assert worker.starved_s == 0 and _starved_metric(worker) == 0
+    for h in hooks:
+        h.remove()
+    hooks = [layer.register_forward_hook(off_core) for layer in layers]
+    with caplog.at_level(logging.WARNING, logger="common.worker.worker"):
+        c.step()
+        c.step()
+    for h in hooks:
+        h.remove()
+    assert 2 * STARVED_MIN_S <= worker.starved_s < 4 * STARVED_MIN_S
+    assert _starved_metric(worker) == worker.starved_s
+    warned = [r.getMessage() for r in caplog.records if "another process" in r.getMessage()]
+    assert len(warned) == 1 and "--pin-cpus" in warned[0]
+    c.run()
+    assert c.tokens("a") == _greedy(hf, prompt, 4)
     c.assert_all_free()
 
 

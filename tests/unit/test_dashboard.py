@@ -66,7 +66,7 @@ def exported_metrics() -> dict[str, tuple[str, set[str] | None]]:
     worker = SimpleNamespace(cache=SimpleNamespace(layout=SimpleNamespace(block_bytes=64)),
                              counters=WorkerCounters(), on_send=None, requests={},
                              runner=SimpleNamespace(num_speculative_tokens=2),  # speculates
-                             yielded=0, taken=0)
+                             yielded=0, taken=0, starved_s=0.0)
     with tempfile.TemporaryDirectory() as board_dir:  # a CPU worker sharing its cores
         worker.board = CoreBoard("p0", [0], "g", shm_dir=Path(board_dir))
     worker_telemetry = WorkerTelemetry(worker, "p0", "prefill")
