@@ -2,6 +2,7 @@
 workers."""
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -16,6 +17,11 @@ MIN_TIMED_PREFILL = 16  # prompt tokens a step computes for its time to measure 
                         # prefill speed (fewer: its decodes would be most of that time)
 
 
+# the prompt tokens a decode worker's held speed is measured over (PrefillSpeed.horizon_tokens):
+# about a long prompt's
+HELD_SPEED_TOKENS = 4096
+
+
 def smoothed(old: float, sample: float) -> float:
     """The newest sample folded into a measure smoothed over steps (0: none yet)."""
     return sample if not old else SPEED_SMOOTHING * sample + (1 - SPEED_SMOOTHING) * old
@@ -27,17 +33,37 @@ class PrefillSpeed:
     scheduler to its result coming back, smoothed over steps; 0 until one is measured. On a
     decode worker it includes the batch decoded beside the chunk: what a prompt costs there.
     Also kept per thread count of the steps (0: threads not managed, cores.py), from the steps
-    that ran on that many (`threads` None: one that did not)."""
+    that ran on that many (`threads` None: one that did not).
+
+    With horizon_tokens, the seconds over the tokens of about the last that many prompt tokens
+    instead (each step's weight decays by e^(-tokens / horizon_tokens) per step after it, as
+    many tokens as later steps computed): each step weighs as much as its tokens, so that a
+    step of a few tokens beside a batch (whose cost each step pays alike) weighs as little as
+    it computes."""
     seconds_per_token: float = 0.0
     by_threads: dict[int, float] = field(default_factory=dict)
+    horizon_tokens: int = 0
+    # thread count (None: all steps) -> (decayed seconds, decayed tokens), with horizon_tokens
+    _sums: dict[int | None, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def observe(self, tokens: int, seconds: float, threads: int | None = 0) -> None:
         if seconds <= 0:
             return
-        sample = seconds / tokens
-        self.seconds_per_token = smoothed(self.seconds_per_token, sample)
+        self.seconds_per_token = self._fold(None, self.seconds_per_token, tokens, seconds)
         if threads is not None:
-            self.by_threads[threads] = smoothed(self.by_threads.get(threads, 0.0), sample)
+            self.by_threads[threads] = self._fold(threads, self.by_threads.get(threads, 0.0),
+                                                  tokens, seconds)
+
+    def _fold(self, key: int | None, per_token: float, tokens: int, seconds: float) -> float:
+        """A step of `tokens` in `seconds` folded into the speed `per_token` (0: none yet)."""
+        if not self.horizon_tokens:
+            return smoothed(per_token, seconds / tokens)
+        # a speed set without its sums counts as one step of as many tokens
+        total_s, total_n = self._sums.get(key) or (per_token * tokens, tokens if per_token else 0)
+        keep = math.exp(-tokens / self.horizon_tokens)
+        total_s, total_n = keep * total_s + seconds, keep * total_n + tokens
+        self._sums[key] = (total_s, total_n)
+        return total_s / total_n
 
     def seconds(self, tokens: int) -> float:
         return tokens * self.seconds_per_token
@@ -72,8 +98,13 @@ class WorkerState:
     steps: deque[Step] = field(default_factory=deque)     # planned, result not in yet; oldest first
     counters: WorkerCounters = WorkerCounters()
     prefill_speed: PrefillSpeed = field(default_factory=PrefillSpeed)
-    held_speed: PrefillSpeed = field(default_factory=PrefillSpeed)  # ... of a decode worker's
-                                    # steps beside a long prompt it holds (`Step.held`)
+    # ... of a decode worker's steps beside a long prompt it holds (`Step.held`), over about a
+    # long prompt's tokens: the pace of a whole hold, from the prompt's first tokens to its
+    # last. A token's attention grows with its context, and a step's batch costs it the same
+    # time whatever its prompt tokens, so the last steps of a hold carry the fewest: a speed
+    # smoothed over steps gave the pace of a hold's end to the whole of the next
+    held_speed: PrefillSpeed = field(
+        default_factory=lambda: PrefillSpeed(horizon_tokens=HELD_SPEED_TOKENS))
     leaving: bool = False  # it asked to leave: nothing new goes to it (Workers.of_role)
     # a decode worker holding a long prompt: the prompt tokens of its next step by the threads
     # that step runs on (0: a worker whose threads are not managed), sized from the time of the

@@ -177,6 +177,36 @@ def test_a_prefill_speed_is_kept_per_thread_count_too():
     assert speed.on(3) == pytest.approx(speed.seconds_per_token)
 
 
+def test_a_speed_over_a_horizon_of_tokens_weighs_each_step_by_its_tokens():
+    """A hold's steps as its context grows, the batch's 100 ms in each: 100 prompt tokens in
+    300 ms, then 50 in 250 ms, then 20 in 250 ms (3, 5 and 12.5 ms a token). Over a horizon of
+    1000 tokens each older step's sums decay by e^(-tokens after it / 1000): the speed is the
+    decayed seconds over the decayed tokens, where a speed smoothed over steps (0.2 : 0.8)
+    follows the last, smallest steps."""
+    speed = PrefillSpeed(horizon_tokens=1000)
+    steps = [(100, 0.300), (50, 0.250), (20, 0.250)]
+    for tokens, seconds in steps:
+        speed.observe(tokens, seconds, threads=1)
+    k20, k70 = math.exp(-20 / 1000), math.exp(-70 / 1000)
+    want = (0.300 * k70 + 0.250 * k20 + 0.250) / (100 * k70 + 50 * k20 + 20)
+    assert speed.seconds_per_token == pytest.approx(want)  # 4.8 ms a token
+    assert speed.by_threads == pytest.approx({1: want})
+    assert speed.on(2) == pytest.approx(want)
+    stepwise = PrefillSpeed()
+    for tokens, seconds in steps:
+        stepwise.observe(tokens, seconds)
+    assert stepwise.seconds_per_token == pytest.approx(
+        0.2 * 0.0125 + 0.8 * (0.2 * 0.005 + 0.8 * 0.003))  # 6.2 ms
+    long_ago = PrefillSpeed(horizon_tokens=1000)
+    long_ago.observe(100, 1.0)
+    long_ago.observe(10_000, 20.0)  # 2 ms a token, 10 horizons after the first step
+    assert long_ago.seconds_per_token == pytest.approx(0.002, rel=1e-3)
+    told = PrefillSpeed(horizon_tokens=1000, seconds_per_token=0.004)  # set, no steps behind
+    told.observe(100, 0.2)
+    keep = math.exp(-100 / 1000)
+    assert told.seconds_per_token == pytest.approx((0.4 * keep + 0.2) / (100 * keep + 100))
+
+
 def test_decode_only_steps_are_timed_from_the_later_of_their_plan_and_the_answer_before():
     """A step planned at 1.00 s and answered at 1.05 s took 50 ms; the next one, planned
     ahead at 1.02 s while the first ran, ran from 1.05 s to 1.15 s: 100 ms, smoothed 0.2 :
