@@ -491,9 +491,10 @@ class Prefill:
                       shorts: bool) -> float | None:
         """Seconds decode worker w would take for `todo` tokens of a long prompt beside its
         batch, its steps on `threads` threads: they compute a prompt token in the time measured
-        on as many (its batch stepping beside it) in its steps beside the last long prompt it
-        held (before it held one: in any step with prompt tokens, which a batch that then
-        carried a few short prompts makes look slower). With `shorts` (every prefill worker
+        on as many (its batch stepping beside it) in its steps beside the long prompts it held,
+        over about a long prompt's tokens (`WorkerState.held_speed`; before it held one: in any
+        step with prompt tokens, which a batch that then carried a few short prompts makes look
+        slower). With `shorts` (every prefill worker
         busy), the short prompts that arrive meanwhile (`short_load`) go first in its steps,
         so the long prompt gets the pace they leave (inf where they would leave it none);
         while a prefill worker is free they go to that one. None while w's speed is
