@@ -205,59 +205,47 @@ class _CountersCollector:
 
     def collect(self):
         c = self.worker.counters
-        for name, value, doc in (
-                ("worker_prompt_tokens", c.prompt_tokens_computed, "Prompt tokens computed."),
-                ("worker_generation_tokens", c.tokens_decoded, "Tokens decoded."),
-                ("worker_kv_blocks_sent", c.kv_blocks_sent, "KV blocks sent."),
-                ("worker_kv_blocks_received", c.kv_blocks_received, "KV blocks received."),
-                ("worker_kv_frames_rejected", c.kv_frames_rejected,
-                 "KV frames refused on arrival: bad header, authentication tag or payload "
-                 "digest."),
-                ("worker_steps", c.steps, "Steps run."),
-                ("worker_kv_tier_blocks_stored", c.tier_blocks_stored,
-                 "KV blocks copied to the second tier (--kv-offloading-size) before the cache "
-                 "reused them."),
-                ("worker_kv_tier_blocks_loaded", c.tier_blocks_loaded,
-                 "KV blocks copied back from the second tier: prefix hits there.")):
-            m = CounterMetricFamily(PREFIX + name, doc, labels=["worker_id", "role"])
-            m.add_metric(self.key, value)
-            yield m
+        counters: list[tuple[str, float, str]] = [
+            ("worker_prompt_tokens", c.prompt_tokens_computed, "Prompt tokens computed."),
+            ("worker_generation_tokens", c.tokens_decoded, "Tokens decoded."),
+            ("worker_kv_blocks_sent", c.kv_blocks_sent, "KV blocks sent."),
+            ("worker_kv_blocks_received", c.kv_blocks_received, "KV blocks received."),
+            ("worker_kv_frames_rejected", c.kv_frames_rejected,
+             "KV frames refused on arrival: bad header, authentication tag or payload digest."),
+            ("worker_steps", c.steps, "Steps run."),
+            ("worker_kv_tier_blocks_stored", c.tier_blocks_stored,
+             "KV blocks copied to the second tier (--kv-offloading-size) before the cache "
+             "reused them."),
+            ("worker_kv_tier_blocks_loaded", c.tier_blocks_loaded,
+             "KV blocks copied back from the second tier: prefix hits there.")]
         if self.worker.board is not None:
-            m = CounterMetricFamily(
-                PREFIX + "worker_cpu_cores_yielded",
-                "Times a step gave CPU cores lent to it back mid-step, a peer sharing them "
-                "having started one (it takes them again once the peer's step ends).",
-                labels=["worker_id", "role"])
-            m.add_metric(self.key, self.worker.yielded)
-            yield m
-            m = CounterMetricFamily(
-                PREFIX + "worker_cpu_cores_taken",
-                "Times a step took CPU cores beyond those planned for it (at its start or after "
-                "a layer), every peer sharing them having been quiet for a while "
-                "(core_board.QUIET_S); it gives them back when a peer starts a step, or with "
-                "its end.",
-                labels=["worker_id", "role"])
-            m.add_metric(self.key, self.worker.taken)
-            yield m
-            m = CounterMetricFamily(
-                PREFIX + "worker_cpu_starved_seconds",
-                "Wall seconds of steps (of 0.5 s or more) whose thread ran on a core less than a "
-                "quarter of the time: another process busy on the worker's cores. A prefill "
-                "worker sharing cores runs at nice 19 and yields them to any such process.",
-                labels=["worker_id", "role"])
-            m.add_metric(self.key, self.worker.starved_s)
-            yield m
-        if not self.worker.runner.num_speculative_tokens:
-            return
-        for name, value, doc in (
+            counters += [
+                ("worker_cpu_cores_yielded", self.worker.yielded,
+                 "Times a step gave CPU cores lent to it back mid-step, a peer sharing them "
+                 "having started one (it takes them again once the peer's step ends)."),
+                ("worker_cpu_cores_taken", self.worker.taken,
+                 "Times a step took CPU cores beyond those planned for it (at its start or "
+                 "after a layer), every peer sharing them having been quiet for a while "
+                 "(core_board.QUIET_S); it gives them back when a peer starts a step, or with "
+                 "its end."),
+                ("worker_cpu_starved_seconds", self.worker.starved_s,
+                 "Wall seconds of steps (of 0.5 s or more) whose thread ran on a core less than "
+                 "a quarter of the time: another process busy on the worker's cores. A prefill "
+                 "worker sharing cores runs at nice 19 and yields them to any such process.")]
+        speculates = bool(self.worker.runner.num_speculative_tokens)
+        if speculates:
+            counters += [
                 ("spec_decode_num_drafts", c.spec_drafts,
                  "Decode rows that verified draft tokens."),
                 ("spec_decode_num_draft_tokens", c.spec_draft_tokens, "Draft tokens verified."),
                 ("spec_decode_num_accepted_tokens", c.spec_accepted_tokens,
-                 "Draft tokens accepted.")):
+                 "Draft tokens accepted.")]
+        for name, value, doc in counters:
             m = CounterMetricFamily(PREFIX + name, doc, labels=["worker_id", "role"])
             m.add_metric(self.key, value)
             yield m
+        if not speculates:
+            return
         per_pos = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each position of a step's drafts.",
