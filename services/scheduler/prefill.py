@@ -494,11 +494,10 @@ class Prefill:
         on as many (its batch stepping beside it) in its steps beside the long prompts it held,
         over about a long prompt's tokens (`WorkerState.held_speed`; before it held one: in any
         step with prompt tokens, which a batch that then carried a few short prompts makes look
-        slower). With `shorts` (every prefill worker
-        busy), the short prompts that arrive meanwhile (`short_load`) go first in its steps,
-        so the long prompt gets the pace they leave (inf where they would leave it none);
-        while a prefill worker is free they go to that one. None while w's speed is
-        unmeasured."""
+        slower). With `shorts` (every prefill worker busy), the short prompts that arrive
+        meanwhile (`short_load`) go first in its steps, so the long prompt gets the pace they
+        leave (inf where they would leave it none); while a prefill worker is free they go to
+        that one. None while w's speed is unmeasured."""
         if not (per_token := w.held_speed.on(threads) or w.prefill_speed.on(threads)):
             return None
         pace = 1 / per_token - (self.short_load().tokens_per_s if shorts else 0.0)
