@@ -907,35 +907,6 @@ def test_the_pace_beside_the_last_held_prompt_prices_the_next_hold():
     c.assert_all_free()
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_a_prefill_worker_sharing_the_cores_is_timed_at_the_pace_the_batch_leaves_it(shared):
-    """The 300 ms case below, p0 measured at 100 ms a token over its steps. On cores of its
-    own it would be done with long1 and long2 in 40 * 0.1 = 4 s, and d0 leaves long2 to it.
-    Sharing d0's cores (0 and 1), at 100 ms a token on both but 400 on the one d0's batch
-    leaves it: its chunks of 8 that start while `a` lives (10 tokens at 0.5 s a step) take
-    3.2 s each, the other three go at 0.4 the 1 - e^(-0.05 * 12 * 0.5) = 26% of the time a
-    short request arriving would step and at 0.1 the rest: 10.67 s, a gain of 6.84 s against
-    the batch's 4.2, and d0 holds long2."""
-    c = _a_decodes_while_p0_chunks_long1(decode_step_target_ms=1000,
-                                         **({"cpu_cores": (0, 1)} if shared else {}))
-    p0, d0 = c.sched.workers["p0"], c.sched.workers["d0"]
-    p0.prefill_speed.seconds_per_token = 0.1
-    if shared:
-        p0.prefill_speed.by_threads = {2: 0.1, 1: 0.4}
-    d0.prefill_speed.seconds_per_token, d0.decode_step_seconds = 0.3, 0.5
-    c.submit("long2", list(range(200, 212)), max_tokens=1)
-    here = 12 / (1 / 0.3 - 0.2)
-    busy = 1 - math.exp(-0.05 * 12 * 0.5)
-    there = 2 * 8 * 0.4 + 3 * 8 * (busy * 0.4 + (1 - busy) * 0.1) if shared else 4.0
-    assert _scheduled(c.plan("d0")) == [("a", 1)] + ([("long2", 7)] if shared else [])
-    loss, here_s, gain, _ = c.sched.requests["long2"].hold_terms
-    assert (loss, here_s, gain) == pytest.approx((here + 0.05 * here ** 2 / 2, here, there - here))
-    c.run()
-    assert c.sched.num_long_prefills_left == int(not shared)
-    assert c.workers["d0"].prompt_tokens == (12 if shared else 0)
-    c.assert_all_free()
-
-
 @pytest.mark.parametrize("decode_ms_per_token, held", [(50, True), (300, False)])
 def test_the_saturated_bypass_holds_a_long_prompt_only_when_it_gains_more_than_the_batch_loses(
         decode_ms_per_token, held):
