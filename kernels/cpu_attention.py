@@ -1,5 +1,7 @@
 """The CPU kernels (kernels/csrc): builder and launchers. Paged attention
-(paged_attention.cpp) and the sampler's exponential race (sampling.cpp) are one extension.
+(paged_attention.cpp), the sampler's exponential race (sampling.cpp), the decoder's fused
+element-wise steps (elementwise.cpp) and the float32 linears over packed panels (linear.cpp) are
+one extension.
 
 The extension is compiled once per instruction set; a worker runs the one torch itself
 dispatches to on this CPU (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2 or DEFAULT),
@@ -26,7 +28,7 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 # with isa.h, vec_helpers.h and ops.h; the dispatcher's header only in registration.cpp
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "sampling.cpp", CSRC / "elementwise.cpp",
-           CSRC / "registration.cpp"]
+           CSRC / "linear.cpp", CSRC / "registration.cpp"]
 
 # PDSERVE_ISA selects the kernels' target and at::vec's vector width; the library's load-time
 # code is baseline, so every build loads anywhere (an image can carry all three)
@@ -90,11 +92,11 @@ def build_flags(name: str, isa: str, extra: list[str] | None = None
 def load(isa: str | None = None, verbose: bool = False, wait_s: float = BUILD_WAIT_S):
     """The ops of the build for `isa` (default: this CPU's), compiling it on first use.
     Returns the `torch.ops` namespace holding paged_decode_attention, paged_prefill_attention,
-    write_kv, exponential_race, argmax_rows and the decoder's fused element-wise ops (silu_mul,
-    rms_norm, rope). A build that failed raises the same error on every later call (the attention
-    backend and the sampler both ask for it at a worker's start). Waits at most `wait_s` for
-    another process's build of the same kernels (TimeoutError, not cached: a later call waits
-    again)."""
+    write_kv, exponential_race, argmax_rows, the decoder's fused element-wise ops (silu_mul,
+    rms_norm, rope) and the panel linears (pack_linear_weight, packed_linear). A build that
+    failed raises the same error on every later call (the attention backend and the sampler
+    both ask for it at a worker's start). Waits at most `wait_s` for another process's build
+    of the same kernels (TimeoutError, not cached: a later call waits again)."""
     isa = isa or cpu_isa()
     if isa not in ISA_FLAGS:
         raise ValueError(f"unknown instruction set {isa!r}; known: {', '.join(ISA_FLAGS)}")
@@ -223,3 +225,23 @@ def argmax_rows(x: torch.Tensor, ops=None) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.long)
     (ops or load()).argmax_rows(x.float().contiguous(), out)
     return out
+
+
+def pack_linear_weight(weight: torch.Tensor, ops=None) -> torch.Tensor:
+    """A float32 linear weight [out_features, in_features] as the panels packed_linear reads
+    (csrc/linear.cpp): [ceil(out / width), in_features, width], zeros past out_features, width
+    two of the build's float vectors (16 on AVX2 and the portable build, 32 on AVX-512)."""
+    return (ops or load()).pack_linear_weight(weight.detach().float())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None, ops=None) -> torch.Tensor:
+    """x [..., in_features] float32 times a weight packed by pack_linear_weight (of the same
+    build), plus bias: [..., out_features]. Rows of a 2-D x may be strided (a slice of a wider
+    tensor); other shapes are taken as rows of their last dimension."""
+    rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    (ops or load()).packed_linear(rows, packed, bias, out)
+    return out.view(*x.shape[:-1], out_features)

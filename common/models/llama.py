@@ -13,7 +13,7 @@ from common.models.attention import AttentionBackend, AttentionMetadata
 from common.models.config import ModelConfig
 from common.models.gguf import GGUFCheckpoint, find_gguf
 from common.models.ops import ModelOps
-from common.models.packed_linear import pack_linears, packs
+from common.models.packed_linear import pack_linears, packs, panel_library
 from common.models.parallel import PipelineParallel, TensorParallel, VocabParallelEmbedding
 from kernels import reference
 
@@ -304,7 +304,8 @@ def load_model(model_dir: str | Path, backend: AttentionBackend,
                pp: PipelineParallel | None = None) -> LlamaForCausalLM:
     """From a HF checkpoint directory (*.safetensors), a .gguf file or a directory holding one
     (dequantized to float32, then cast to `dtype`). On a CPU, `prepack` packs the linear
-    weights once for oneDNN (packed_linear.py) where that serves the dtype. `progress`: a
+    weights once (packed_linear.py: into panels for the CPU kernels' float32 linear on an AVX2
+    CPU, else for oneDNN) where that serves the dtype. `progress`: a
     progress bar over the tensors read, on stderr and only where stderr is a terminal."""
     gguf_file = find_gguf(model_dir)
     if gguf_file is None:
@@ -330,7 +331,7 @@ def load_model(model_dir: str | Path, backend: AttentionBackend,
     model.load_weights(tensors, str(model_dir))
     model = model.to(device=device, dtype=dtype).train(False)  # inference mode for every module
     if prepack and packs(dtype, device):
-        pack_linears(model)
+        pack_linears(model, panel_library(dtype, device))
     return model
 
 

@@ -1,4 +1,5 @@
-"""Linear layers whose weights are packed once, at load, for oneDNN's GEMM on the CPU.
+"""Linear layers whose weights are packed once, at load: into panels for the CPU kernels' own
+float32 linear (kernels/csrc/linear.cpp) on an AVX2 CPU, else for oneDNN's GEMM.
 
 `nn.Linear` on the CPU hands the weight to the BLAS in its checkpoint layout, and the BLAS
 copies it into its blocked layout on every call: for a decode step's few rows that copy costs
@@ -7,13 +8,23 @@ On 2 AVX2 cores (float32, hidden 512, vocab 32000) the matmuls of a 64-sequence 
 took 45 ms packed against 66 ms through `nn.Linear`; 16 sequences 16 against 31 ms; a
 2048-token prefill on one core 2.5 against 2.7 s.
 
-Sums run in oneDNN's order rather than the BLAS's, so results differ from `nn.Linear` in the
-last bits (relative 1e-6 in float32), as any two GEMM libraries do.
+oneDNN's kernels for a few rows still read the weights at about half the core's read rate.
+The panel kernel streams each weight once for up to 6 rows: on one AVX2 core (Zen 1, the same
+model's linears) 0.65-0.9x oneDNN's time at 1-4 rows, 0.8x at 8-16, and the same at 256 or more
+(docs/performance.md). Its sums run in position order, one chain per output, so a row's result
+does not depend on the rows beside it.
+
+Sums run in another order than the BLAS's, so results differ from `nn.Linear` in the last bits
+(relative 1e-6 in float32), as any two GEMM libraries do.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 # oneDNN picks its blocked layout for a typical row count: a decode batch
 BATCH_HINT = 64
@@ -32,31 +43,64 @@ def packs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     return False
 
 
-class PackedLinear(nn.Module):
-    """`nn.Linear`'s forward over a weight packed for oneDNN; holds no unpacked copy."""
+def panel_library(dtype: torch.dtype, device: torch.device | str = "cpu"):
+    """The CPU kernels' op library (kernels.cpu_attention.load()) where its panel linears serve
+    `dtype` here: float32 on a CPU whose build is AVX2, where they were measured against
+    oneDNN. None elsewhere (oneDNN's AVX-512 kernels were not measured against them), and
+    where the kernels cannot be built (then oneDNN packs, with a warning)."""
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
+        return None
+    from kernels import cpu_attention
+    if cpu_attention.cpu_isa() != "AVX2":
+        return None
+    try:
+        return cpu_attention.load()
+    except (OSError, RuntimeError, ImportError) as e:
+        log.warning("the cpu kernels could not be built (%s): oneDNN packs the linears", e)
+        return None
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT):
+
+class PackedLinear(nn.Module):
+    """`nn.Linear`'s forward over a weight packed once: into panels for the panel kernel of
+    `library` (the CPU kernels' ops, float32) where given, else for oneDNN. Holds no unpacked
+    copy."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, library=None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.library = library
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
-                                                                   batch_hint)
+            if library is not None:
+                from kernels import cpu_attention
+                self._kernels = cpu_attention
+                self.packed = cpu_attention.pack_linear_weight(linear.weight, ops=library)
+            else:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
+                                                                       batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
+    @property
+    def kernel(self) -> str:
+        return "oneDNN" if self.library is None else "panels"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.library is not None:
+            return self._kernels.packed_linear(x, self.packed, self.out_features, self.bias,
+                                               ops=self.library)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}, packed for oneDNN"
+               f"bias={self.bias is not None}, packed for {self.kernel}"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replaces every `nn.Linear` inside `model` with its `PackedLinear`; returns how many.
-    A weight the linear shares with another module (tied embeddings) stays there as it was;
-    the linear multiplies by its own packed copy."""
+def pack_linears(model: nn.Module, library=None) -> int:
+    """Replaces every `nn.Linear` inside `model` with its `PackedLinear` (into panels for
+    `library`'s kernel where given, else for oneDNN); returns how many. A weight the linear
+    shares with another module (tied embeddings) stays there as it was; the linear multiplies
+    by its own packed copy."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, library=library))
     return len(targets)

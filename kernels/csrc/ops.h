@@ -48,5 +48,9 @@ void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor out);
 void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
               const at::Tensor& weight, double eps, at::Tensor out);
 void rope(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+// linear.cpp
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+void packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                   const std::optional<at::Tensor>& bias, at::Tensor out);
 
 }  // namespace PDSERVE_OPS

@@ -18,6 +18,8 @@ TORCH_LIBRARY(PDSERVE_OPS, m) {
   m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
   m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
@@ -26,4 +28,6 @@ TORCH_LIBRARY(PDSERVE_OPS, m) {
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("rope", c10::DispatchKey::CPU, &rope);
+  m.impl("pack_linear_weight", c10::DispatchKey::CPU, &pack_linear_weight);
+  m.impl("packed_linear", c10::DispatchKey::CPU, &packed_linear);
 }
