@@ -5,12 +5,14 @@ same machine state.
     .venv/bin/python benchmarks/linears.py --model DIR [--rows 1 2 4 8 16 64 256]
         [--threads 1 2] [--reps 7] [--out results/linears]
 
-One pass is every linear of one forward (each layer's qkv, o, gate_up and down projections,
-then the LM head) on `rows` rows of random input, with random weights of the model's shapes
-(only its config.json is read). Prints, for each thread count and row count, the median
-[min-max] ms of a pass for each kernel, their ratio, the weights' read rate and the multiply
-rate of the panels, and the largest difference between the two kernels' outputs; writes a JSON
-of the figures and a plot (ms against rows, one line per kernel and thread count).
+One pass is every linear of one forward on `rows` rows of random input (a step's tokens):
+each layer's qkv, o, gate_up and down projections, then the LM head on min(rows, --seqs) rows
+(a step computes logits only for its sequences' last tokens), with random weights of the
+model's shapes (only its config.json is read). Prints, for each thread count and row count,
+the median [min-max] ms of a pass for each kernel, their ratio, the layers' and the LM head's
+ratios apart, the weights' read rate and the multiply rate of the panels, and the largest
+difference between the two kernels' outputs; writes a JSON of the figures and a plot (ms
+against rows, one line per kernel and thread count).
 """
 from __future__ import annotations
 
@@ -52,8 +54,12 @@ def build(dims: list[tuple[int, int]], library) -> tuple[list[PackedLinear], lis
     return onednn, panels
 
 
-def one_pass(linears: list[PackedLinear], inputs: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-    return [lin(inputs[lin.in_features]) for lin in linears]
+def one_pass(linears: list[PackedLinear], inputs: dict[int, torch.Tensor],
+             head_rows: int) -> list[torch.Tensor]:
+    """The layers' linears on every row, the LM head (the last) on the first head_rows."""
+    *layers, head = linears
+    return [lin(inputs[lin.in_features]) for lin in layers] + \
+        [head(inputs[head.in_features][:head_rows])]
 
 
 def main() -> None:
@@ -61,6 +67,8 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="a checkpoint directory (its config.json)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--seqs", type=int, default=256,
+                    help="most rows of the LM head (the step's sequences)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default="benchmarks/results/linears")
     args = ap.parse_args()
@@ -68,7 +76,7 @@ def main() -> None:
     cfg = ModelConfig.from_pretrained(args.model)
     dims = shapes(cfg)
     weight_bytes = sum(o * i for o, i in dims) * 4
-    params = weight_bytes // 4
+    head_params = dims[-1][0] * dims[-1][1]
     library = cpu_attention.load()
     onednn, panels = build(dims, library)
     print(f"{len(dims)} linears, {weight_bytes / 1e6:.1f} MB of float32 weights; "
@@ -79,26 +87,38 @@ def main() -> None:
         for threads in args.threads:
             torch.set_num_threads(threads)
             for rows in args.rows:
+                head_rows = min(rows, args.seqs)
                 inputs = {n: torch.randn(rows, n, generator=g) for _, n in dims}
                 diff = max((a - b).abs().max().item() for a, b in zip(
-                    one_pass(onednn, inputs), one_pass(panels, inputs)))
+                    one_pass(onednn, inputs, head_rows), one_pass(panels, inputs, head_rows)))
                 times: dict[str, list[float]] = {"oneDNN": [], "panels": []}
+                parts: dict[str, list[float]] = {"oneDNN": [], "panels": []}  # the LM head's
                 for rep in range(args.reps + 1):
                     for name, linears in (("oneDNN", onednn), ("panels", panels)):
                         start = time.perf_counter()
-                        one_pass(linears, inputs)
+                        for lin in linears[:-1]:  # the layers'
+                            lin(inputs[lin.in_features])
+                        mid = time.perf_counter()
+                        linears[-1](inputs[dims[-1][1]][:head_rows])
+                        end = time.perf_counter()
                         if rep:  # the first is warm-up
-                            times[name].append((time.perf_counter() - start) * 1e3)
+                            times[name].append((end - start) * 1e3)
+                            parts[name].append((end - mid) * 1e3)
                 med = {k: statistics.median(v) for k, v in times.items()}
-                row = {"threads": threads, "rows": rows, "max_abs_diff": diff,
-                       **{f"{k}_ms": v for k, v in times.items()}}
+                head = {k: statistics.median(v) for k, v in parts.items()}
+                flops = 2 * (rows * (weight_bytes // 4 - head_params) + head_rows * head_params)
+                row = {"threads": threads, "rows": rows, "head_rows": head_rows,
+                       "max_abs_diff": diff, **{f"{k}_ms": v for k, v in times.items()},
+                       **{f"{k}_head_ms": v for k, v in parts.items()}}
                 results.append(row)
+                layers = (med["panels"] - head["panels"]) / (med["oneDNN"] - head["oneDNN"])
                 print(f"{threads} thr {rows:5d} rows: oneDNN {med['oneDNN']:8.1f} ms "
                       f"[{min(times['oneDNN']):.1f}-{max(times['oneDNN']):.1f}]  panels "
                       f"{med['panels']:8.1f} ms [{min(times['panels']):.1f}-"
                       f"{max(times['panels']):.1f}]  ratio {med['panels'] / med['oneDNN']:.2f}"
+                      f" (layers {layers:.2f}, head {head['panels'] / head['oneDNN']:.2f})"
                       f"  panels {weight_bytes / med['panels'] / 1e6:5.1f} GB/s "
-                      f"{2 * rows * params / med['panels'] / 1e6:5.1f} GFLOP/s"
+                      f"{flops / med['panels'] / 1e6:5.1f} GFLOP/s"
                       f"  max |diff| {diff:.1e}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
