@@ -8,11 +8,12 @@ On 2 AVX2 cores (float32, hidden 512, vocab 32000) the matmuls of a 64-sequence 
 took 45 ms packed against 66 ms through `nn.Linear`; 16 sequences 16 against 31 ms; a
 2048-token prefill on one core 2.5 against 2.7 s.
 
-oneDNN's kernels for a few rows still read the weights at about half the core's read rate.
-The panel kernel streams each weight once for up to 6 rows: on one AVX2 core (Zen 1, the same
-model's linears) 0.65-0.9x oneDNN's time at 1-4 rows, 0.8x at 8-16, and the same at 256 or more
-(docs/performance.md). Its sums run in position order, one chain per output, so a row's result
-does not depend on the rows beside it.
+oneDNN's kernels for a few rows read the weights at well under the core's read rate. The
+panel kernel streams each weight once for up to 6 rows: on 2 Zen 1 cores (AVX2, the 56M
+benchmark model's linears, benchmarks/linears.py) a forward's linears took 0.80-0.84x oneDNN's
+time at 1-16 rows on one thread, 0.94-0.97x at 32-64 and the same at 256 or more. Its sums run
+in position order, one chain per output, so a row's result does not depend on the rows beside
+it.
 
 Sums run in another order than the BLAS's, so results differ from `nn.Linear` in the last bits
 (relative 1e-6 in float32), as any two GEMM libraries do.

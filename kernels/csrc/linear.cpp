@@ -4,11 +4,11 @@
 // kPanel consecutive outputs side by side, position by position (zeros past n). A step reads
 // each panel front to back once for up to kRows rows of x, keeping kRows x kPanel sums in
 // registers (12 vectors: 6 rows of two vectors); rows past kRows read the panel again, from the
-// cache. So a decode step's few rows stream the weights at the core's read bandwidth, and a
+// cache. So a decode step's few rows stream the weights near the core's read bandwidth, and a
 // prompt's many rows run at its multiply rate. On 2 AVX2 cores (Zen 1, float32, the 56M-parameter
-// benchmark model's linears) this took 0.65x the time of oneDNN's packed GEMM at 1-4 rows on
-// one thread (the weights read at 11-14 GB/s, this core's plain read rate), 0.77-0.84x at 8-32
-// rows and 0.98-1.05x at 256-1024 (docs/performance.md).
+// benchmark model's linears; benchmarks/linears.py, results/avx2_zen1/linears.txt) a forward's
+// linears took 0.80-0.84x the time of oneDNN's packed GEMM at 1-16 rows on one thread (0.74-0.86x
+// on two), 0.94-0.97x at 32-64 rows and 1.00-1.01x at 256-1024.
 //
 // Each output is one chain of fused multiply-adds in position order, whatever the rows beside
 // it, the thread count or the row's place in the step: a row's result is the same bit for bit
