@@ -60,3 +60,16 @@ def test_the_tensor_parallel_benchmark_writes_its_files(tiny_llama, tmp_path):
     assert set(result["transfers"]) == {f"{t} T={a}->{b}" for t in ("shm", "tcp")
                                         for a, b in ((1, 1), (2, 2), (2, 1), (1, 2))}
     assert (tmp_path / "tensor_parallel.png").stat().st_size > 0
+
+
+def test_the_linears_benchmark_writes_its_files(tiny_llama, tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "linears.py"), "--model", str(tiny_llama),
+         "--rows", "1", "7", "--threads", "1", "--reps", "1", "--seqs", "4", "--out",
+         str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "linears.json").read_text())
+    assert [(r["threads"], r["rows"], r["head_rows"]) for r in result["results"]] == \
+        [(1, 1, 1), (1, 7, 4)]
+    assert all(len(r["oneDNN_ms"]) == len(r["panels_ms"]) == 1 for r in result["results"])
+    assert (tmp_path / "linears.png").stat().st_size > 0
