@@ -133,16 +133,16 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed,
                 "x: a CPU float32 [rows, %lld] tensor with contiguous rows",
                 static_cast<long long>(k));
   const int64_t n = out.size(-1);
-  PDSERVE_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
-                    out.scalar_type() == at::kFloat &&
+  PDSERVE_CHECK(out.device().is_cpu() && out.dim() == 2 && out.size(0) == x.size(0) &&
+                    out.stride(1) == 1 && out.scalar_type() == at::kFloat &&
                     (n + kPanel - 1) / kPanel == packed.size(0),
-                "out: a float32 [rows, out_features] tensor with contiguous rows, its width "
-                "that of the packed weight");
+                "out: a CPU float32 [rows, out_features] tensor with contiguous rows, its "
+                "width that of the packed weight");
   const float* b = nullptr;
   if (bias) {
-    PDSERVE_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                      bias->scalar_type() == at::kFloat,
-                  "bias: a contiguous float32 [out_features] tensor");
+    PDSERVE_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == n &&
+                      bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                  "bias: a contiguous CPU float32 [out_features] tensor");
     b = bias->data_ptr<float>();
   }
   if (x.size(0) == 0) return;

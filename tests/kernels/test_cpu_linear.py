@@ -110,9 +110,13 @@ def test_checks(ops):
         ops.packed_linear(torch.randn(3, 9), packed, None, out)
     with pytest.raises(RuntimeError, match=r"x: a CPU float32"):
         ops.packed_linear(x.double(), packed, None, out)
-    with pytest.raises(RuntimeError, match="out: a float32"):
+    with pytest.raises(RuntimeError, match="out: a CPU float32"):
         ops.packed_linear(x, packed, None, torch.empty(3, 40))  # wider than the weight
-    with pytest.raises(RuntimeError, match="bias: a contiguous float32"):
+    with pytest.raises(RuntimeError, match="out: a CPU float32"):
+        ops.packed_linear(x, packed, None, torch.empty(3, 20, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="bias: a contiguous CPU float32"):
         ops.packed_linear(x, packed, torch.randn(19), out)
+    with pytest.raises(RuntimeError, match="bias: a contiguous CPU float32"):
+        ops.packed_linear(x, packed, torch.randn(40)[::2], out)
     with pytest.raises(RuntimeError, match="weight: a CPU float32"):
         ops.pack_linear_weight(w.to(torch.bfloat16))
