@@ -231,9 +231,10 @@ _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
 
 
 def cpu_kernels(backend: AttentionBackend, device: torch.device | str = "cpu"):
-    """The CPU kernels' op library for a worker on the CPU (the sampler races in it whatever
-    the attention backend): the cpu backend's own, else built or loaded here; None on a GPU or
-    where they cannot be built (then torch's generators draw the sampler's noise)."""
+    """The CPU kernels' op library for a worker on the CPU (the sampler races in it, and the
+    float32 linears multiply in it on AVX2, whatever the attention backend): the cpu backend's
+    own, else built or loaded here; None on a GPU or where they cannot be built (then torch's
+    generators draw the sampler's noise, and oneDNN packs the linears)."""
     if torch.device(device).type != "cpu":
         return None
     if isinstance(backend, CpuAttentionBackend):
@@ -242,8 +243,8 @@ def cpu_kernels(backend: AttentionBackend, device: torch.device | str = "cpu"):
     try:
         return cpu_attention.load()
     except (OSError, RuntimeError, ImportError) as e:
-        log.warning("the cpu kernels could not be built (%s): the sampler draws through torch",
-                    e)
+        log.warning("the cpu kernels could not be built (%s): the sampler draws through torch, "
+                    "and the float32 linears are packed for oneDNN", e)
         return None
 
 

@@ -331,7 +331,7 @@ def load_model(model_dir: str | Path, backend: AttentionBackend,
     model.load_weights(tensors, str(model_dir))
     model = model.to(device=device, dtype=dtype).train(False)  # inference mode for every module
     if prepack and packs(dtype, device):
-        pack_linears(model, panel_library(dtype, device))
+        pack_linears(model, panel_library(dtype, backend, device))
     return model
 
 

@@ -20,12 +20,10 @@ Sums run in another order than the BLAS's, so results differ from `nn.Linear` in
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
-log = logging.getLogger(__name__)
+from common.models.attention import AttentionBackend, cpu_kernels
 
 # oneDNN picks its blocked layout for a typical row count: a decode batch
 BATCH_HINT = 64
@@ -44,21 +42,19 @@ def packs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     return False
 
 
-def panel_library(dtype: torch.dtype, device: torch.device | str = "cpu"):
-    """The CPU kernels' op library (kernels.cpu_attention.load()) where its panel linears serve
-    `dtype` here: float32 on a CPU whose build is AVX2, where they were measured against
-    oneDNN. None elsewhere (oneDNN's AVX-512 kernels were not measured against them), and
-    where the kernels cannot be built (then oneDNN packs, with a warning)."""
-    if dtype != torch.float32 or torch.device(device).type != "cpu":
+def panel_library(dtype: torch.dtype, backend: AttentionBackend,
+                  device: torch.device | str = "cpu"):
+    """The CPU kernels' op library (`cpu_kernels`: the attention backend's own, else loaded)
+    where its panel linears serve `dtype` here: float32 on a CPU whose build is AVX2, where
+    they were measured against oneDNN. None elsewhere (oneDNN's AVX-512 kernels were not
+    measured against them), and where the kernels cannot be built (`cpu_kernels` warns; then
+    oneDNN packs)."""
+    if dtype != torch.float32:
         return None
     from kernels import cpu_attention
     if cpu_attention.cpu_isa() != "AVX2":
         return None
-    try:
-        return cpu_attention.load()
-    except (OSError, RuntimeError, ImportError) as e:
-        log.warning("the cpu kernels could not be built (%s): oneDNN packs the linears", e)
-        return None
+    return cpu_kernels(backend, device)
 
 
 class PackedLinear(nn.Module):

@@ -51,11 +51,20 @@ def test_packs_only_what_onednn_computes_well():
 
 
 def test_panels_serve_float32_on_avx2_only():
+    backend = create_attention_backend("torch")
     avx2 = cpu_attention.cpu_isa() == "AVX2"
-    assert (panel_library(torch.float32) is cpu_attention.load()) if avx2 else \
-        panel_library(torch.float32) is None
-    assert panel_library(torch.bfloat16) is None
-    assert panel_library(torch.float32, "cuda") is None
+    assert (panel_library(torch.float32, backend) is cpu_attention.load()) if avx2 else \
+        panel_library(torch.float32, backend) is None
+    assert panel_library(torch.bfloat16, backend) is None
+    assert panel_library(torch.float32, backend, "cuda") is None
+
+
+def test_linears_pack_for_onednn_when_the_kernels_cannot_be_built(tiny_llama, monkeypatch):
+    def no_compiler(isa=None):
+        raise RuntimeError("Error building extension: c++: not found")
+    monkeypatch.setattr(cpu_attention, "load", no_compiler)
+    model = load_model(tiny_llama, create_attention_backend("torch"))
+    assert {m.kernel for m in model.modules() if isinstance(m, PackedLinear)} == {"oneDNN"}
 
 
 def test_pack_linears_replaces_every_linear_and_keeps_tied_embeddings(tiny_llama):
