@@ -54,12 +54,17 @@ def build(dims: list[tuple[int, int]], library) -> tuple[list[PackedLinear], lis
     return onednn, panels
 
 
-def one_pass(linears: list[PackedLinear], inputs: dict[int, torch.Tensor],
-             head_rows: int) -> list[torch.Tensor]:
-    """The layers' linears on every row, the LM head (the last) on the first head_rows."""
-    *layers, head = linears
-    return [lin(inputs[lin.in_features]) for lin in layers] + \
-        [head(inputs[head.in_features][:head_rows])]
+def layers_pass(linears: list[PackedLinear], inputs: dict[int, torch.Tensor]
+                ) -> list[torch.Tensor]:
+    """The layers' linears (all but the last) on every row."""
+    return [lin(inputs[lin.in_features]) for lin in linears[:-1]]
+
+
+def head_pass(linears: list[PackedLinear], inputs: dict[int, torch.Tensor],
+              head_rows: int) -> torch.Tensor:
+    """The LM head (the last) on the first head_rows rows."""
+    head = linears[-1]
+    return head(inputs[head.in_features][:head_rows])
 
 
 def main() -> None:
@@ -90,16 +95,16 @@ def main() -> None:
                 head_rows = min(rows, args.seqs)
                 inputs = {n: torch.randn(rows, n, generator=g) for _, n in dims}
                 diff = max((a - b).abs().max().item() for a, b in zip(
-                    one_pass(onednn, inputs, head_rows), one_pass(panels, inputs, head_rows)))
+                    [*layers_pass(onednn, inputs), head_pass(onednn, inputs, head_rows)],
+                    [*layers_pass(panels, inputs), head_pass(panels, inputs, head_rows)]))
                 times: dict[str, list[float]] = {"oneDNN": [], "panels": []}
                 parts: dict[str, list[float]] = {"oneDNN": [], "panels": []}  # the LM head's
                 for rep in range(args.reps + 1):
                     for name, linears in (("oneDNN", onednn), ("panels", panels)):
                         start = time.perf_counter()
-                        for lin in linears[:-1]:  # the layers'
-                            lin(inputs[lin.in_features])
+                        layers_pass(linears, inputs)
                         mid = time.perf_counter()
-                        linears[-1](inputs[dims[-1][1]][:head_rows])
+                        head_pass(linears, inputs, head_rows)
                         end = time.perf_counter()
                         if rep:  # the first is warm-up
                             times[name].append((end - start) * 1e3)

@@ -31,6 +31,8 @@ constexpr int64_t kPanel = 2 * kVec;  // outputs per panel: two vectors
 constexpr int64_t kRows = 6;          // rows per pass over a panel: 12 sums in registers
 constexpr int64_t kChunk = 96;        // rows per chunk
 
+constexpr int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
 // rows [0, R) of x (row stride ldx) times one panel of k positions -> y (row stride ldy), its
 // first `cols` outputs. The sums are named variables: an array of them was kept on the stack.
 template <int R>
@@ -71,7 +73,7 @@ constexpr PanelRows kPanelRows[kRows + 1] = {nullptr,          panel_rows<1>, pa
 
 void linear_kernel(const float* x, int64_t m, int64_t ldx, const float* packed, int64_t k,
                    int64_t n, const float* bias, float* y, int64_t ldy) {
-  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t panels = num_panels(n);
   for (int64_t m0 = 0; m0 < m; m0 += kChunk) {
     const int64_t m1 = std::min(m, m0 + kChunk);
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -91,7 +93,7 @@ void linear_kernel(const float* x, int64_t m, int64_t ldx, const float* packed, 
 }
 
 void pack_kernel(const float* w, int64_t n, int64_t k, float* packed) {
-  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t panels = num_panels(n);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       float* panel = packed + p * k * kPanel;
@@ -116,7 +118,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
                 "weight: a CPU float32 [out_features, in_features] tensor");
   const at::Tensor w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
-  at::Tensor packed = at::empty({(n + kPanel - 1) / kPanel, k, kPanel}, w.options());
+  at::Tensor packed = at::empty({num_panels(n), k, kPanel}, w.options());
   pack_kernel(w.data_ptr<float>(), n, k, packed.data_ptr<float>());
   return packed;
 }
@@ -135,7 +137,7 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed,
   const int64_t n = out.size(-1);
   PDSERVE_CHECK(out.device().is_cpu() && out.dim() == 2 && out.size(0) == x.size(0) &&
                     out.stride(1) == 1 && out.scalar_type() == at::kFloat &&
-                    (n + kPanel - 1) / kPanel == packed.size(0),
+                    num_panels(n) == packed.size(0),
                 "out: a CPU float32 [rows, out_features] tensor with contiguous rows, its "
                 "width that of the packed weight");
   const float* b = nullptr;
