@@ -141,12 +141,12 @@ def has_avx512_bf16() -> bool:
                         lambda: False)())
 
 
-# How the prefill kernel multiplies bfloat16 tiles: 0 converted to float (the AVX-512 build's
-# float32 lanes kernel, the other builds' float32 GEMMs); 1 MKL's bfloat16 GEMM, taken with
-# AMX; 2 its own bfloat16 dot products (AVX512-BF16 without
-# AMX: MKL's bfloat16 GEMM ran the score and value tiles (256 keys x 128 rows x head_dim) about
-# 10% slower there than converting them to float, and converting halves the multiply rate). The
-# kernel runs 0 where the build or the head dim cannot take 2.
+# How the prefill kernel multiplies bfloat16 tiles: 0 converted to float (the AVX-512 and AVX2
+# builds' float32 lanes kernel, the portable build's float32 GEMMs); 1 MKL's bfloat16 GEMM,
+# taken with AMX; 2 its own bfloat16 dot products (AVX512-BF16 without AMX: MKL's bfloat16 GEMM
+# ran the score and value tiles (256 keys x 128 rows x head_dim) about 10% slower there than
+# converting them to float, and converting halves the multiply rate). The kernel runs 0 where
+# the build or the head dim cannot take 2.
 PREFILL_FLOAT, PREFILL_MKL_BF16, PREFILL_DOT_BF16 = 0, 1, 2
 
 

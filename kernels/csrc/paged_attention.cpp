@@ -20,11 +20,12 @@
 //          are already written to the cache), causal. Work items are (sequence, kv head, tile
 //          of query tokens); the tile's G heads are packed into one [tokens * G, head_dim]
 //          matrix and walk the keys in tiles packed from the blocks into a buffer that stays
-//          in cache, scores and values through BLAS GEMMs, online softmax between. On AVX-512
-//          the kernel's own products instead of GEMMs, with the query rows in the vector lanes
-//          and keys read where they lie: float32 FMAs (prefill_kernel_lanes; bfloat16 tiles
-//          widened to float), and bfloat16 dot products on AVX512-BF16 without AMX
-//          (prefill_kernel_dp). bfloat16 with AMX keeps the packed tiles and MKL's bf16 GEMM.
+//          in cache, scores and values through BLAS GEMMs, online softmax between (the
+//          portable build). On AVX-512 and AVX2 the kernel's own products instead of GEMMs,
+//          with the query rows in the vector lanes: float32 FMAs (prefill_kernel_lanes;
+//          bfloat16 tiles widened to float), and bfloat16 dot products on AVX512-BF16 without
+//          AMX (prefill_kernel_dp). bfloat16 with AMX keeps the packed tiles and MKL's bf16
+//          GEMM.
 //
 // Built once per instruction set (kernels/cpu_attention.py picks the one the CPU runs):
 // PDSERVE_ISA 2 = AVX512, 1 = AVX2, 0 = portable. Only the kernels below are compiled for it
@@ -990,22 +991,73 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
   });
 }
 
-#if PDSERVE_ISA == 2
-// ---- float32 prefill with the query rows in the vector lanes (AVX-512) ----
+#if PDSERVE_ISA != 0
+// ---- float32 prefill with the query rows in the vector lanes (AVX-512 and AVX2) ----
 //
-// The float32 counterpart of prefill_kernel_dp: scores are [keys][rows], each key's row read
-// where it lies in the cache and its values broadcast against 16 query rows at a time, so
-// there are no packed tiles, no GEMM calls and no horizontal reductions (the online softmax is
-// lane-wise). The micro-tiles keep 8 keys (or value columns) x 2 vectors of rows in registers.
-// Against the BLAS kernel on one Zen 4 core: 1.10-1.48x for 16 to 2048 tokens over 0 to 2048
-// cached; on two, 1.11-1.63x (the GEMM calls scaled 1.7-1.9x from one thread to two, this
-// kernel 1.9-2.1x). The AVX2 build keeps the GEMMs: there the lanes kernel (4 x 3 micro-tiles
-// for AVX2's 16 registers) ran 0.93-1.05x. bfloat16 takes it too where it takes neither AMX's
-// GEMM nor the dot products (an AVX-512 CPU with neither AMX nor AVX512-BF16; without AMX, a
-// head dim that is no multiple of 32), its tiles widened to float: 1.09-1.31x the widened
-// tiles' GEMMs (on Zen 4, forced there with gemm 0).
-constexpr int kLanesCols = 8;
-static_assert(kVec == 16, "the lanes kernel's micro-tiles are AVX-512 vectors of 16 floats");
+// The float32 counterpart of prefill_kernel_dp: scores are [keys][rows], each key's row
+// broadcast against a vector of query rows at a time, so there are no GEMM calls and no
+// horizontal reductions (the online softmax is lane-wise). The micro-tiles keep kLanesCols keys
+// (or value columns) x kLanesVecs vectors of rows in registers: 8 x 2 of AVX-512's 16 floats
+// (32 registers), 4 x 3 of AVX2's 8 (16 registers).
+//
+// How a tile is walked differs by instruction set (kLanesStrips, kLanesPack):
+// - AVX-512 reads keys and values where they lie in the cache and runs each phase (scores,
+//   softmax, values) over the whole tile. Against the BLAS kernel on one Zen 4 core: 1.10-1.48x
+//   for 16 to 2048 tokens over 0 to 2048 cached; on two, 1.11-1.63x (the GEMM calls scaled
+//   1.7-1.9x from one thread to two, this kernel 1.9-2.1x).
+// - AVX2 runs all three phases on one strip of rows (one micro-tile high) before the next, so
+//   that the strip's scores stay in the first-level cache, in tiles of 144 rows (six 24-row
+//   strips); and it packs each key tile's keys and values side by side first (pack_rows): a
+//   tile of one head's rows in place spans 128 pages of the cache, twice what the first-level
+//   TLB of a Zen 1 maps. Against the BLAS kernel on a Zen 1: 1.11-1.16x for 16 to 2048 tokens
+//   over 0 to 2048 cached on one core, 1.08-1.18x on two (the strips alone 1.06-1.14x on one,
+//   the packed tiles 1.00-1.06x more).
+//
+// bfloat16 takes it too where it takes neither AMX's GEMM nor the dot products (an AVX2 CPU; an
+// AVX-512 CPU with neither AMX nor AVX512-BF16; without AMX, a head dim that is no multiple of
+// 32), its tiles widened to float: 1.09-1.31x the widened tiles' GEMMs on Zen 4 (forced there
+// with gemm 0), 1.08-1.22x on Zen 1.
+#if PDSERVE_ISA == 2
+using lvec = __m512;
+constexpr int kLanesCols = 8, kLanesVecs = 2;
+inline lvec lv_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void lv_store(float* p, lvec x) { _mm512_storeu_ps(p, x); }
+inline lvec lv_set1(float x) { return _mm512_set1_ps(x); }
+inline lvec lv_add(lvec a, lvec b) { return _mm512_add_ps(a, b); }
+inline lvec lv_sub(lvec a, lvec b) { return _mm512_sub_ps(a, b); }
+inline lvec lv_mul(lvec a, lvec b) { return _mm512_mul_ps(a, b); }
+inline lvec lv_max(lvec a, lvec b) { return _mm512_max_ps(a, b); }
+inline lvec lv_fmadd(lvec a, lvec b, lvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline lvec lv_fmsub(lvec a, lvec b, lvec c) { return _mm512_fmsub_ps(a, b, c); }
+#else
+using lvec = __m256;
+constexpr int kLanesCols = 4, kLanesVecs = 3;
+inline lvec lv_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void lv_store(float* p, lvec x) { _mm256_storeu_ps(p, x); }
+inline lvec lv_set1(float x) { return _mm256_set1_ps(x); }
+inline lvec lv_add(lvec a, lvec b) { return _mm256_add_ps(a, b); }
+inline lvec lv_sub(lvec a, lvec b) { return _mm256_sub_ps(a, b); }
+inline lvec lv_mul(lvec a, lvec b) { return _mm256_mul_ps(a, b); }
+inline lvec lv_max(lvec a, lvec b) { return _mm256_max_ps(a, b); }
+inline lvec lv_fmadd(lvec a, lvec b, lvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline lvec lv_fmsub(lvec a, lvec b, lvec c) { return _mm256_fmsub_ps(a, b, c); }
+#endif
+static_assert(sizeof(lvec) == kVec * sizeof(float), "a lanes vector is one at::vec vector");
+
+// x, kept in a register: a micro-tile loads each vector of rows once for all its keys (or
+// columns), where the compiler would otherwise fold a load into every multiply-add of it
+// (it did so for the bfloat16 kernel's tiles on AVX2: four loads where one is needed).
+inline lvec in_register(lvec x) {
+  __asm__("" : "+x"(x));
+  return x;
+}
+#if PDSERVE_ISA == 2
+constexpr bool kLanesStrips = false, kLanesPack = false;
+constexpr int64_t kLanesRows = kQueryRows;  // query rows (tokens x group heads) per tile
+#else
+constexpr bool kLanesStrips = true, kLanesPack = true;
+constexpr int64_t kLanesRows = 144;
+#endif
 
 // Scores s[key][row] (rp rows, keys k0 + 0 .. padded) set to -inf where a row may not see the
 // key: padding keys (from `keys` on), and keys past the row's own position pos[row] (a tile on
@@ -1013,14 +1065,22 @@ static_assert(kVec == 16, "the lanes kernel's micro-tiles are AVX-512 vectors of
 inline void hide_keys(float* s, int64_t rp, const int32_t* pos, int64_t first, int64_t k0,
                       int64_t keys, int64_t padded) {
   for (int64_t kk = std::clamp<int64_t>(first - k0 + 1, 0, keys); kk < padded; ++kk) {
-    const __m512i kpos = _mm512_set1_epi32(static_cast<int32_t>(k0 + kk));
-    for (int64_t r = 0; r < rp; r += 16) {
-      const __mmask16 hide = kk >= keys ? __mmask16(0xffff)
-                                        : _mm512_cmpgt_epi32_mask(kpos,
-                                                                  _mm512_loadu_si512(pos + r));
+    const int32_t kpos = static_cast<int32_t>(k0 + kk);
+    for (int64_t r = 0; r < rp; r += kVec) {
       float* sv = s + kk * rp + r;
+#if PDSERVE_ISA == 2
+      const __mmask16 hide = kk >= keys ? __mmask16(0xffff)
+                                        : _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(kpos),
+                                                                  _mm512_loadu_si512(pos + r));
       _mm512_storeu_ps(sv, _mm512_mask_mov_ps(_mm512_loadu_ps(sv), hide,
                                               _mm512_set1_ps(kNegInf)));
+#else
+      const __m256i later = _mm256_cmpgt_epi32(
+          _mm256_set1_epi32(kpos), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos + r)));
+      const __m256 hide = kk >= keys ? _mm256_castsi256_ps(_mm256_set1_epi32(-1))
+                                     : _mm256_castsi256_ps(later);
+      _mm256_storeu_ps(sv, _mm256_blendv_ps(_mm256_loadu_ps(sv), _mm256_set1_ps(kNegInf), hide));
+#endif
     }
   }
 }
@@ -1028,25 +1088,37 @@ inline void hide_keys(float* s, int64_t rp, const int32_t* pos, int64_t first, i
 // 2^t in each lane for the online softmax's exponents t (scores times scale * log2(e) less
 // their running max likewise: at most a rounding error above 0; a hidden key's -inf gives 0):
 // t = n + f with n the nearest integer and |f| <= 1/2, 2^f by a degree-5 polynomial (within
-// 2e-7 of it), times 2^n by vscalefps. Lanes under 2^-126, the smallest normal float, are 0
-// (at::vec's exp_u20 gives 0 there too). Ten operations a vector where exp_u20 takes about
-// twenty (its range checks and integer exponent): prefill_kernel_dp's softmax, its max pass
-// included, was ~20% of its time on a Zen 4 with exp_u20, ~16% of the shorter time with this
-// (before the max came from the score micro-tiles, update_tile_max).
-inline __m512 exp2_lanes(__m512 t) {
-  const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+// 2e-7 of it), times 2^n (vscalefps; on AVX2 a multiply by 2^n built in the exponent bits).
+// Lanes under 2^-126, the smallest normal float, are 0 (at::vec's exp_u20 gives 0 there too).
+// Ten operations a vector where exp_u20 takes about twenty (its range checks and integer
+// exponent): prefill_kernel_dp's softmax, its max pass included, was ~20% of its time on a Zen
+// 4 with exp_u20, ~16% of the shorter time with this (before the max came from the score
+// micro-tiles, update_tile_max).
+inline lvec exp2_lanes(lvec t) {
+#if PDSERVE_ISA == 2
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3264654e-3f), f, _mm512_set1_ps(9.6715139e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507340e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022242e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314700e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+#else
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+  const lvec f = lv_sub(t, n);
+  lvec p = lv_fmadd(lv_set1(1.3264654e-3f), f, lv_set1(9.6715139e-3f));
+  p = lv_fmadd(p, f, lv_set1(5.5507340e-2f));
+  p = lv_fmadd(p, f, lv_set1(2.4022242e-1f));
+  p = lv_fmadd(p, f, lv_set1(6.9314700e-1f));
+  p = lv_fmadd(p, f, lv_set1(1.f));
+#if PDSERVE_ISA == 2
+  const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
   return _mm512_maskz_scalef_ps(normal, p, n);
+#else
+  const __m256 normal = _mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_GE_OQ);
+  const __m256i two_n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), normal);
+#endif
 }
 
 // The online softmax of a query tile whose rows sit in the vector lanes (prefill_kernel_lanes
-// and _dp): per row r of rp (whole vectors of 16), its position, running max and sum, and its
+// and _dp): per row r of rp (whole vectors), its position, running max and sum, and its
 // accumulators o[d][r]. Scores are q . k unscaled: the softmax's exponents take the scale
 // (`c` = scale * log2(e), exp2_lanes; a positive scale, checked by the op), and the running
 // maxima are kept times c. tmax: the rows' max over the current key tile, gathered by the
@@ -1054,10 +1126,10 @@ inline __m512 exp2_lanes(__m512 t) {
 struct LaneRows {
   std::vector<float> maxes, sums, o, tmax;
   std::vector<int32_t> pos;
-  __m512 c;
+  lvec c;
   LaneRows(int64_t rp_max, int64_t D, double scale)
       : maxes(rp_max), sums(rp_max), o(D * rp_max), tmax(rp_max), pos(rp_max),
-        c(_mm512_set1_ps(static_cast<float>(scale * M_LOG2E))) {}
+        c(lv_set1(static_cast<float>(scale * M_LOG2E))) {}
 
   // A tile of `rows` rows (G heads per token, padded to rp) whose first token is at `first`:
   // padding rows take the last row's position, so they see what it sees.
@@ -1078,93 +1150,106 @@ struct LaneRows {
     return keys == padded && k0 + keys - 1 <= first;
   }
 
-  // Lanes [r, r + 16) meet a key tile's scores s[key][row] (`padded` keys of rp rows): their
-  // running max times c becomes mc (stored), their accumulators are scaled by 2^(old mc - mc);
-  // returns their sum scaled likewise, to which the caller adds the tile's probabilities
-  // 2^(s c - mc) (`probs`). Every exponent subtracts the same stored mc, so its rounding
-  // cancels between key tiles. The tile's max: tmax where begin_tile said so (`all_seen`),
-  // else a pass over the scores after hide_keys.
-  __m512 rescale(const float* s, int64_t rp, int64_t padded, int64_t r, int64_t D, bool all_seen,
-                 __m512& mc) {
-    __m512 m = _mm512_set1_ps(kNegInf);
+  // Lanes [r, r + kVec) of a tile of rp rows meet their scores over a key tile, s[key * lds]
+  // (`padded` keys): their running max times c becomes mc (stored), their accumulators are
+  // scaled by 2^(old mc - mc); returns their sum scaled likewise, to which the caller adds the
+  // tile's probabilities 2^(s c - mc) (`probs`). Every exponent subtracts the same stored mc,
+  // so its rounding cancels between key tiles. The tile's max: tmax where begin_tile said so
+  // (`all_seen`), else a pass over the scores after hide_keys.
+  lvec rescale(const float* s, int64_t lds, int64_t padded, int64_t r, int64_t rp, int64_t D,
+               bool all_seen, lvec& mc) {
+    lvec m = lv_set1(kNegInf);
     if (all_seen)
-      m = _mm512_loadu_ps(tmax.data() + r);
+      m = lv_load(tmax.data() + r);
     else
       for (int64_t kk = 0; kk < padded; ++kk)
-        m = _mm512_max_ps(m, _mm512_loadu_ps(s + kk * rp + r));
-    const __m512 mc_old = _mm512_loadu_ps(maxes.data() + r);
+        m = lv_max(m, lv_load(s + kk * lds));
+    const lvec mc_old = lv_load(maxes.data() + r);
     // key 0 is visible to every row, so from the first tile on every lane's max is finite (a
     // later tile may hide all its keys from a row: m -inf there, mc stays)
-    mc = _mm512_max_ps(mc_old, _mm512_mul_ps(m, c));
-    const __m512 factor = exp2_lanes(_mm512_sub_ps(mc_old, mc));
-    _mm512_storeu_ps(maxes.data() + r, mc);
+    mc = lv_max(mc_old, lv_mul(m, c));
+    const lvec factor = exp2_lanes(lv_sub(mc_old, mc));
+    lv_store(maxes.data() + r, mc);
     for (int64_t d = 0; d < D; ++d) {
       float* od = o.data() + d * rp + r;
-      _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), factor));
+      lv_store(od, lv_mul(lv_load(od), factor));
     }
-    return _mm512_mul_ps(_mm512_loadu_ps(sums.data() + r), factor);
+    return lv_mul(lv_load(sums.data() + r), factor);
   }
 
   // The probabilities of scores s against their lanes' running max times c, mc.
-  __m512 probs(__m512 s, __m512 mc) const { return exp2_lanes(_mm512_fmsub_ps(s, c, mc)); }
+  lvec probs(lvec s, lvec mc) const { return exp2_lanes(lv_fmsub(s, c, mc)); }
 };
 
-// tile_max[16 v + lane] = the max of itself and a score micro-tile's kCols keys, for its NV
+// tile_max[kVec v + lane] = the max of itself and a score micro-tile's kCols keys, for its NV
 // vectors of rows: the rows' max over a key tile gathered while its scores are in registers
 // (LaneRows::tmax).
 template <int kCols, int NV>
-inline void update_tile_max(const __m512 (&acc)[kCols][NV], float* tile_max) {
+inline void update_tile_max(const lvec (&acc)[kCols][NV], float* tile_max) {
   for (int v = 0; v < NV; ++v) {
-    __m512 m = _mm512_loadu_ps(tile_max + 16 * v);
-    for (int i = 0; i < kCols; ++i) m = _mm512_max_ps(m, acc[i][v]);
-    _mm512_storeu_ps(tile_max + 16 * v, m);
+    lvec m = lv_load(tile_max + kVec * v);
+    for (int i = 0; i < kCols; ++i) m = lv_max(m, acc[i][v]);
+    lv_store(tile_max + kVec * v, m);
   }
 }
 
-// s[c][r] = q_r . k_c for kLanesCols keys c and the rows [r0, r0 + kVec NV) of the packed
-// queries qp[d][rows] (rp rows); their max per row into tile_max[r0...].
+// s[c][r] = q_r . k_c for kLanesCols keys c (rows k[c] of D values) and kVec NV query rows r
+// of the packed queries at qp (qp[d * ldq + r]), stored at s[c * lds + r]; their max per row
+// into tile_max[r].
 template <int NV>
-inline void lanes_scores(const float* const* k, const float* qp, int64_t rp, int64_t D,
-                         int64_t r0, float* s, float* tile_max) {
-  __m512 acc[kLanesCols][NV];
+inline void lanes_scores(const float* const* k, const float* qp, int64_t ldq, int64_t D,
+                         float* s, int64_t lds, float* tile_max) {
+  lvec acc[kLanesCols][NV];
   for (auto& row : acc)
-    for (auto& x : row) x = _mm512_setzero_ps();
+    for (auto& x : row) x = lv_set1(0.f);
   const float* kr[kLanesCols];
   for (int i = 0; i < kLanesCols; ++i) kr[i] = k[i];
   for (int64_t d = 0; d < D; ++d) {
-    __m512 qv[NV];
-    for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qp + d * rp + r0 + 16 * v);
+    lvec qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = in_register(lv_load(qp + d * ldq + kVec * v));
 #pragma GCC unroll 8
     for (int i = 0; i < kLanesCols; ++i) {
-      const __m512 kv = _mm512_set1_ps(kr[i][d]);
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(kv, qv[v], acc[i][v]);
+      const lvec kv = lv_set1(kr[i][d]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = lv_fmadd(kv, qv[v], acc[i][v]);
     }
   }
   for (int i = 0; i < kLanesCols; ++i)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + i * rp + r0 + 16 * v, acc[i][v]);
-  update_tile_max<kLanesCols, NV>(acc, tile_max + r0);
+    for (int v = 0; v < NV; ++v) lv_store(s + i * lds + kVec * v, acc[i][v]);
+  update_tile_max<kLanesCols, NV>(acc, tile_max);
 }
 
-// o[d][r] += sum over `keys` keys of p[key][r] v[key][d] for kLanesCols columns d0.. of the
-// value rows v[key] and the rows [r0, r0 + 16 NV) of the probabilities p[key][rows].
+// o[d * ldo + r] += sum over `keys` keys of p[key * ldp + r] v[key][d] for the kLanesCols
+// columns d0.. of the value rows v[key] and kVec NV rows r.
 template <int NV>
 inline void lanes_values(const float* const* v_rows, int64_t keys, int64_t d0, const float* p,
-                         int64_t rp, int64_t r0, float* o) {
-  __m512 acc[kLanesCols][NV];
+                         int64_t ldp, float* o, int64_t ldo) {
+  lvec acc[kLanesCols][NV];
   for (int i = 0; i < kLanesCols; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_loadu_ps(o + (d0 + i) * rp + r0 + 16 * v);
+    for (int v = 0; v < NV; ++v) acc[i][v] = lv_load(o + (d0 + i) * ldo + kVec * v);
   for (int64_t kk = 0; kk < keys; ++kk) {
-    __m512 pv[NV];
-    for (int v = 0; v < NV; ++v) pv[v] = _mm512_loadu_ps(p + kk * rp + r0 + 16 * v);
+    lvec pv[NV];
+    for (int v = 0; v < NV; ++v) pv[v] = in_register(lv_load(p + kk * ldp + kVec * v));
     const float* vr = v_rows[kk] + d0;
 #pragma GCC unroll 8
     for (int i = 0; i < kLanesCols; ++i) {
-      const __m512 x = _mm512_set1_ps(vr[i]);
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(x, pv[v], acc[i][v]);
+      const lvec x = lv_set1(vr[i]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = lv_fmadd(x, pv[v], acc[i][v]);
     }
   }
   for (int i = 0; i < kLanesCols; ++i)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + (d0 + i) * rp + r0 + 16 * v, acc[i][v]);
+    for (int v = 0; v < NV; ++v) lv_store(o + (d0 + i) * ldo + kVec * v, acc[i][v]);
+}
+
+// fn(nv, r0) for the rows [begin, end) (whole vectors) in micro-tiles of kLanesVecs vectors
+// from r0, the last one shorter: nv is std::integral_constant<int, vectors>.
+template <typename Fn>
+inline void row_tiles(int64_t begin, int64_t end, const Fn& fn) {
+  int64_t r0 = begin;
+  for (; r0 + kLanesVecs * kVec <= end; r0 += kLanesVecs * kVec)
+    fn(std::integral_constant<int, kLanesVecs>{}, r0);
+  const int64_t left = (end - r0) / kVec;  // fewer than kLanesVecs
+  if (left == 2) fn(std::integral_constant<int, 2>{}, r0);
+  if (left == 1) fn(std::integral_constant<int, 1>{}, r0);
 }
 
 // T: the cache's dtype. A bfloat16 tile's keys and values are widened to float first, once per
@@ -1173,9 +1258,10 @@ template <typename T>
 void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                           const at::Tensor& num_cached, double scale, at::Tensor& out) {
-  const PrefillArgs<T> arg(q, kv_cache, block_tables, query_start_loc, num_cached, out);
+  PrefillArgs<T> arg(q, kv_cache, block_tables, query_start_loc, num_cached, out);
   const Cache& c = arg.c;
   const int64_t D = c.head_dim, G = arg.G;
+  arg.tokens_per_tile = std::max<int64_t>(1, kLanesRows / G);
 
   const int64_t keys_max = (arg.key_tile + kLanesCols - 1) / kLanesCols * kLanesCols;
   const int64_t cols = D / kLanesCols * kLanesCols;  // value columns in whole micro-tiles
@@ -1184,11 +1270,13 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
                                                        arg.tokens_per_tile, costs);
   parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
     const int64_t rp_max = (arg.tokens_per_tile * G + kVec - 1) / kVec * kVec;
-    std::vector<float> qp(D * rp_max), s(keys_max * rp_max), zero(D, 0.f), row(D);
+    // scores s[key][row] of a strip's rows, or of the whole tile's
+    const int64_t s_width = kLanesStrips ? kLanesVecs * kVec : rp_max;
+    std::vector<float> qp(D * rp_max), s(keys_max * s_width), zero(D, 0.f), row(D);
     LaneRows lr(rp_max, D, scale);
     std::vector<float>& o = lr.o;
-    constexpr bool kWiden = !std::is_same_v<T, float>;
-    std::vector<float> kwide(kWiden ? keys_max * D : 0), vwide(kWiden ? keys_max * D : 0);
+    constexpr bool kPack = kLanesPack || !std::is_same_v<T, float>;
+    std::vector<float> kpack(kPack ? keys_max * D : 0), vpack(kPack ? keys_max * D : 0);
     std::vector<const float*> krows(keys_max), vrows(keys_max);
     for (int64_t i = i_begin; i < i_end; ++i) {
       const PrefillItem& it = items[i];
@@ -1210,12 +1298,12 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
         const int64_t keys = std::min(arg.key_tile, last_key - k0);
         const int64_t padded = (keys + kLanesCols - 1) / kLanesCols * kLanesCols;
         const bool all_seen = lr.begin_tile(rp, first, k0, keys, padded);
-        if constexpr (kWiden) {
-          pack_rows(kwide.data(), arg.cache, table, c, it.head, k0, k0 + keys);
-          pack_rows(vwide.data(), arg.cache + c.value_offset, table, c, it.head, k0, k0 + keys);
+        if constexpr (kPack) {
+          pack_rows(kpack.data(), arg.cache, table, c, it.head, k0, k0 + keys);
+          pack_rows(vpack.data(), arg.cache + c.value_offset, table, c, it.head, k0, k0 + keys);
           for (int64_t p = 0; p < keys; ++p) {
-            krows[p] = kwide.data() + p * D;
-            vrows[p] = vwide.data() + p * D;
+            krows[p] = kpack.data() + p * D;
+            vrows[p] = vpack.data() + p * D;
           }
         } else {
           for (int64_t p = k0; p < k0 + keys; ++p) {
@@ -1225,42 +1313,58 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
           }
         }
         for (int64_t p = keys; p < padded; ++p) krows[p] = vrows[p] = zero.data();
-        // scores s[key][row]
-        for (int64_t kc = 0; kc < padded; kc += kLanesCols) {
-          int64_t r0 = 0;
-          for (; r0 + 2 * kVec <= rp; r0 += 2 * kVec)
-            lanes_scores<2>(krows.data() + kc, qp.data(), rp, D, r0, s.data() + kc * rp,
-                            lr.tmax.data());
-          if (r0 < rp)
-            lanes_scores<1>(krows.data() + kc, qp.data(), rp, D, r0, s.data() + kc * rp,
-                            lr.tmax.data());
-        }
-        hide_keys(s.data(), rp, lr.pos.data(), first, k0, keys, padded);
-        // online softmax per lane: s becomes the probabilities
-        for (int64_t r = 0; r < rp; r += kVec) {
-          float* sv = s.data() + r;
-          __m512 mc;
-          __m512 sum = lr.rescale(s.data(), rp, padded, r, D, all_seen, mc);
-          for (int64_t kk = 0; kk < padded; ++kk) {
-            const __m512 p = lr.probs(_mm512_loadu_ps(sv + kk * rp), mc);
-            _mm512_storeu_ps(sv + kk * rp, p);
-            sum = _mm512_add_ps(sum, p);
+        // The phases over the rows [r_begin, r_end) of the tile, whose scores sit at sb (row
+        // r_begin's first, lds floats from one key's scores to the next's).
+        auto scores = [&](int64_t r_begin, int64_t r_end, float* sb, int64_t lds) {
+          for (int64_t kc = 0; kc < padded; kc += kLanesCols)
+            row_tiles(r_begin, r_end, [&](auto nv, int64_t r0) {
+              lanes_scores<decltype(nv)::value>(krows.data() + kc, qp.data() + r0, rp, D,
+                                                sb + kc * lds + r0 - r_begin, lds,
+                                                lr.tmax.data() + r0);
+            });
+          hide_keys(sb, lds, lr.pos.data() + r_begin, first, k0, keys, padded);
+        };
+        // sb's scores become the probabilities, lane by lane
+        auto softmax = [&](int64_t r_begin, int64_t r_end, float* sb, int64_t lds) {
+          for (int64_t r = r_begin; r < r_end; r += kVec) {
+            float* sv = sb + r - r_begin;
+            lvec mc;
+            lvec sum = lr.rescale(sv, lds, padded, r, rp, D, all_seen, mc);
+            for (int64_t kk = 0; kk < padded; ++kk) {
+              const lvec p = lr.probs(lv_load(sv + kk * lds), mc);
+              lv_store(sv + kk * lds, p);
+              sum = lv_add(sum, p);
+            }
+            lv_store(lr.sums.data() + r, sum);
           }
-          _mm512_storeu_ps(lr.sums.data() + r, sum);
-        }
+        };
         // o[d][row] += p . v
-        for (int64_t d0 = 0; d0 < cols; d0 += kLanesCols) {
-          int64_t r0 = 0;
-          for (; r0 + 2 * kVec <= rp; r0 += 2 * kVec)
-            lanes_values<2>(vrows.data(), padded, d0, s.data(), rp, r0, o.data());
-          if (r0 < rp) lanes_values<1>(vrows.data(), padded, d0, s.data(), rp, r0, o.data());
+        auto values = [&](int64_t r_begin, int64_t r_end, const float* sb, int64_t lds) {
+          for (int64_t d0 = 0; d0 < cols; d0 += kLanesCols)
+            row_tiles(r_begin, r_end, [&](auto nv, int64_t r0) {
+              lanes_values<decltype(nv)::value>(vrows.data(), padded, d0, sb + r0 - r_begin,
+                                                lds, o.data() + r0, rp);
+            });
+          for (int64_t d = cols; d < D; ++d)  // a head dim that is no multiple of kLanesCols
+            for (int64_t kk = 0; kk < keys; ++kk)
+              for (int64_t r = r_begin; r < r_end; r += kVec) {
+                float* od = o.data() + d * rp + r;
+                lv_store(od, lv_fmadd(lv_set1(vrows[kk][d]), lv_load(sb + kk * lds + r - r_begin),
+                                      lv_load(od)));
+              }
+        };
+        if constexpr (kLanesStrips) {
+          row_tiles(0, rp, [&](auto nv, int64_t r0) {
+            const int64_t w = decltype(nv)::value * kVec;
+            scores(r0, r0 + w, s.data(), w);
+            softmax(r0, r0 + w, s.data(), w);
+            values(r0, r0 + w, s.data(), w);
+          });
+        } else {
+          scores(0, rp, s.data(), rp);
+          softmax(0, rp, s.data(), rp);
+          values(0, rp, s.data(), rp);
         }
-        for (int64_t d = cols; d < D; ++d)  // a head dim that is no multiple of kLanesCols
-          for (int64_t kk = 0; kk < keys; ++kk)
-            for (int64_t r = 0; r < rp; r += kVec)
-              at::vec::fmadd(fVec(vrows[kk][d]), fVec::loadu(s.data() + kk * rp + r),
-                             fVec::loadu(o.data() + d * rp + r))
-                  .store(o.data() + d * rp + r);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / lr.sums[r];
@@ -1271,6 +1375,9 @@ void prefill_kernel_lanes(const at::Tensor& q, const at::Tensor& kv_cache,
   });
 }
 
+#endif
+
+#if PDSERVE_ISA == 2
 // ---- prefill on bfloat16 dot products (AVX512-BF16 without AMX) ----
 //
 // Where MKL's bfloat16 GEMM is slow (it is on AMD's AVX512-BF16 CPUs) and converting the tiles
@@ -1419,7 +1526,7 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
         for (int64_t v = 0; v < rp / 16; ++v) {
           const float* sv = s.data() + v * 16;
           __m512 mc;
-          __m512 sum = lr.rescale(s.data(), rp, padded, v * 16, D, all_seen, mc);
+          __m512 sum = lr.rescale(sv, rp, padded, v * 16, rp, D, all_seen, mc);
           for (int64_t kk = 0; kk < padded; kk += 2) {
             const __m512 p0 = lr.probs(_mm512_loadu_ps(sv + kk * rp), mc);
             const __m512 p1 = lr.probs(_mm512_loadu_ps(sv + (kk + 1) * rp), mc);
@@ -1525,7 +1632,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
               "int64");
   if (n == 0) return;
   if (q.scalar_type() == at::kFloat) {
-#if PDSERVE_ISA == 2
+#if PDSERVE_ISA != 0
     return prefill_kernel_lanes<float>(q, kv_cache, block_tables, query_start_loc, num_cached,
                                        scale, out);
 #endif
@@ -1537,6 +1644,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
     if (gemm == 2 && dp_runs(q.size(2)))
       return prefill_kernel_dp(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
                                out);
+#endif
+#if PDSERVE_ISA != 0
     if (gemm != 1 || !blas().bgemm)  // tiles widened to float
       return prefill_kernel_lanes<BFloat16>(q, kv_cache, block_tables, query_start_loc,
                                             num_cached, scale, out);

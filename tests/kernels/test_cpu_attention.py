@@ -137,13 +137,15 @@ def test_prefill_over_cached_prefix_matches_reference(ops, threads, dtype, gqa, 
     torch.testing.assert_close(out.float(), ref, **_tol(dtype))
 
 
-@pytest.mark.parametrize("heads, block_size, head_dim", [((6, 2), 12, 40), ((12, 1), 16, 4)])
+@pytest.mark.parametrize("heads, block_size, head_dim", [((6, 2), 12, 40), ((12, 1), 16, 4),
+                                                         ((10, 2), 16, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 def test_prefill_odd_groups_blocks_and_head_dims(ops, threads, dtype, heads, block_size,
                                                  head_dim):
-    """Groups of 3 and 12 heads (no divisor of a 128-row query tile), blocks of 12 slots (no
-    divisor of a 256-key tile) and head dims of 40 and 4 (the last columns past whole micro-
-    tiles, or no whole micro-tile at all)."""
+    """Groups of 3, 12 and 5 heads (no divisor of a 128-row query tile; 5 none of the AVX2
+    lanes kernel's 144 rows either, whose last 24-row strip then holds padding rows), blocks
+    of 12 slots (no divisor of a 256-key tile) and head dims of 40 and 4 (the last columns past
+    whole micro-tiles, or no whole micro-tile at all)."""
     q, cache, tables, starts, cached = _prefill_case(PREFILLS, dtype, head_dim, heads,
                                                      block_size, seed=7)
     scale = head_dim ** -0.5
