@@ -1017,31 +1017,27 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
 // AVX-512 CPU with neither AMX nor AVX512-BF16; without AMX, a head dim that is no multiple of
 // 32), its tiles widened to float: 1.09-1.31x the widened tiles' GEMMs on Zen 4 (forced there
 // with gemm 0), 1.08-1.22x on Zen 1.
+// The lanes kernels' vector operations, over AVX-512's or AVX2's intrinsics (their prefix P).
+#define PDSERVE_LANE_OPS(P)                                                               \
+  inline lvec lv_load(const float* p) { return P##_loadu_ps(p); }                        \
+  inline void lv_store(float* p, lvec x) { P##_storeu_ps(p, x); }                        \
+  inline lvec lv_set1(float x) { return P##_set1_ps(x); }                                \
+  inline lvec lv_add(lvec a, lvec b) { return P##_add_ps(a, b); }                        \
+  inline lvec lv_sub(lvec a, lvec b) { return P##_sub_ps(a, b); }                        \
+  inline lvec lv_mul(lvec a, lvec b) { return P##_mul_ps(a, b); }                        \
+  inline lvec lv_max(lvec a, lvec b) { return P##_max_ps(a, b); }                        \
+  inline lvec lv_fmadd(lvec a, lvec b, lvec c) { return P##_fmadd_ps(a, b, c); }         \
+  inline lvec lv_fmsub(lvec a, lvec b, lvec c) { return P##_fmsub_ps(a, b, c); }
 #if PDSERVE_ISA == 2
 using lvec = __m512;
 constexpr int kLanesCols = 8, kLanesVecs = 2;
-inline lvec lv_load(const float* p) { return _mm512_loadu_ps(p); }
-inline void lv_store(float* p, lvec x) { _mm512_storeu_ps(p, x); }
-inline lvec lv_set1(float x) { return _mm512_set1_ps(x); }
-inline lvec lv_add(lvec a, lvec b) { return _mm512_add_ps(a, b); }
-inline lvec lv_sub(lvec a, lvec b) { return _mm512_sub_ps(a, b); }
-inline lvec lv_mul(lvec a, lvec b) { return _mm512_mul_ps(a, b); }
-inline lvec lv_max(lvec a, lvec b) { return _mm512_max_ps(a, b); }
-inline lvec lv_fmadd(lvec a, lvec b, lvec c) { return _mm512_fmadd_ps(a, b, c); }
-inline lvec lv_fmsub(lvec a, lvec b, lvec c) { return _mm512_fmsub_ps(a, b, c); }
+PDSERVE_LANE_OPS(_mm512)
 #else
 using lvec = __m256;
 constexpr int kLanesCols = 4, kLanesVecs = 3;
-inline lvec lv_load(const float* p) { return _mm256_loadu_ps(p); }
-inline void lv_store(float* p, lvec x) { _mm256_storeu_ps(p, x); }
-inline lvec lv_set1(float x) { return _mm256_set1_ps(x); }
-inline lvec lv_add(lvec a, lvec b) { return _mm256_add_ps(a, b); }
-inline lvec lv_sub(lvec a, lvec b) { return _mm256_sub_ps(a, b); }
-inline lvec lv_mul(lvec a, lvec b) { return _mm256_mul_ps(a, b); }
-inline lvec lv_max(lvec a, lvec b) { return _mm256_max_ps(a, b); }
-inline lvec lv_fmadd(lvec a, lvec b, lvec c) { return _mm256_fmadd_ps(a, b, c); }
-inline lvec lv_fmsub(lvec a, lvec b, lvec c) { return _mm256_fmsub_ps(a, b, c); }
+PDSERVE_LANE_OPS(_mm256)
 #endif
+#undef PDSERVE_LANE_OPS
 static_assert(sizeof(lvec) == kVec * sizeof(float), "a lanes vector is one at::vec vector");
 
 // x, kept in a register: a micro-tile loads each vector of rows once for all its keys (or
