@@ -1017,6 +1017,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
 // AVX-512 CPU with neither AMX nor AVX512-BF16; without AMX, a head dim that is no multiple of
 // 32), its tiles widened to float: 1.09-1.31x the widened tiles' GEMMs on Zen 4 (forced there
 // with gemm 0), 1.08-1.22x on Zen 1.
+
 // The lanes kernels' vector operations, over AVX-512's or AVX2's intrinsics (their prefix P).
 #define PDSERVE_LANE_OPS(P)                                                               \
   inline lvec lv_load(const float* p) { return P##_loadu_ps(p); }                        \
