@@ -67,12 +67,13 @@ constexpr int64_t kPartition = 512;
 // decode cases on one and two threads (8 KiB: 0.96-1.09x).
 constexpr int64_t kAheadBytes = PDSERVE_AHEAD, kAheadBytesBf16 = PDSERVE_AHEAD_BF16;
 constexpr int64_t kQueryRows = 128;      // prefill: query rows (tokens x group heads) per tile
-// ... and per tile of a chunk over a cached prefix of at least kLongPrefix positions: every
-// query tile packs every key tile it sees, so taller tiles pack a long prefix half as often
-// (1.09-1.19x on one AVX2 thread for 256 to 2048 tokens over 2048 to 8192 cached, 1.04-1.06x
-// on two; over shorter prefixes they lose: 0.72x for a 128-token prompt, 0.96x for 512). The
-// bfloat16 dot-product prefill (AVX512-BF16 without AMX) keeps kQueryRows: taller tiles there
-// ran 0.94-0.97x on one Zen 4 thread for 952-2048 tokens over 2048-4096 cached.
+// ... and, in the GEMM kernel (prefill_kernel), per tile of a chunk over a cached prefix of at
+// least kLongPrefix positions: every query tile packs every key tile it sees, so taller tiles
+// pack a long prefix half as often (1.09-1.19x on one AVX2 thread for 256 to 2048 tokens over
+// 2048 to 8192 cached, 1.04-1.06x on two, when AVX2 took the GEMMs; over shorter prefixes they
+// lose: 0.72x for a 128-token prompt, 0.96x for 512). The lanes kernels keep one height: the
+// bfloat16 dot products kQueryRows (taller tiles there ran 0.94-0.97x on one Zen 4 thread for
+// 952-2048 tokens over 2048-4096 cached), the float32 lanes kernel kLanesRows.
 constexpr int64_t kQueryRowsLong = 256;
 constexpr int64_t kLongPrefix = 2048;
 constexpr int64_t kKeyTile = 256;        // prefill: keys per packed tile (rounded to blocks)
