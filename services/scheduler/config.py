@@ -27,6 +27,8 @@ class SchedulerConfig:
     decode_step_target_ms: float = 250.0  # ... then sized to steps of this length (0: fixed)
     decode_hold_margin: float = 1.0    # ... taken if done in 1/margin of a prefill worker's time
     price_holds: bool = True           # ... and if its batch loses less than the prompts gain
+    tpot_slo_ms: float = 30.0          # ... counting what takes requests past this TPOT
+                                       # (0: every second they step held)
     prefill_take_back: bool = False    # ... and taken back by a prefill worker done sooner
     max_num_partial_prefills: int = 2  # a short prompt's fast lane beside one long prompt
     max_long_partial_prefills: int = 1
@@ -63,6 +65,8 @@ class SchedulerConfig:
             raise ValueError("--decode-long-prefill-tokens must be >= 1")
         if self.decode_step_target_ms < 0:
             raise ValueError("--decode-step-target-ms must be >= 0")
+        if self.tpot_slo_ms < 0:
+            raise ValueError("--tpot-slo-ms must be >= 0")
         if self.decode_hold_margin < 1:
             raise ValueError("--decode-hold-margin must be >= 1")
         if self.num_scheduler_steps < 1:

@@ -89,6 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gains against a prefill worker, the gain weighed up by the prefill "
                         "workers' measured load from long prompts (always at a load of 1 or "
                         "more); --no-price-holds: whenever the bypass's own conditions hold")
+    p.add_argument("--tpot-slo-ms", type=float, default=d.tpot_slo_ms,
+                   help="the TPOT a request should keep (ms per output token after its first, "
+                        "on average): a hold's price (--price-holds) counts only the time it "
+                        "takes the batch's requests past that budget, from where each stands; "
+                        "0: every second they step at --decode-step-target-ms counts")
     p.add_argument("--prefill-take-back", action=argparse.BooleanOptionalAction,
                    default=d.prefill_take_back,
                    help="a prefill worker with no prompt left to compute takes over a long "
@@ -148,6 +153,7 @@ def config_from_args(args) -> SchedulerConfig:
                            decode_step_target_ms=args.decode_step_target_ms,
                            decode_hold_margin=args.decode_hold_margin,
                            price_holds=args.price_holds,
+                           tpot_slo_ms=args.tpot_slo_ms,
                            prefill_take_back=args.prefill_take_back,
                            max_num_partial_prefills=args.max_num_partial_prefills,
                            max_long_partial_prefills=args.max_long_partial_prefills,

@@ -39,7 +39,8 @@ Who prefills a prompt:
                                    A long prompt is held beside the batch (either bypass) only
                                    when that pays (--price-holds, `_hold_pays`): the batch
                                    loses less than the prompt gains, the latter weighed up by
-                                   the prefill workers' load
+                                   the prefill workers' load, the former counting only what
+                                   takes its requests past --tpot-slo-ms
 
 With --prefill-take-back (off by default: docs/performance.md), a long prompt a decode worker
 holds goes to a prefill worker that has none left to compute, when that one would finish it
@@ -70,10 +71,13 @@ of its last such step on as many threads (--decode-long-prefill-tokens, 32, befo
 timed): the TPOT its requests see meanwhile, whatever its batch, model, hardware or share of
 the cores. That is the price of a hold: each request of the batch steps at the target until the
 prompt is done or its own tokens are, where on its own it would step in a fraction of that.
-At a light load a long prompt meeting a few streams goes to the prefill worker (on its share of
-the cores while the batch lives, then on all of them) and the streams keep their short steps;
-under a burst of long prompts, each second the prefill workers lose delays the prompts behind,
-and the decode worker takes its share.
+What a request loses counts only past its TPOT budget (--tpot-slo-ms, 30, times its tokens
+after the first, less what it has spent since its first): at a light load a long prompt
+meeting a few streams well within theirs is held, and gets every core where on the prefill
+worker it would get the one the batch leaves it, while a stream a hold would take past its
+budget keeps its short steps and the prompt goes to the prefill worker; under a burst of long
+prompts, each second the prefill workers lose delays the prompts behind, and the decode worker
+takes its share.
 """
 from __future__ import annotations
 
@@ -109,6 +113,17 @@ def _stepped_beside(each: float, span: float) -> float:
     """Seconds that requests arriving at one a second through `span` seconds spend inside it,
     each at most `each` seconds: one arriving at s stays min(each, span - s)."""
     return span * span / 2 if span <= each else each * span - each * each / 2
+
+
+def _past_beside(each: float, span: float, slow: float, slack: float) -> float:
+    """Seconds past their TPOT budgets that requests arriving at one a second through `span`
+    seconds spend inside it: one arriving at s stays min(each, span - s) seconds, losing `slow`
+    of each, and `slack` of what it loses still keeps it within its budget."""
+    if slow <= 0 or slack >= slow * min(each, span):
+        return 0.0
+    start, top = slack / slow, min(each, span)  # inside this long, it is at its budget
+    past = slow / 2 * (top * top - start * start) - slack * (top - start)
+    return past + max(0.0, span - each) * (slow * each - slack)
 
 
 @dataclass(frozen=True)
@@ -540,8 +555,9 @@ class Prefill:
         seconds w would take for it beside its batch (`_held_seconds`) and `there` those a
         prefill worker would take instead. Each request w decodes steps at
         --decode-step-target-ms until the prompt is done, or until it has no tokens left, and
-        so does each short request arriving meanwhile (`short_load`, `_stepped_beside`): the
-        batch loses the sum of those times. The prompt gains there - here, and so do the long
+        so does each short request arriving meanwhile (`short_load`): the batch loses what
+        that takes them past their TPOT budgets (`_past_slo`), or with --tpot-slo-ms 0 the
+        sum of those times (`_stepped_beside`). The prompt gains there - here, and so do the long
         prompts arriving meanwhile, which find the prefill workers that much sooner free: at a
         load rho of those workers (`long_load`) they add about rho / (1 - rho) times as much
         (a busy period's arrivals), so the hold pays when loss * (1 - rho) < there - here, and
@@ -559,13 +575,40 @@ class Prefill:
         if math.isinf(here):
             return self._declined(req)
         short = self.short_load()
-        loss = sum(min(self._tokens_left(r) * target, here) for r in w.decoding) + \
-            short.rate * _stepped_beside(short.mean_tokens * target, here)
+        if self.config.tpot_slo_ms:
+            loss = self._past_slo(w, target, here, short)
+        else:
+            loss = sum(min(self._tokens_left(r) * target, here) for r in w.decoding) + \
+                short.rate * _stepped_beside(short.mean_tokens * target, here)
         req.hold_terms = (loss, here, there - here, rho)
         if rho >= 1 or loss * (1 - rho) < there - here:
             req.hold_declined = False
             return True
         return self._declined(req)
+
+    def _past_slo(self, w: WorkerState, target: float, here: float, short: ShortLoad) -> float:
+        """Seconds a hold of `here` seconds takes decode worker w's requests past their TPOT
+        budgets (--tpot-slo-ms times the tokens after their first): each steps at `target`
+        instead of w's decode step time while held, until the prompt is done or its own tokens
+        are, and would then go on at that step time; it counts only what the hold adds beyond
+        its budget, given the time it has already spent since its first token. The short
+        requests arriving meanwhile (`short_load`) count the same way, from their first
+        token."""
+        slo, step = self.config.tpot_slo_ms / 1000, w.decode_step_seconds
+        slow = max(0.0, 1 - step / target)  # of a second stepped held, what a request loses
+        now, loss = self._clock(), 0.0
+        for r in w.decoding:
+            left = self._tokens_left(r)
+            after_first = len(r.output_token_ids) + left - 1
+            if after_first < 1:
+                continue
+            spent = now - r.first_token_at if r.first_token_at is not None else 0.0
+            over = spent + left * step - slo * after_first  # past its budget without the hold
+            held = min(left * target, here) * slow
+            loss += max(0.0, over + held) - max(0.0, over)
+        m = short.mean_tokens
+        slack = max(0.0, slo * (m - 1) - m * step)
+        return loss + short.rate * _past_beside(m * target, here, slow, slack)
 
     @staticmethod
     def _declined(req: Request) -> bool:

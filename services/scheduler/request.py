@@ -61,6 +61,7 @@ class Request:
     # seconds the batch would lose, those the decode worker would take for it, those the
     # prompt would gain there, the prefill workers' load
     hold_terms: tuple[float, float, float, float] | None = None
+    first_token_at: float | None = None  # when its first token came (the scheduler's clock)
     held_at: float = 0.0  # a long prompt on a decode worker: when that one took it (the
     held_from: int = 0    # scheduler's clock), and its tokens computed then
     # n > 1: the leader prefills the prompt once; its forks (FORKING) sample their first token

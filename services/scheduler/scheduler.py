@@ -354,6 +354,8 @@ class Scheduler:
 
     def _on_tokens(self, w: WorkerState, req: Request, tokens: list[SampledToken]) -> Output:
         first = not req.output_token_ids
+        if first:
+            req.first_token_at = self.clock()
         if req.status is Status.PREFILLING and req.transfer_id:
             req.status = Status.TRANSFERRING
         elif req.status is Status.PREFILLING:  # prefilled by its decode worker itself
@@ -370,6 +372,7 @@ class Scheduler:
         if leader is None or not self.forks.takes_first_token(fork, current):
             return None  # sampled for a leader that moved on since
         fork.num_cached_tokens = leader.num_cached_tokens
+        fork.first_token_at = self.clock()
         if fork.scores_prompt:  # the leader scored the prompt they share
             fork.prompt_logprobs = list(leader.prompt_logprobs)
         out = self.lifecycle.emit(fork, [s], len(fork.prompt_token_ids))

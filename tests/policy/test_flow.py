@@ -391,6 +391,13 @@ def test_a_decode_hold_margin_below_one_is_refused():
     assert SchedulerConfig().decode_hold_margin == 1.0  # the default: whenever done sooner
 
 
+def test_a_negative_tpot_slo_is_refused():
+    from services.scheduler.config import SchedulerConfig
+    with pytest.raises(ValueError, match="--tpot-slo-ms must be >= 0"):
+        SchedulerConfig(tpot_slo_ms=-1)
+    assert SchedulerConfig().tpot_slo_ms == 30.0  # 0 prices every second held
+
+
 def _long_prompt_on_the_decode_worker(workers=None, **config):
     """p0 prefills long1 (20 tokens, 8 a step); d0 takes long2 (96 tokens) beside it and plans
     two chunks of 8 while p0 plans long1's second; the clock then says d0 took 48 ms for those
@@ -706,16 +713,17 @@ def _shorts_come_and_go(c, count, tokens, max_tokens):
     c.run(1000)
 
 
-def _priced(share_ms, step_ms, earlier_long=0, shorts=(0, 0, 0), **config):
+def _priced(share_ms, step_ms, earlier_long=0, shorts=(0, 0, 0), tpot_slo_ms=0.0, **config):
     """p0 and d0 share cores 0 and 1 (a held step: --decode-step-target-ms 1000; p0's chunks
     4 tokens, half its 8-token steps). p0 computes a prompt token in 100 ms on both cores and
     in `share_ms` on the one d0's batch leaves it; d0 computes one beside its batch in 100 ms
     on both, and steps `a` alone in `step_ms`. A long prompt of `earlier_long` tokens came 10
     s before; `shorts` (how many, their tokens, the tokens each generates) came and went
-    before `a`."""
+    before `a`. A hold is priced by every second the batch steps held, or with `tpot_slo_ms`
+    by what takes its requests past that TPOT."""
     c = Cluster({"p0": 256, "d0": 256}, cpu_cores=(0, 1), prefill_bypass_threshold=4,
-                max_num_batched_tokens=8, decode_prefill_tokens=8,
-                decode_long_prefill_tokens=3, decode_step_target_ms=1000, **config)
+                max_num_batched_tokens=8, decode_prefill_tokens=8, decode_long_prefill_tokens=3,
+                decode_step_target_ms=1000, tpot_slo_ms=tpot_slo_ms, **config)
     _shorts_come_and_go(c, *shorts)
     if earlier_long:
         c.submit("earlier", list(range(600, 600 + earlier_long)), max_tokens=1)
@@ -758,6 +766,38 @@ def test_a_decode_worker_holds_a_lone_long_prompt_only_when_it_gains_more_than_i
         assert _scheduled(c.plan("p0")) == [("long2", 4)]  # its first chunk
     assert (c.sched.num_long_prefills_on_decode, c.sched.num_long_prefills_left) == \
         (int(held), int(not held))
+    c.run()
+    assert c.workers["d0"].prompt_tokens == (12 if held else 0)
+    c.assert_all_free()
+
+
+@pytest.mark.parametrize("slo_ms, spent, loss, held", [
+    (200, 0.0, 0.000178, True), (150, 0.0, 0.241025, True), (100, 0.0, 0.8124, False),
+    (200, 1.5, 1.080178, False)])
+def test_with_a_tpot_slo_a_hold_costs_only_what_takes_requests_past_it(slo_ms, spent, loss,
+                                                                       held):
+    """`a` (4 tokens out, 8 left) steps every 100 ms; held beside long2 for d0's 1.2 s it would
+    step every second, losing 0.9 of each: 1.08 s. On p0 long2 would take 0.6 + 0.6 s on its
+    share of 150 ms a token while `a` lives (0.8 s), then 4 tokens at 0.1 s but while a short
+    request arriving would step (1 - e^(-0.05 * 12 * 0.1) = 5.8% of the time, at 0.15):
+    1.612 s, a gain of 0.412 s. `a` has 11 tokens after its first; with none of its time spent
+    it ends 0.8 s after it on its own. At a TPOT SLO of 200 ms its budget is 2.2 s: the hold
+    keeps it within (0.8 + 1.08), and it costs only what the short requests arriving meanwhile
+    (0.05 a second, 12 tokens each: a budget of 2.2 s, 1.2 of it stepping, 1 s of slack) lose
+    past theirs: one arriving at 0 is held 1.2 s, losing 1.08 > 1, and 0.05 * 0.0036 s in
+    all; d0 holds long2. At 150 ms the budget is 1.65 s: `a` ends 0.23 s past it, and those
+    arriving 0.05 * 0.2205 s more: 0.241 * 0.94 < 0.412, and d0 holds it. At 100 ms (1.1 s)
+    `a` ends 0.78 s past it, and those arriving, with no slack, 0.05 * 0.9 * 1.2^2 / 2 more:
+    0.812 * 0.94 > 0.412, and p0 takes it. At 200 ms after 1.5 s of `a`'s budget went (it is
+    0.1 s past it already), all 1.08 s count: p0 takes it. Priced by every second held, p0
+    would take it at each (1.236 * 0.94)."""
+    c = _priced(150, 100, tpot_slo_ms=slo_ms)
+    c.now += spent
+    c.submit("long2", list(range(200, 212)), max_tokens=1)
+    assert _scheduled(c.plan("d0")) == ([("a", 1), ("long2", 3)] if held else [("a", 1)])
+    assert c.sched.requests["long2"].hold_terms == pytest.approx(
+        (loss, 1.2, 0.411647, 0.06), abs=1e-6)
+    assert c.sched.num_long_prefills_on_decode == int(held)
     c.run()
     assert c.workers["d0"].prompt_tokens == (12 if held else 0)
     c.assert_all_free()
@@ -894,7 +934,7 @@ def test_the_pace_beside_the_last_held_prompt_prices_the_next_hold():
     """The 300 ms case below, with d0's steps with prompt tokens at 50 ms a token but those
     beside the long prompt it held last at 300: the hold is priced at the latter, 3.83 s for
     long2 against the 4 s p0 would take, and the 4.2 s the batch would lose: p0 takes it."""
-    c = _a_decodes_while_p0_chunks_long1(decode_step_target_ms=1000)
+    c = _a_decodes_while_p0_chunks_long1(decode_step_target_ms=1000, tpot_slo_ms=0)
     c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.1
     d0 = c.sched.workers["d0"]
     d0.prefill_speed.seconds_per_token, d0.held_speed.seconds_per_token = 0.05, 0.3
@@ -918,7 +958,7 @@ def test_the_saturated_bypass_holds_a_long_prompt_only_when_it_gains_more_than_t
     gain 0.17 s against the 4.2 the batch loses (`a`'s 10 steps of 1 s capped at the hold's
     length, and the short requests arriving meanwhile; 4.2 * 0.74 > 0.17): p0 takes long2
     after long1."""
-    c = _a_decodes_while_p0_chunks_long1(decode_step_target_ms=1000)
+    c = _a_decodes_while_p0_chunks_long1(decode_step_target_ms=1000, tpot_slo_ms=0)
     a = c.sched.requests["a"]
     assert (a.max_tokens - len(a.output_token_ids), c.sched.requests["long1"].num_computed_tokens,
             c.sched.workers["p0"].is_idle) == (10, 12, True)
