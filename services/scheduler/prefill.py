@@ -109,12 +109,6 @@ class ShortLoad(NamedTuple):
     mean_tokens: float = 0.0    # the tokens each generates at most, on average
 
 
-def _stepped_beside(each: float, span: float) -> float:
-    """Seconds that requests arriving at one a second through `span` seconds spend inside it,
-    each at most `each` seconds: one arriving at s stays min(each, span - s)."""
-    return span * span / 2 if span <= each else each * span - each * each / 2
-
-
 def _past_beside(each: float, span: float, slow: float, slack: float) -> float:
     """Seconds past their TPOT budgets that requests arriving at one a second through `span`
     seconds spend inside it: one arriving at s stays min(each, span - s) seconds, losing `slow`
@@ -556,8 +550,8 @@ class Prefill:
         prefill worker would take instead. Each request w decodes steps at
         --decode-step-target-ms until the prompt is done, or until it has no tokens left, and
         so does each short request arriving meanwhile (`short_load`): the batch loses what
-        that takes them past their TPOT budgets (`_past_slo`), or with --tpot-slo-ms 0 the
-        sum of those times (`_stepped_beside`). The prompt gains there - here, and so do the long
+        that takes them past their TPOT budgets, or with --tpot-slo-ms 0 the sum of those
+        times (`_past_slo`). The prompt gains there - here, and so do the long
         prompts arriving meanwhile, which find the prefill workers that much sooner free: at a
         load rho of those workers (`long_load`) they add about rho / (1 - rho) times as much
         (a busy period's arrivals), so the hold pays when loss * (1 - rho) < there - here, and
@@ -574,12 +568,7 @@ class Prefill:
             return True
         if math.isinf(here):
             return self._declined(req)
-        short = self.short_load()
-        if self.config.tpot_slo_ms:
-            loss = self._past_slo(w, target, here, short)
-        else:
-            loss = sum(min(self._tokens_left(r) * target, here) for r in w.decoding) + \
-                short.rate * _stepped_beside(short.mean_tokens * target, here)
+        loss = self._past_slo(w, target, here, self.short_load())
         req.hold_terms = (loss, here, there - here, rho)
         if rho >= 1 or loss * (1 - rho) < there - here:
             req.hold_declined = False
@@ -593,9 +582,11 @@ class Prefill:
         are, and would then go on at that step time; it counts only what the hold adds beyond
         its budget, given the time it has already spent since its first token. The short
         requests arriving meanwhile (`short_load`) count the same way, from their first
-        token."""
+        token. With --tpot-slo-ms 0 no budget is left to anyone and every second held counts
+        whole: the seconds the requests step held."""
         slo, step = self.config.tpot_slo_ms / 1000, w.decode_step_seconds
-        slow = max(0.0, 1 - step / target)  # of a second stepped held, what a request loses
+        # of a second stepped held, what a request loses
+        slow = max(0.0, 1 - step / target) if slo else 1.0
         now, loss = self._clock(), 0.0
         for r in w.decoding:
             left = self._tokens_left(r)
