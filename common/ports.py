@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -25,16 +26,21 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def free_ports(n: int, host: str = "127.0.0.1", rng: random.Random | None = None) -> list[int]:
-    """n distinct ports outside the ephemeral range, each free on `host` right now. Raises
-    OSError when the range below it is too small or too busy to give n."""
+def free_ports(n: int, host: str = "127.0.0.1", rng: random.Random | None = None,
+               exclude: Iterable[int] = ()) -> list[int]:
+    """n distinct ports outside the ephemeral range, each free on `host` right now and none of
+    `exclude` (ports chosen for services that have not bound them yet). Raises OSError when
+    the range below it is too small or too busy to give n."""
     low, _ = ephemeral_range()
     candidates = list(range(LOWEST, low)) if low - LOWEST >= 4 * n else []
     (rng or random.Random()).shuffle(candidates)  # seeded from os.urandom
     chosen: list[int] = []
+    excluded = set(exclude)
     for port in candidates:
         if len(chosen) == n:
             break
+        if port in excluded:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))

@@ -219,7 +219,8 @@ def commands(args) -> list[list[str]]:
         if args.otlp_traces_endpoint else []
     tls = ["--tls-dir", args.tls_dir] if args.tls_dir else []
     worker += tracing + tls + (["--detailed-traces"] if args.detailed_traces else [])
-    ports = args.metrics_ports = _metrics_ports(args.metrics_port, 1 + num_workers)
+    ports = args.metrics_ports = _metrics_ports(args.metrics_port, 1 + num_workers,
+                                                (args.port, args.scheduler_port))
     metrics = [["--metrics-host", args.host, "--metrics-port", str(p)] for p in ports] \
         or [[]] * (1 + num_workers)
     cmds = [exe + ["scheduler", "--host", args.host, "--port", str(args.scheduler_port),
@@ -277,14 +278,15 @@ def environment(cmd: list[str]) -> dict[str, str]:
     return env
 
 
-def _metrics_ports(first: int, n: int) -> list[int]:
+def _metrics_ports(first: int, n: int, taken: tuple[int, ...]) -> list[int]:
     """n ports from `first` on; 0: n free ones (outside the ephemeral range, so that no
-    connection takes one before its service binds it); -1: none."""
+    connection takes one before its service binds it), none of the stack's `taken` ones, which
+    may be free yet (their services bind them later); -1: none."""
     if first < 0:
         return []
     if first > 0:
         return list(range(first, first + n))
-    return free_ports(n)
+    return free_ports(n, exclude=taken)
 
 
 def metrics_urls(args) -> list[tuple[str, str]]:

@@ -80,14 +80,31 @@ class RankPlace:
     last_stage: LastStage | None  # P > 1: where the sampled tokens come from
 
 
-def connect(cfg: WorkerConfig, rank: int, port: int) -> RankPlace:
+def _timeout(cfg: WorkerConfig) -> timedelta:
+    """How long the group's collectives, and its rendezvous, wait for a rank."""
+    return timedelta(seconds=max(STEP_TIMEOUT_S, cfg.group_start_timeout_s))
+
+
+def rendezvous(cfg: WorkerConfig) -> dist.TCPStore:
+    """The leader's store the ranks meet at, on a port the kernel picks as it binds (from its
+    ephemeral range): a port chosen free beforehand could be bound meanwhile by a service of
+    the same stack that was given it too (`common/ports.py` chooses below that range)."""
+    return dist.TCPStore("127.0.0.1", 0, cfg.group_size, is_master=True,
+                         timeout=_timeout(cfg), wait_for_workers=False)
+
+
+def connect(cfg: WorkerConfig, rank: int, port: int,
+            store: dist.TCPStore | None = None) -> RankPlace:
     """Joins the group's collectives (every rank calls it at start, in any order): the world
-    of T x P ranks, one tensor-parallel subgroup per stage where there are stages."""
+    of T x P ranks, one tensor-parallel subgroup per stage where there are stages. The leader
+    joins through its own `store` (`rendezvous`), the others through a client of it at its
+    port; without a store, rank 0 makes one there."""
     t, p = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=t * p,
-                            timeout=timedelta(seconds=max(STEP_TIMEOUT_S,
-                                                          cfg.group_start_timeout_s)))
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, t * p, is_master=rank == 0,
+                              timeout=_timeout(cfg))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=t * p,
+                            timeout=_timeout(cfg))
     stage, tp_rank = divmod(rank, t)
     # every rank makes every subgroup, in the same order
     stages = [dist.new_group(list(range(s * t, (s + 1) * t))) for s in range(p)] \
@@ -121,10 +138,11 @@ def digest(result: StepResult) -> bytes:
 class GroupLeader:
     """Rank 0's side of the group: starts the followers and mirrors every plan to them."""
 
-    def __init__(self, cfg: WorkerConfig, port: int):
+    def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         self.size = cfg.group_size
-        self.port = port
+        self.store = rendezvous(cfg)
+        self.port = port = self.store.port
         self._conns: list[Connection] = []
         self._procs: list = []
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or OpenMP team

@@ -37,7 +37,6 @@ from common.kv_transfer.registry import create_listener, create_sender
 from common.models.attention import cpu_kernels, create_attention_backend
 from common.models.llama import load_model
 from common.plans import Registration, StepResult, TransfersDone
-from common.ports import free_port
 from common.shm_segments import SEGMENT_PREFIX, sweep_stale_segments
 from common.tls import grpc_channel_credentials, scheduler_channel_options, warn_if_exposed
 from common.worker.config import WorkerConfig
@@ -390,7 +389,7 @@ async def serve(cfg: WorkerConfig) -> int:
     # of one sequence took 18-25 ms with 2 threads, as slow as with 1; 15-18 ms on its own)
     steps = ThreadPoolExecutor(1, thread_name_prefix="step")
     # a group's followers load their shares while this process loads its own
-    group = GroupLeader(cfg, free_port()) if cfg.group_size > 1 else None
+    group = GroupLeader(cfg) if cfg.group_size > 1 else None
     try:
         status = await _serve(cfg, steps, group)
         if group is not None and (lost := group.lost()) is not None:
@@ -432,7 +431,7 @@ async def _serve(cfg: WorkerConfig, steps: ThreadPoolExecutor,
     place = None
     if group is not None:  # the group's collectives first: the model's layers hold them
         place = await _unless_lost(group, loop.run_in_executor(steps, connect, cfg, 0,
-                                                               group.port))
+                                                               group.port, group.store))
     worker, reg = await loop.run_in_executor(steps, build_worker, cfg, place)
     # ... and only that thread runs an OpenMP team: this one (KV frames landing in the cache)
     # copies on its own. A second team would take cores from the step's threads mid-step and,

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.ports import free_port
+from common.ports import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 PDSERVE = Path(sys.executable).parent / "pdserve"
@@ -74,7 +74,7 @@ class Stack:
                  wait: bool = True):
         """`pdserve up --model DIR`, or `pdserve serve DIR` with command="serve"; up when it
         returns, or with wait=False started only (wait_up later: work can overlap the start)."""
-        self.port, self.sched_port = free_port(), free_port()
+        self.port, self.sched_port = free_ports(2)  # distinct: neither is bound yet
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "stack.log"
         # `pdserve stats` speaks mutual TLS to a stack that does

@@ -12,7 +12,7 @@ import httpx
 
 from common.health import check
 from protos import scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.conftest import PDSERVE, free_port, stop_all
+from tests.e2e.conftest import PDSERVE, free_ports, stop_all
 
 NO_WORKER_WAIT_S = 1.5
 START_TIMEOUT_S = 180.0
@@ -49,9 +49,9 @@ def _complete(http: httpx.Client, **headers) -> httpx.Response:
 
 
 def test_health_and_readiness_follow_the_workers(tiny_llama, tmp_path):
-    sched, gateway = free_port(), free_port()
+    sched, gateway, prefill, decode = free_ports(4)  # distinct: none is bound yet
     addr = f"127.0.0.1:{sched}"
-    health = {"prefill": free_port(), "decode": free_port()}
+    health = {"prefill": prefill, "decode": decode}
     log_path = tmp_path / "log"
     log = open(log_path, "w")
 

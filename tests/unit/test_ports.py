@@ -36,3 +36,26 @@ def test_too_many_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(free_ports(2)) == 2
     with pytest.raises(OSError, match="no 3 free ports"):
         free_ports(3)
+
+
+def test_ports_chosen_for_other_services_are_passed_over() -> None:
+    first = free_ports(2, rng=random.Random(7))
+    again = free_ports(2, rng=random.Random(7), exclude=first[:1])
+    assert again[0] == first[1] and first[0] not in again
+
+
+def test_a_stacks_metrics_ports_are_none_of_the_ports_it_chose_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pdserve up` chooses its services' metrics ports while its gateway's and scheduler's,
+    chosen before, are not bound yet. In a range of twelve free ports with nine of them taken
+    so, the three metrics ports are the other three."""
+    from services import launcher
+    monkeypatch.setattr("common.ports.ephemeral_range", lambda: (LOWEST + 12, 60999))
+    free: list[int] = []
+    for _ in range(4):  # at most a quarter of the range at once
+        free += free_ports(3, exclude=free)
+    assert len(set(free)) == 12
+    taken = tuple(free[:9])
+    assert sorted(launcher._metrics_ports(0, 3, taken)) == sorted(free[9:])
+    assert launcher._metrics_ports(9100, 3, taken) == [9100, 9101, 9102]
+    assert launcher._metrics_ports(-1, 3, taken) == []

@@ -1,10 +1,15 @@
 """A worker group's configuration and bookkeeping: what it refuses, how it splits its cores,
-and the digest its ranks compare after every step."""
+where its ranks meet, and the digest its ranks compare after every step."""
+from datetime import timedelta
+
 import pytest
+import torch.distributed as dist
+
+from common.ports import ephemeral_range
 
 from common.plans import RequestError, SampledToken, StepResult, WorkerCounters
 from common.worker.config import WorkerConfig
-from common.worker.group import digest, rank_cores
+from common.worker.group import digest, rank_cores, rendezvous
 
 
 def _cfg(**kw) -> WorkerConfig:
@@ -41,6 +46,18 @@ def test_ranks_split_the_groups_cores():
     assert [rank_cores((0, 1, 2), 2, r) for r in range(2)] == [(0, 1), (2,)]
     assert [rank_cores((5,), 2, r) for r in range(2)] == [(5,), (5,)]  # fewer cores: shared
     assert rank_cores((), 2, 1) == ()
+
+
+def test_the_ranks_meet_on_a_port_the_kernel_chose_as_it_bound_it():
+    """The leader's store binds a port of the kernel's ephemeral range, which no port chosen
+    for a service (below that range, common/ports.py) can be; a follower reaches it there."""
+    store = rendezvous(_cfg(tensor_parallel_size=2))
+    low, high = ephemeral_range()
+    assert low <= store.port <= high
+    follower = dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                             timeout=timedelta(seconds=10))
+    follower.set("rank1", "here")
+    assert store.get("rank1") == b"here"
 
 
 def test_the_digest_tells_other_tokens_and_other_failures_apart():
