@@ -43,9 +43,8 @@ from common.kv_transfer.registry import create_listener, create_sender  # noqa: 
 from common.models.attention import create_attention_backend  # noqa: E402
 from common.models.config import ModelConfig  # noqa: E402
 from common.models.llama import load_model  # noqa: E402
-from common.ports import free_port  # noqa: E402
 from common.worker.config import WorkerConfig  # noqa: E402
-from common.worker.group import connect, rank_cores  # noqa: E402
+from common.worker.group import connect, rank_cores, rendezvous  # noqa: E402
 from common.worker.model_runner import ModelRunner  # noqa: E402
 from common.worker.sampler import Sampler  # noqa: E402
 
@@ -128,7 +127,10 @@ def _rank(rank: int, shape: tuple[int, int, int], port: int, args, out: str) -> 
 def steps(args, shape: tuple[int, int, int]) -> dict:
     t, p, micro = shape
     out = Path(args.out) / f".steps-{t}-{p}-{micro}.json"
-    port = free_port()
+    # every rank joins the store as a client; this process holds it until they are done
+    store = rendezvous(WorkerConfig(role="decode", model=args.model, dtype=args.dtype,
+                                    tensor_parallel_size=t, pipeline_parallel_size=p))
+    port = store.port
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, shape, port, args, str(out)))
              for r in range(t * p)]

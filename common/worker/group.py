@@ -96,13 +96,12 @@ def rendezvous(cfg: WorkerConfig) -> dist.TCPStore:
 def connect(cfg: WorkerConfig, rank: int, port: int,
             store: dist.TCPStore | None = None) -> RankPlace:
     """Joins the group's collectives (every rank calls it at start, in any order): the world
-    of T x P ranks, one tensor-parallel subgroup per stage where there are stages. The leader
-    joins through its own `store` (`rendezvous`), the others through a client of it at its
-    port; without a store, rank 0 makes one there."""
+    of T x P ranks, one tensor-parallel subgroup per stage where there are stages. They meet
+    at the store `rendezvous` made: the process that made it passes it (`store`), the others
+    join it as clients at its port."""
     t, p = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
     if store is None:
-        store = dist.TCPStore("127.0.0.1", port, t * p, is_master=rank == 0,
-                              timeout=_timeout(cfg))
+        store = dist.TCPStore("127.0.0.1", port, t * p, is_master=False, timeout=_timeout(cfg))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=t * p,
                             timeout=_timeout(cfg))
     stage, tp_rank = divmod(rank, t)

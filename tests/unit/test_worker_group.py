@@ -5,9 +5,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from common.ports import ephemeral_range
-
 from common.plans import RequestError, SampledToken, StepResult, WorkerCounters
+from common.ports import ephemeral_range
 from common.worker.config import WorkerConfig
 from common.worker.group import digest, rank_cores, rendezvous
 
