@@ -662,6 +662,104 @@ def test_a_busy_prefill_worker_lends_no_cores_so_the_saturated_bypass_decides():
     c.assert_all_free()
 
 
+def _long1_handed_over(cpu_cores=(0, 1), d0_ms=100, **config):
+    """long1 partial on p0 (12 of its 40 tokens planned, in 3 blocks) while `a` decodes on d0,
+    with --prefill-hand-over. p0 computes a prompt token in 100 ms on both cores and 400 on the
+    one d0's batch leaves it; d0 one beside its batch in `d0_ms` on both, and steps `a` (10
+    tokens left) in 100 ms."""
+    c = _a_decodes_while_p0_chunks_long1(cpu_cores=cpu_cores,
+                                         **{"prefill_hand_over": True, **config})
+    p0, d0 = c.sched.workers["p0"], c.sched.workers["d0"]
+    p0.prefill_speed.by_threads = {2: 0.1, 1: 0.4}
+    d0.prefill_speed.by_threads = {2: d0_ms / 1000}
+    d0.decode_step_seconds = 0.1
+    assert c.sched.requests["long1"].num_computed_tokens == 12
+    return c
+
+
+def test_a_decode_worker_whose_batch_came_later_takes_over_a_long_prompt_from_the_kv_sent_to_it():
+    """long1's other 28 tokens: on p0, the first chunk of 8 on its share while `a` lives (1 s:
+    3.2 s), the other 20 on both cores but while a short request arriving would step (1 -
+    e^(-0.05 * 12 * 0.1) = 5.8% of the time, at 0.4): 2.35 s, 5.55 in all; on d0 2.8 s on both
+    cores, a gain of 2.75 s for `a`'s loss of 1.62 at a load of 0.2 (the price's terms). d0
+    plans the fill (p0's 3 blocks into its prefix cache, reserved under the fill's id) and p0
+    stops computing long1: its next plan only sends them. Once they are there long1 goes back
+    to the queue and d0 takes it in the same plan at token 12 on the filled blocks, held beside
+    `a` on both cores; d0 drops its fill and the reservation for long1's KV. Nothing is computed
+    twice and every block is free after."""
+    c = _long1_handed_over()
+    long1 = c.sched.requests["long1"]
+    fill = c.plan("d0")
+    assert _scheduled(fill) == [("a", 1)]
+    assert [(r.request_id, r.block_ids) for r in fill.recvs] == [("long1/fill7", (12, 13, 14))]
+    assert long1.hold_terms == pytest.approx((1.6176, 2.8, 2.749413, 0.2), abs=1e-6)
+    assert c.sched.num_long_prefills_handed_over == 0
+    c.run_step("d0")
+    send = c.plan("p0")
+    assert not send.scheduled
+    assert [(k.transfer_id, k.src_block_ids, k.dst_block_ids) for k in send.sends] == \
+        [("long1/fill7", (1, 2, 3), (12, 13, 14))]
+    c.run_step("p0")  # the fill lands: d0 caches the 3 blocks
+    take = c.plan("d0")
+    assert c.sched.num_long_prefills_handed_over == 1 and long1.handed_over
+    assert take.finished_request_ids == ["long1/fill7", "long1"]
+    assert [(n.request_id, n.block_ids[:4], n.num_computed_tokens) for n in take.new_requests] \
+        == [("long1", (12, 13, 14, 15), 12)]
+    assert (take.num_threads, _scheduled(take)) == (2, [("a", 1), ("long1", 7)])
+    c.run()
+    assert c.tokens("long1") == [token_at(40)]
+    assert c.workers["p0"].prompt_tokens == 4 + 12 and c.workers["d0"].prompt_tokens == 28
+    assert c.workers["p0"].sent == 1 + 3  # `a`'s KV, the fill, and none of long1 after
+    c.assert_all_free()
+
+
+@pytest.mark.parametrize("case, config", [
+    ("off", {"prefill_hand_over": False}), ("slower there", {"d0_ms": 500}),
+    ("margin", {"decode_hold_margin": 4}), ("cores not shared", {"cpu_cores": ()})])
+def test_a_prefill_worker_keeps_a_long_prompt_the_decode_worker_would_not_finish_sooner(
+        case, config):
+    """Without --prefill-hand-over (the default), with d0 at 500 ms a token (14 s against p0's
+    5.55; 6 s against 3.67 for the last 12 tokens), with --decode-hold-margin 4 (11.2 s against
+    5.55; 4.8 against 3.67), or on cores of its own, long1 stays on p0."""
+    c = _long1_handed_over(**config)
+    c.run()
+    assert c.tokens("long1") == [token_at(40)]
+    assert c.workers["p0"].prompt_tokens == 4 + 40 and c.workers["d0"].prompt_tokens == 0
+    assert c.sched.num_long_prefills_handed_over == 0
+    c.assert_all_free()
+
+
+def test_after_a_failed_fill_the_prefill_worker_goes_on_with_its_prompt():
+    """The fill's send fails: d0's reserved blocks go back uncached, and p0 goes on with long1
+    from where it stopped, for good (one fill a prompt)."""
+    c = _long1_handed_over()
+    assert c.plan("d0").recvs
+    c.run_step("d0")
+    assert c.plan("p0").sends
+    c.run_step("p0", send_error="refused")
+    assert _scheduled(c.plan("p0")) == [("long1", 8)]
+    c.run()
+    assert c.tokens("long1") == [token_at(40)]
+    assert c.workers["p0"].prompt_tokens == 4 + 40 and c.workers["d0"].prompt_tokens == 0
+    assert c.sched.num_long_prefills_handed_over == 0
+    c.assert_all_free()
+
+
+def test_a_prefill_worker_lost_during_its_fill_leaves_the_prompt_to_the_decode_worker():
+    """p0 lost before it sends the fill: the blocks reserved on d0 go back uncached, long1 is
+    queued again and d0, the only worker left, computes it from its start."""
+    c = _long1_handed_over()
+    assert c.plan("d0").recvs
+    c.run_step("d0")
+    c.lose("p0")
+    d0 = c.sched.workers["d0"]
+    assert not d0.kv.holds("long1/fill7") and not c.sched.requests["long1"].handed_to
+    c.run()
+    assert c.tokens("long1") == [token_at(40)]
+    assert c.workers["d0"].prompt_tokens == 40
+    c.assert_all_free()
+
+
 @pytest.mark.parametrize("case", ["off", "no batch", "cores not shared", "holds one"])
 def test_a_decode_worker_leaves_a_long_prompt_to_a_free_prefill_worker(case):
     """Without --shared-cores-prefill-bypass, with no batch to step beside it, on cores of its
