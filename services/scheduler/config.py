@@ -30,8 +30,6 @@ class SchedulerConfig:
     tpot_slo_ms: float = 30.0          # ... counting what takes requests past this TPOT
                                        # (0: every second they step held)
     prefill_take_back: bool = False    # ... and taken back by a prefill worker done sooner
-    prefill_hand_over: bool = False    # a prefill worker's long prompt held by its decode
-                                       # worker when done sooner there, on every core
     max_num_partial_prefills: int = 2  # a short prompt's fast lane beside one long prompt
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: half the step budget when partials > 1

@@ -142,7 +142,6 @@ class Lifecycle:
         req.prefill_worker = req.decode_worker = None
         req.num_computed_tokens = 0
         req.transfer_id = ""
-        req.handed_to = ""  # whoever takes it now takes it as any other
         req.prompt_logprobs = []  # a prompt still to score is scored again from its start
         self.waiting.push_front(req)
 

@@ -101,14 +101,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "finish it sooner than the decode worker from where it is (the decode "
                         "worker keeps it if done in 1/--decode-hold-margin of that time); the "
                         "decode worker first sends it the prompt's KV computed so far")
-    p.add_argument("--prefill-hand-over", action=argparse.BooleanOptionalAction,
-                   default=d.prefill_hand_over,
-                   help="a decode worker with a batch and no long prompt of its own takes over "
-                        "a long prompt a prefill worker sharing its cores computes, to hold "
-                        "beside its batch on every core, when at the measured paces it would "
-                        "finish the rest sooner (in 1/--decode-hold-margin of the prefill "
-                        "worker's time) and the hold pays (--price-holds), no other long prompt "
-                        "waiting; the prefill worker first sends it the prompt's KV so far")
     p.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
                    help="prompts a worker may have started and not finished prefilling at once")
     p.add_argument("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
@@ -163,7 +155,6 @@ def config_from_args(args) -> SchedulerConfig:
                            price_holds=args.price_holds,
                            tpot_slo_ms=args.tpot_slo_ms,
                            prefill_take_back=args.prefill_take_back,
-                           prefill_hand_over=args.prefill_hand_over,
                            max_num_partial_prefills=args.max_num_partial_prefills,
                            max_long_partial_prefills=args.max_long_partial_prefills,
                            long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -56,17 +56,6 @@ more the time of the tokens the decode worker computed (work thrown away, which 
 prompts it takes next). The decode worker's pace is the one it has had on that prompt since it
 took it; its blocks stay in its prefix cache, so the KV sent back to it later skips them.
 
-With --prefill-hand-over (off by default: docs/performance.md) it goes the other way too: a
-long prompt a prefill worker computes on its share of the cores, beside a decode worker that
-steps a batch and holds no long prompt (its hold ended, or the batch came after the prompt),
-goes to that decode worker, held beside its batch on every core, when there it would finish
-the rest sooner (in 1/--decode-hold-margin of the prefill worker's time, `_on_share_seconds`)
-and the hold pays, with no other long prompt waiting (the prefill worker, free, would take that
-one and split the cores again). The prefill worker stops computing it and sends the blocks it
-has computed into the decode worker's prefix cache (a prefix fill); once they are there the
-prompt goes back to the front of the queue and the decode worker takes it at once, computing
-only the rest. A fill that did not land leaves it on the prefill worker.
-
 So a free prefill worker takes every prompt but a long one its decode worker can take beside
 its batch on shared cores, and while prefill workers are busy short prompts do not queue behind
 long ones. On shared cores (CPU workers of one host, cores lent, cores.py) a prefill worker
@@ -132,11 +121,10 @@ def _past_beside(each: float, span: float, slow: float, slack: float) -> float:
 
 
 @dataclass(frozen=True)
-class Move:
-    """A long prompt a worker takes over from the worker `src` computing it (a prefill worker
-    from a decode worker holding it, `to_take_back`, or a decode worker from a prefill worker,
-    `to_hand_over`): first `fill` blocks of it into its prefix cache after its cached `prefix`
-    (a prefix fill), or, with none to fill, the prompt itself now."""
+class TakeBack:
+    """A long prompt a prefill worker takes over from the decode worker `src` holding it:
+    first `fill` blocks of it into its prefix cache after its cached `prefix` (a prefix fill),
+    or, with none to fill, the prompt itself now."""
     request: Request
     src: WorkerState
     prefix: tuple[int, ...] = ()
@@ -159,7 +147,6 @@ class Prefill:
         self._threads = threads  # the threads a worker's next step runs on (cores.py)
         self.num_long_on_decode = 0  # long prompts decode workers took beside their batch
         self.num_long_taken_back = 0  # ... that went back to a prefill worker (`to_take_back`)
-        self.num_long_handed_over = 0  # ... that a decode worker took over (`to_hand_over`)
         self.num_long_left = 0  # ... that one would have taken but for its batch (`_hold_pays`),
                                 # counted when a prefill worker starts them
         self._long_arrivals: deque[tuple[float, int]] = deque()  # (clock, prompt tokens)
@@ -208,13 +195,11 @@ class Prefill:
         for req in partials:
             if budget <= 0:
                 break
-            if req not in held and not self._handing_over(req):
+            if req not in held:
                 budget -= self._schedule_chunk(w, plan, req, budget)
                 completes |= req.num_computed_tokens == req.num_tokens
         if (back := self.to_take_back(w)) is not None:
             self._take_back(w, back)
-        if (over := self.to_hand_over(w)) is not None:
-            self._hand_over(w, over)
         budget = self._admit(w, plan, budget, completes)
         for req in held:
             if budget > 0:
@@ -245,7 +230,7 @@ class Prefill:
         w.held_step_tokens[threads] = max(MIN_TIMED_PREFILL,
                                           min(self.config.decode_prefill_tokens, fit))
 
-    def to_take_back(self, p: WorkerState) -> Move | None:
+    def to_take_back(self, p: WorkerState) -> TakeBack | None:
         """With --prefill-take-back, the first long prompt a decode worker holds that prefill
         worker p, with none of its own left to compute and no prefix fill under way, would
         finish sooner than that decode worker (see the module's doc), and how: a fill first,
@@ -262,8 +247,7 @@ class Prefill:
                     continue
                 hashes = req.hashes(bs)
                 prefix = p.kv.find_prefix(hashes, req.num_tokens)
-                fill = self._fillable(d, p, req, len(hashes), len(prefix)) \
-                    if not req.prefix_filled else 0
+                fill = self._fillable(d, p, req, len(hashes), len(prefix))
                 have = max(p.kv.num_hit_blocks(hashes, req.num_tokens), len(prefix) + fill) * bs
                 # the tokens p computes, and once more those d computed that p computes again:
                 # the work the move throws away, which delays the prompts p takes next
@@ -271,10 +255,10 @@ class Prefill:
                     req.num_tokens - have + max(0, req.num_computed_tokens - have))
                 if here < there * self.config.decode_hold_margin and \
                         p.kv.can_fit(req.request_id, req.num_tokens, prefix):
-                    return Move(req, d, tuple(prefix), fill)
+                    return TakeBack(req, d, tuple(prefix), fill)
         return None
 
-    def _take_back(self, p: WorkerState, back: Move) -> None:
+    def _take_back(self, p: WorkerState, back: TakeBack) -> None:
         """A prefix fill into p, or the prompt back to the front of the queue, next in."""
         req = back.request
         if back.fill:
@@ -285,65 +269,6 @@ class Prefill:
         self._requeue(req)
         req.taken_back = True
         self.num_long_taken_back += 1
-
-    def to_hand_over(self, d: WorkerState) -> Move | None:
-        """With --prefill-hand-over, a long prompt a prefill worker sharing decode worker d's
-        cores computes that d takes over (see the module's doc), and how: a fill first, or the
-        prompt now, once its fill has landed. None when d has no batch to step beside it, holds
-        a long prompt or takes a fill already, has no room for the prompt, another long prompt
-        waits (the saturated bypass places it), or either pace is unmeasured. A fill that did
-        not land leaves the prompt where it is, on the prefill worker, for good."""
-        if d.role != "decode" or not self.config.prefill_hand_over or d.leaving:
-            return None
-        prefills = [p for p in self.workers.of_role("prefill") if shares_cores(d, p)]
-        for p in prefills:  # a fill over: the prompt goes, or stays if it did not land
-            for req in self._partials(p):
-                if req.handed_to == d.worker_id and self.transfers.fill_of(req) is None:
-                    if req.fill_landed and not any(map(self._long_here, self._partials(d))):
-                        return Move(req, p)
-                    req.handed_to = ""
-        if not d.decoding or any(map(self._long_here, self._partials(d))) or \
-                self.transfers.filling(d) or d.num_seqs >= self.config.max_num_seqs or \
-                any(self._long_here(r) for r in itertools.islice(self.waiting, self.lookahead)):
-            return None
-        bs = d.kv.block_size
-        for p in prefills:
-            for req in self._partials(p):
-                left = req.num_tokens - req.num_computed_tokens
-                if req.handed_to or req.prefix_filled or not self._has_room(d, req.num_tokens) \
-                        or left <= self.config.prefill_bypass_threshold:
-                    continue
-                here = self._held_seconds(d, left, len(d.cpu_cores), False)
-                there = self._on_share_seconds(d, p, left)
-                if here is None or there is None or \
-                        here * self.config.decode_hold_margin >= there or \
-                        not self._hold_pays(d, req, here, there):
-                    continue
-                hashes = req.hashes(bs)
-                prefix = d.kv.find_prefix(hashes, req.num_tokens)
-                return Move(req, p, tuple(prefix),
-                            self._fillable(p, d, req, len(hashes), len(prefix)))
-        return None
-
-    def _hand_over(self, d: WorkerState, move: Move) -> None:
-        """A prefix fill into d, or the prompt back to the front of the queue for d, which
-        takes it in this step (`_decode_takes`)."""
-        req = move.request
-        if move.fill:
-            req.prefix_filled = True
-            req.handed_to = d.worker_id
-            self.transfers.open_fill(req, move.src, d, len(move.prefix) + move.fill,
-                                     list(move.prefix), f"{req.request_id}/fill{self._next_id()}")
-            return
-        self._requeue(req)
-        req.handed_to = d.worker_id
-        req.handed_over = True
-        self.num_long_handed_over += 1
-
-    def _handing_over(self, req: Request) -> bool:
-        """Whether req goes to a decode worker: its prefill worker computes no more of it while
-        its fill is under way or once it has landed (not after a fill that failed)."""
-        return bool(req.handed_to) and (req.fill_landed or self.transfers.fill_of(req) is not None)
 
     def _rest_held(self, d: WorkerState, req: Request) -> float | None:
         """Seconds decode worker d needs for the rest of req, a long prompt it holds: at the
@@ -356,15 +281,15 @@ class Prefill:
             return left * elapsed / done
         return self._held_seconds(d, left, self._threads(d), shorts=False)
 
-    def _fillable(self, src: WorkerState, dst: WorkerState, req: Request, hashed: int,
+    def _fillable(self, d: WorkerState, p: WorkerState, req: Request, hashed: int,
                   cached: int) -> int:
-        """Blocks of req's prompt (`hashed` of them have hashes) that worker src has computed
-        (planned) past the first `cached`, which a prefix fill could bring to dst: none when it
-        scores its prompt (no hashes), dst caches no prefixes, or the two share no transport or
-        block size."""
-        bs = dst.kv.block_size
-        if not dst.kv.pool.enable_caching or src.kv.block_size != bs or \
-                not transport_between(src, dst):
+        """Blocks of req's prompt (`hashed` of them have hashes) that decode worker d has
+        computed (planned) past the first `cached`, which a prefix fill could bring to p: none
+        when the request had one, scores its prompt (no hashes), p caches no prefixes, or the
+        two share no transport or block size."""
+        bs = p.kv.block_size
+        if req.prefix_filled or not p.kv.pool.enable_caching or d.kv.block_size != bs or \
+                not transport_between(d, p):
             return 0
         computed = min(req.num_computed_tokens // bs, hashed)
         return max(0, computed - cached)
@@ -432,7 +357,6 @@ class Prefill:
         if w.kv.allocate_slots(req.request_id, n, prefix, in_tier) is None:
             return None
         self.waiting.remove(req)
-        req.handed_to = ""
         req.status = Status.PREFILLING
         req.prefill_worker = w.worker_id
         req.decode_worker = (dst or w).worker_id
@@ -480,8 +404,6 @@ class Prefill:
                       todo: int) -> bool:
         """Whether decode worker w prefills req beside its batch (see the module's doc)."""
         partial = self._partials(w)
-        if req.handed_to == w.worker_id:  # from its prefill worker (`to_hand_over`)
-            return not any(map(self._long_here, partial)) and self._has_room(w, todo)
         if todo <= self.config.prefill_bypass_threshold:
             pending = sum(r.num_tokens - r.num_computed_tokens for r in partial
                           if not self._long_here(r))

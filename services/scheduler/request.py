@@ -56,11 +56,6 @@ class Request:
     prefill_locally: bool = False  # its KV transfer failed once: its decode worker prefills it
     taken_back: bool = False  # a prefill worker took it back from the decode worker prefilling it
     prefix_filled: bool = False  # ... after that decode worker sent it the prompt's KV so far
-                                 # (or a prefill worker to the decode worker taking it over)
-    fill_landed: bool = False  # that prefix fill is in the receiver's prefix cache
-    handed_to: str = ""  # the decode worker taking it over from its prefill worker: the fill
-                         # under way, or landed and the prompt queued for it
-    handed_over: bool = False  # a decode worker took it over from its prefill worker
     hold_declined: bool = False  # a decode worker would have held it but for its batch
     # the last price of holding it beside a decode worker's batch (Prefill._hold_pays): the
     # seconds the batch would lose, those the decode worker would take for it, those the

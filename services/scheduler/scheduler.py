@@ -118,12 +118,6 @@ class Scheduler:
         """Of those, the ones a prefill worker took back (it would finish them sooner)."""
         return self.prefill.num_long_taken_back
 
-    @property
-    def num_long_prefills_handed_over(self) -> int:
-        """Long prompts a decode worker took over from a prefill worker sharing its cores (it
-        would finish them sooner, on every core)."""
-        return self.prefill.num_long_handed_over
-
     # ---- workers and requests ------------------------------------------------------------------
 
     def add_worker(self, reg: Registration) -> WorkerState:

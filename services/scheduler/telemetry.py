@@ -89,8 +89,8 @@ class SchedulerTelemetry:
             if t.carrier:
                 new.trace_context.update(t.carrier)
             req = self.scheduler.requests.get(new.request_id)
-            if req is not None and (req.taken_back or req.handed_over) and \
-                    t.context is not None and not new.kv_transfer_id:
+            if req is not None and req.taken_back and t.context is not None and \
+                    not new.kv_transfer_id:
                 self._trace_placement(worker_id, new, req, t, planned_at)  # placed again
             if new.kv_transfer_id or t.admitted:
                 continue  # the decode worker taking over, or a request re-queued and resumed
@@ -107,8 +107,7 @@ class SchedulerTelemetry:
     def _trace_placement(self, worker_id: str, new: NewRequest, req: Request, t: _Tracked,
                          planned_at: float) -> None:
         """A placement span, its attributes on the request's span too: at admission, and
-        again when a prefill worker takes the prompt back from a decode worker, or a decode
-        worker takes it over from a prefill worker."""
+        again when a prefill worker takes the prompt back from a decode worker."""
         now = time.time()
         transfer = self.scheduler.transfers.get(req.transfer_id) if req.transfer_id else None
         attrs = {"pdserve.prefill_worker": req.prefill_worker or worker_id,
@@ -117,7 +116,6 @@ class SchedulerTelemetry:
                  "pdserve.transport": getattr(transfer, "transport", "") if transfer else "",
                  "pdserve.disaggregated": transfer is not None,
                  "pdserve.taken_back": req.taken_back,
-                 "pdserve.handed_over": req.handed_over,
                  "pdserve.hold_declined": req.hold_declined}
         if req.hold_terms is not None:
             attrs.update(zip(tracing.HOLD_TERMS, req.hold_terms))
@@ -166,11 +164,6 @@ class _StateCollector:
                                   "Of those, the ones a prefill worker with nothing left to "
                                   "compute took back because it would finish them sooner.",
                                   value=s.num_long_prefills_taken_back)
-        yield CounterMetricFamily(PREFIX + "decode_worker_long_prefills_handed_over",
-                                  "Long prompts a decode worker took over from a prefill "
-                                  "worker sharing its cores, to hold beside its batch on "
-                                  "every core, because it would finish them sooner.",
-                                  value=s.num_long_prefills_handed_over)
         yield CounterMetricFamily(PREFIX + "decode_worker_long_prefills_left",
                                   "Long prompts a decode worker would have prefilled beside "
                                   "its batch but left to a prefill worker: its batch would "

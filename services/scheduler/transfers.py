@@ -10,9 +10,8 @@ A request that finishes or is re-queued meanwhile cancels its transfer: before i
 the transfer simply goes; after, its blocks wait for the sender's report (`transfer_event`).
 
 A *prefix fill* moves no request: the blocks of a prompt one worker has computed (a decode
-worker's long prompt, or a prefill worker's) go into another's prefix cache (a prefill
-worker's, or a decode worker's, which then takes the prompt over from there,
-`Prefill.to_take_back`, `Prefill.to_hand_over`). It goes the same way (receiver ready, ordered,
+worker's long prompt) go into another's prefix cache (a prefill worker's, which then takes the
+prompt over from there, `Prefill.to_take_back`). It goes the same way (receiver ready, ordered,
 done), holds the sender's blocks until it is done, whatever becomes of its request, and when
 it fails or either worker leaves it simply ends: the receiver caches nothing.
 """
@@ -78,10 +77,6 @@ class Transfers:
         """The prefix fill into dst under way, if any."""
         return next((t for t in self.by_id.values() if t.fill and t.dst is dst), None)
 
-    def fill_of(self, req: Request) -> Transfer | None:
-        """req's prefix fill under way, if any."""
-        return next((t for t in self.by_id.values() if t.fill and t.request is req), None)
-
     def sendable(self, w: WorkerState) -> list[Transfer]:
         """Transfers w may start now: computed, and the receiver expects them."""
         return [t for t in self.by_id.values() if t.src is w and t.computed
@@ -145,7 +140,6 @@ class Transfers:
             return
         if cache:
             t.dst.kv.cache_blocks(t.transfer_id, list(t.fill), len(t.fill) * t.dst.kv.block_size)
-            t.request.fill_landed = True
         t.dst.kv.free(t.transfer_id)
         pending = [r for r in t.dst.recvs if r.transfer_id != t.transfer_id]
         if len(pending) < len(t.dst.recvs):

@@ -144,7 +144,6 @@ def test_scheduler_metrics_read_its_state():
     assert samples["pdserve:num_preemptions_total", ()] == 0
     assert samples["pdserve:decode_worker_long_prefills_total", ()] == 0
     assert samples["pdserve:decode_worker_long_prefills_taken_back_total", ()] == 0
-    assert samples["pdserve:decode_worker_long_prefills_handed_over_total", ()] == 0
     assert samples["pdserve:decode_worker_long_prefills_left_total", ()] == 0
     assert samples["pdserve:prefill_long_load", ()] == 0  # no prefill worker's speed measured
     assert samples["pdserve:worker_prefill_seconds_per_token", key] == 0  # none timed yet
@@ -155,17 +154,22 @@ def test_scheduler_metrics_read_its_state():
     assert not telemetry.active  # no metrics server, no tracing: per-request hooks do nothing
 
 
-def _traced(c, monkeypatch):
-    """Spans kept in memory, and the telemetry of Cluster c's scheduler hooked to its plans."""
+def test_a_prompt_taken_back_is_placed_again_in_its_trace(monkeypatch):
+    """The request's span and a second scheduler.placement span say where a long prompt went
+    when a prefill worker took it back from the decode worker prefilling it."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tests.policy.harness import Cluster
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(tracing, "_enabled", True)
     monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("pdserve"))
+    c = Cluster({"p0": 64, "d0": 64}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
+                max_num_batched_tokens=8, max_num_partial_prefills=1, prefill_take_back=True)
     telemetry = SchedulerTelemetry(c.sched)
     schedule = c.sched.schedule
 
@@ -174,17 +178,6 @@ def _traced(c, monkeypatch):
         telemetry.on_plan(wid, plan, 0.0)
         return plan
     c.sched.schedule = traced_schedule
-    return exporter, telemetry
-
-
-def test_a_prompt_taken_back_is_placed_again_in_its_trace(monkeypatch):
-    """The request's span and a second scheduler.placement span say where a long prompt went
-    when a prefill worker took it back from the decode worker prefilling it."""
-    from tests.policy.harness import Cluster
-
-    c = Cluster({"p0": 64, "d0": 64}, prefill_bypass_threshold=4, decode_prefill_tokens=8,
-                max_num_batched_tokens=8, max_num_partial_prefills=1, prefill_take_back=True)
-    exporter, telemetry = _traced(c, monkeypatch)
     c.sched.workers["p0"].prefill_speed.seconds_per_token = 0.001
     spans = {}
     for rid, first, n in (("long1", 100, 20), ("long2", 200, 96)):
@@ -212,42 +205,6 @@ def test_a_prompt_taken_back_is_placed_again_in_its_trace(monkeypatch):
     request = next(s for s in exporter.get_finished_spans() if s.name == "request")
     assert request.attributes["pdserve.prefill_worker"] == "p0"
     assert request.attributes["pdserve.taken_back"] is True
-
-
-def test_a_prompt_handed_over_is_placed_again_in_its_trace(monkeypatch):
-    """The request's span and a second scheduler.placement span say where a long prompt went
-    when its decode worker took it over from the prefill worker computing it."""
-    from services.scheduler.request import Status
-    from tests.policy.harness import Cluster
-
-    c = Cluster({"p0": 64, "d0": 32}, cpu_cores=(0, 1), prefill_bypass_threshold=4,
-                decode_prefill_tokens=8, max_num_batched_tokens=8, max_num_partial_prefills=1,
-                prefill_hand_over=True)
-    exporter, telemetry = _traced(c, monkeypatch)
-    c.submit("a", list(range(100, 104)), max_tokens=12)
-    c.submit("long1", list(range(400, 440)), max_tokens=1)
-    span = tracing.start_span("request")
-    telemetry.on_generate(c.sched.requests["long1"], span=span)
-    while c.sched.requests["a"].status is not Status.DECODING:  # long1 goes on on p0
-        c.step()
-    p0, d0 = c.sched.workers["p0"], c.sched.workers["d0"]
-    p0.prefill_speed.by_threads = {2: 0.1, 1: 0.4}
-    d0.prefill_speed.by_threads = {2: 0.1}
-    d0.decode_step_seconds = 0.1
-    c.run()
-    assert c.sched.num_long_prefills_handed_over == 1
-    tracing.end_span(span)
-    placed = [dict(s.attributes) for s in exporter.get_finished_spans()
-              if s.name == "scheduler.placement"]
-    # long1 on p0 for d0, then on d0 beside its batch; the second with the price of its hold
-    # (its last 20 tokens at 100 ms)
-    assert [(a["pdserve.prefill_worker"], a["pdserve.decode_worker"], a["pdserve.handed_over"],
-             a["pdserve.disaggregated"]) for a in placed] == [
-        ("p0", "d0", False, True), ("d0", "d0", True, False)]
-    assert placed[1]["pdserve.hold_here_s"] == pytest.approx(2.0)
-    request = next(s for s in exporter.get_finished_spans() if s.name == "request")
-    assert request.attributes["pdserve.prefill_worker"] == "d0"
-    assert request.attributes["pdserve.handed_over"] is True
 
 
 def test_a_long_prompt_left_to_a_prefill_worker_is_counted_and_traced(monkeypatch):
