@@ -419,7 +419,7 @@ class Prefill:
         prefills = self.workers.of_role("prefill")
         if not self._has_room(w, todo) or any(map(self._free, prefills)):
             return False
-        there = self._elsewhere_seconds(w, req, todo, prefills)
+        there = self._elsewhere_seconds(req, todo, prefills)
         here = self._held_seconds(w, todo, self._threads(w), shorts=True)
         if not self._done_sooner_here(here, there) and not self._newest_at_overload(req):
             return False
@@ -469,27 +469,19 @@ class Prefill:
                                         self._on_share_seconds(w, p, todo))
                     for p in prefills)
 
-    def _elsewhere_seconds(self, w: WorkerState, req: Request, todo: int,
+    def _elsewhere_seconds(self, req: Request, todo: int,
                            prefills: list[WorkerState]) -> float | None:
-        """Seconds until the soonest prefill worker would have req's `todo` tokens computed
-        instead of decode worker w: it first finishes what it has started and the longer
-        prompts queued ahead of req, at its measured speed; one sharing w's cores on the share
-        w's batch leaves it while that batch lives (`_on_share_seconds`), not at the mean of
-        all its steps, which counts those it ran alone on every core (None: no prefill
-        worker's speed is measured)."""
+        """Seconds until the soonest prefill worker would have req's `todo` tokens computed:
+        it first finishes what it has started and the longer prompts queued ahead of req, at
+        its measured speed (None: no prefill worker's is measured)."""
         ahead = 0
         for r in self.waiting:
             if r is req:
                 break
             if r.num_tokens > self.config.prefill_bypass_threshold:
                 ahead += r.num_tokens - r.num_computed_tokens
-        elsewhere = []
-        for p in prefills:
-            if not p.prefill_speed.seconds_per_token:
-                continue
-            tokens = self._backlog(p) + ahead + todo
-            shared = self._on_share_seconds(w, p, tokens) if shares_cores(w, p) else None
-            elsewhere.append(shared if shared is not None else p.prefill_speed.seconds(tokens))
+        elsewhere = [p.prefill_speed.seconds(self._backlog(p) + ahead + todo)
+                     for p in prefills if p.prefill_speed.seconds_per_token]
         return min(elsewhere) if elsewhere else None
 
     def _done_sooner_here(self, here: float | None, there: float | None) -> bool:

@@ -662,34 +662,6 @@ def test_a_busy_prefill_worker_lends_no_cores_so_the_saturated_bypass_decides():
     c.assert_all_free()
 
 
-@pytest.mark.parametrize("share_ms, held", [(8, True), (2, False)])
-def test_a_busy_prefill_worker_is_timed_on_the_share_of_the_cores_the_batch_leaves_it(share_ms,
-                                                                                    held):
-    """p0 chunks long1 (28 tokens left) on the core `a`'s batch leaves it: at 1 ms a token on
-    both cores (its mean over all its steps too), at `share_ms` on one. d0, decoding `a` (10
-    tokens left, 100 ms a step: it lives 1 s), would compute long2 at 10 ms a token (120 ms).
-    p0 would have long1's rest and long2 in 40 x 8 = 320 ms on its share: d0 holds long2 (the
-    price: `a` is past its TPOT budget already and loses 0.6 of each second held, 72 ms, less
-    than the 200 ms long2 gains). At 2 ms a token on its share (80 ms) p0 is sooner and d0
-    leaves long2 to it. Timed at p0's mean, 40 ms, p0 would be the sooner either way."""
-    c = _a_decodes_while_p0_chunks_long1(cpu_cores=(0, 1))
-    p0, d0 = c.sched.workers["p0"], c.sched.workers["d0"]
-    p0.prefill_speed.seconds_per_token = 0.001
-    p0.prefill_speed.by_threads = {2: 0.001, 1: share_ms / 1000}
-    d0.prefill_speed.seconds_per_token = 0.01
-    d0.decode_step_seconds = 0.1
-    c.submit("long2", list(range(200, 212)), max_tokens=1)
-    long2 = c.sched.requests["long2"]
-    c.plan("d0")
-    if held:  # loss, d0's time (the short prompts arriving take a little of its pace), gain
-        assert long2.hold_terms[:3] == pytest.approx((0.0724, 0.1202, 0.1998), abs=1e-4)
-    c.run()
-    assert c.workers["d0"].prompt_tokens == (12 if held else 0)
-    assert c.workers["p0"].prompt_tokens == 4 + 40 + (0 if held else 12)
-    assert c.sched.num_long_prefills_on_decode == int(held)
-    c.assert_all_free()
-
-
 @pytest.mark.parametrize("case", ["off", "no batch", "cores not shared", "holds one"])
 def test_a_decode_worker_leaves_a_long_prompt_to_a_free_prefill_worker(case):
     """Without --shared-cores-prefill-bypass, with no batch to step beside it, on cores of its
