@@ -141,7 +141,7 @@ class GroupLeader:
         self.cfg = cfg
         self.size = cfg.group_size
         self.store = rendezvous(cfg)
-        self.port = port = self.store.port
+        port = self.store.port
         self._conns: list[Connection] = []
         self._procs: list = []
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or OpenMP team
