@@ -94,3 +94,29 @@ def goodput(sweep: dict[str, list[tuple[float, float]]], path: Path, title: str)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def cores(runs: dict[str, dict], path: Path, title: str, top: int = 7) -> None:
+    """runs: server -> cores.usage of its run. One panel each: the cores each process used over
+    the run, stacked (its `top` busiest names, the rest as "other"), idle above them."""
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.2 + 2.4 * len(runs)), squeeze=False)
+    for ax, (name, u) in zip(axes[:, 0], runs.items()):
+        names = list(u["processes"])[:top]
+        ts = [t for t, _, _ in u["timeline"]]
+        layers = [[by.get(n, 0.0) for _, _, by in u["timeline"]] for n in names]
+        rest = [sum(c for n, c in by.items() if n not in names) for _, _, by in u["timeline"]]
+        idle = [i for _, i, _ in u["timeline"]]
+        ax.stackplot(ts, *layers, rest, idle, step="post",
+                     labels=[f"{n} ({u['processes'][n]:.2f})" for n in names] +
+                     ["other", f"idle ({u['idle']:.2f})"],
+                     colors=[plt.get_cmap("tab10")(i) for i in range(len(names))] +
+                     ["0.55", "0.92"])
+        ax.set_ylim(0, u["cores"] * 1.05)
+        ax.set_ylabel("cores")
+        ax.set_title(f"{name}: {u['wall_s']:.1f} s, cores on average in brackets", fontsize=9)
+        ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    axes[-1, 0].set_xlabel("seconds since the load began")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -24,6 +24,10 @@ prefill steps and the worker they ran on, KV send, decode) then go into requests
 timeline, and the table lists where each long prompt's time went. Tracing costs the services a
 little: compare figures of runs made the same way.
 
+`--cores` samples every process's CPU time and the machine's idle time while each target
+serves (cores.py): cores.json and cores.png beside the rest, and a line per target under the
+table (the load client is `serve.py`; the target not being measured waits, near 0).
+
 `--seeds S1 S2 ...` runs one draw of the workload per seed against the same servers (launched
 once), turning the order of the targets by one place from each seed to the next (a server
 measured right after another one finds the machine in the state that one left: caches, memory,
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -44,6 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cores  # noqa: E402
 import plots  # noqa: E402
 import spans  # noqa: E402
 from loadgen import (  # noqa: E402
@@ -147,6 +153,13 @@ def report(out: Path, meta: dict, records: dict[str, dict[float, list[Record]]],
             print(f"\n{name}: long prompts {_at(first)}, from the server's spans")
             print("\n".join(long_prompts(by[first], LONG_PROMPTS.get(meta["workload"],
                                                                     (0, (1000,)))[1][0])))
+    if (out / "cores.json").exists():
+        used = json.loads((out / "cores.json").read_text())
+        plots.cores({n: by[str(first)] for n, by in used.items()}, out / "cores.png", title)
+        for rate in rates:
+            print(f"\nwhere the cores went, {_at(rate)}")
+            for name, by in used.items():
+                print(f"{name[:34]:34}{cores.line(by[str(rate)])}")
     if meta["workload"] == "idle":
         print("\nmedian TTFT by prompt length, one request at a time")
         print_table({n: {f"{k} tok": v for k, v in ttft_by_length(by[first]).items()}
@@ -235,6 +248,8 @@ def main() -> int:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--out", default="benchmarks/results/serve", help="directory for the files")
     p.add_argument("--replot", metavar="DIR", help="redraw DIR's figures from its JSON files")
+    p.add_argument("--cores", action="store_true",
+                   help="where the cores went while each target served (cores.json, cores.png)")
     p.add_argument("--spans", type=int, nargs="?", const=0, metavar="PORT",
                    help="take the pdserve stacks' spans on an OTLP receiver here (on PORT; "
                         "without it any free port): timeline phases and long prompts' table")
@@ -325,12 +340,16 @@ def run_draw(args, order, urls: dict[str, str], rates: list[float],
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict[float, list[Record]]] = {}
     summaries: dict[str, dict[float, dict[str, float]]] = {}
+    used: dict[str, dict[float, dict]] = {}
     for name, _, _ in order:
         for k, rate in enumerate(rates):
-            recs, wall = asyncio.run(run_load(urls[name], prompts[rate], rate, args.max_tokens,
-                                              draw_seed(seed, k),
-                                              f"{name} @ {rate:g} req/s",
-                                              {"temperature": args.temperature}))
+            with cores.Cores() if args.cores else contextlib.nullcontext() as sampler:
+                recs, wall = asyncio.run(run_load(urls[name], prompts[rate], rate,
+                                                  args.max_tokens, draw_seed(seed, k),
+                                                  f"{name} @ {rate:g} req/s",
+                                                  {"temperature": args.temperature}))
+            if sampler is not None:
+                used.setdefault(name, {})[rate] = sampler.usage()
             if args.receiver is not None:
                 spans.attach(recs, args.receiver)
             records.setdefault(name, {})[rate] = recs
@@ -343,6 +362,9 @@ def run_draw(args, order, urls: dict[str, str], rates: list[float],
     summaries = {n: summaries[n] for n in names}
     (out / "requests.json").write_text(json.dumps(
         {n: {str(r): records_json(v) for r, v in by.items()} for n, by in records.items()}))
+    if used:
+        (out / "cores.json").write_text(json.dumps(
+            {n: {str(r): u for r, u in used[n].items()} for n in names}))
     meta = {"workload": args.workload, "requests": len(next(iter(prompts.values()))),
             "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": seed, "order": [n for n, _, _ in order],

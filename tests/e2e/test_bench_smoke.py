@@ -13,13 +13,21 @@ def test_the_serving_benchmark_writes_its_files(tiny_llama, tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--model", str(tiny_llama),
          "--workload", "mixed", "--num-requests", "3", "--rates", "4", "8", "--max-tokens", "3",
-         "--spans", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+         "--spans", "--cores", "--out", str(out)], capture_output=True, text=True, timeout=300,
+        cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     for name in ("requests.json", "summary.json", "ttft_tpot_cdf.png", "timeline.png",
-                 "goodput.png"):
+                 "goodput.png", "cores.json", "cores.png"):
         assert (out / name).stat().st_size > 0, name
     summary = json.loads((out / "summary.json").read_text())["targets"]["pdserve (defaults)"]
     assert set(summary) == {"4.0", "8.0"} and summary["4.0"]["failed"] == 0
+    # --cores: where the cores went during each rate's load, by process, the client's included
+    used = json.loads((out / "cores.json").read_text())["pdserve (defaults)"]
+    assert set(used) == {"4.0", "8.0"}
+    for u in used.values():
+        assert "serve.py" in u["processes"] and u["wall_s"] > 0, u
+        assert any(n.startswith("pdserve ") for n in u["processes"]), u
+    assert "where the cores went, at 4.0 req/s" in done.stdout
     # --spans: each request's phases from the stack's own spans, on the client's clock
     for rate, recs in json.loads((out / "requests.json").read_text())[
             "pdserve (defaults)"].items():
