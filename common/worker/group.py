@@ -93,15 +93,14 @@ def rendezvous(cfg: WorkerConfig) -> dist.TCPStore:
                          timeout=_timeout(cfg), wait_for_workers=False)
 
 
-def connect(cfg: WorkerConfig, rank: int, port: int,
-            store: dist.TCPStore | None = None) -> RankPlace:
+def connect(cfg: WorkerConfig, rank: int, meet: dist.TCPStore | int) -> RankPlace:
     """Joins the group's collectives (every rank calls it at start, in any order): the world
     of T x P ranks, one tensor-parallel subgroup per stage where there are stages. They meet
-    at the store `rendezvous` made: the process that made it passes it (`store`), the others
-    join it as clients at its port."""
+    at the store `rendezvous` made: the process that made it passes the store, the others its
+    port, where they join it as clients."""
     t, p = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, t * p, is_master=False, timeout=_timeout(cfg))
+    store = meet if isinstance(meet, dist.TCPStore) else dist.TCPStore(
+        "127.0.0.1", meet, t * p, is_master=False, timeout=_timeout(cfg))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=t * p,
                             timeout=_timeout(cfg))
     stage, tp_rank = divmod(rank, t)

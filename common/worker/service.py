@@ -431,7 +431,7 @@ async def _serve(cfg: WorkerConfig, steps: ThreadPoolExecutor,
     place = None
     if group is not None:  # the group's collectives first: the model's layers hold them
         place = await _unless_lost(group, loop.run_in_executor(steps, connect, cfg, 0,
-                                                               group.store.port, group.store))
+                                                               group.store))
     worker, reg = await loop.run_in_executor(steps, build_worker, cfg, place)
     # ... and only that thread runs an OpenMP team: this one (KV frames landing in the cache)
     # copies on its own. A second team would take cores from the step's threads mid-step and,
