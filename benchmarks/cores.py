@@ -4,10 +4,9 @@ the draw's wall time.
 
 The figures are the machine's, not a target's alone: the load client shows up as `serve.py`
 (this sampler's thread included, about 1% of a core at the default interval), and whatever else
-runs under its own name; the target that is not being measured waits, near 0. A process counts
-from the sample before the one that first sees it (from its start when it started after that
-sample) to the last sample that sees it, so one that ends inside the window loses at most one
-interval of its time."""
+runs under its own name; the target that is not being measured waits, near 0. A process that
+starts inside the window counts from its start; one that ends inside it loses what it used after
+the last sample that saw it (at most one interval)."""
 from __future__ import annotations
 
 import os
@@ -56,7 +55,8 @@ class Sample:
 
 
 class Cores:
-    """Samples from start() until stop(), on a thread; `usage` then says where the cores went."""
+    """Samples on a thread from entering its `with` block to leaving it; `usage` then says
+    where the cores went."""
 
     def __init__(self, interval_s: float = INTERVAL_S):
         self.interval_s = interval_s
