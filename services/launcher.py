@@ -219,8 +219,9 @@ def commands(args) -> list[list[str]]:
         if args.otlp_traces_endpoint else []
     tls = ["--tls-dir", args.tls_dir] if args.tls_dir else []
     worker += tracing + tls + (["--detailed-traces"] if args.detailed_traces else [])
+    named = _ports_named(args.scheduler_args, args.prefill_worker_args, args.decode_worker_args)
     ports = args.metrics_ports = _metrics_ports(args.metrics_port, 1 + num_workers,
-                                                (args.port, args.scheduler_port))
+                                                (args.port, args.scheduler_port, *named))
     metrics = [["--metrics-host", args.host, "--metrics-port", str(p)] for p in ports] \
         or [[]] * (1 + num_workers)
     cmds = [exe + ["scheduler", "--host", args.host, "--port", str(args.scheduler_port),
@@ -276,6 +277,23 @@ def environment(cmd: list[str]) -> dict[str, str]:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.setdefault("GOMP_SPINCOUNT", str(NICE_SPIN_COUNT))
     return env
+
+
+def _ports_named(*flags: str) -> list[int]:
+    """The ports named in the flags passed through to the services (`--kv-port 31000`,
+    `--kv-advertise-port=31001`: any option named --...-port): ports they will bind, or that
+    something in front of them does, maybe not bound yet when the stack chooses its metrics
+    ports."""
+    ports = []
+    for words in map(shlex.split, flags):
+        for i, word in enumerate(words):
+            name, eq, value = word.partition("=")
+            if not (name.startswith("--") and name.endswith("-port")):
+                continue
+            value = value if eq else (words[i + 1] if i + 1 < len(words) else "")
+            if value.isdigit():
+                ports.append(int(value))
+    return ports
 
 
 def _metrics_ports(first: int, n: int, taken: tuple[int, ...]) -> list[int]:

@@ -59,3 +59,28 @@ def test_a_stacks_metrics_ports_are_none_of_the_ports_it_chose_before(
     assert sorted(launcher._metrics_ports(0, 3, taken)) == sorted(free[9:])
     assert launcher._metrics_ports(9100, 3, taken) == [9100, 9101, 9102]
     assert launcher._metrics_ports(-1, 3, taken) == []
+
+
+def test_ports_the_services_are_told_to_bind_are_none_of_the_metrics_ports(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port a service is given in the flags passed through to it (a decode worker's --kv-port,
+    the scheduler's --metrics-port) is not bound when `pdserve up` chooses the metrics ports.
+    In a range of twelve free ports, the gateway's, the scheduler's and three such ones taken,
+    the three metrics ports are among the other seven."""
+    from services import cli, launcher
+    monkeypatch.setattr("common.ports.ephemeral_range", lambda: (LOWEST + 12, 60999))
+    free: list[int] = []
+    for _ in range(4):
+        free += free_ports(3, exclude=free)
+    gateway, scheduler, kv, advertised, listed = free[:5]
+    assert launcher._ports_named(f"--kv-port {kv} --kv-advertise-port={advertised}",
+                                 f"--metrics-port {listed} --max-num-seqs 8",
+                                 "--port-range 9", "--kv-port") == [kv, advertised, listed]
+    for _ in range(20):  # the ports are drawn at random: a chance to meet each time
+        args = cli.parse_args([
+            "up", "--model", "m", "--port", str(gateway), "--scheduler-port", str(scheduler),
+            f"--decode-worker-args=--kv-port {kv} --kv-advertise-port={advertised}",
+            f"--prefill-worker-args=--metrics-port {listed}"])
+        launcher.commands(args)
+        assert len(args.metrics_ports) == 3
+        assert set(args.metrics_ports) <= set(free[5:]), args.metrics_ports
