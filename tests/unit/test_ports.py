@@ -61,12 +61,12 @@ def test_a_stacks_metrics_ports_are_none_of_the_ports_it_chose_before(
     assert launcher._metrics_ports(-1, 3, taken) == []
 
 
-def test_ports_the_services_are_told_to_bind_are_none_of_the_metrics_ports(
+def test_ports_named_in_the_services_flags_are_none_of_the_metrics_ports(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A port a service is given in the flags passed through to it (a decode worker's --kv-port,
-    the scheduler's --metrics-port) is not bound when `pdserve up` chooses the metrics ports.
-    In a range of twelve free ports, the gateway's, the scheduler's and three such ones taken,
-    the three metrics ports are among the other seven."""
+    """A port named in the flags passed through to a service (a decode worker's --kv-port and
+    --kv-advertise-port, a prefill worker's own --metrics-port) is not bound yet when `pdserve
+    up` chooses the metrics ports. In a range of twelve free ports, the gateway's, the
+    scheduler's and three such ones taken, the three metrics ports are among the other seven."""
     from services import cli, launcher
     monkeypatch.setattr("common.ports.ephemeral_range", lambda: (LOWEST + 12, 60999))
     free: list[int] = []
