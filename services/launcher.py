@@ -14,6 +14,7 @@ It lives in services/ with the CLI because it starts the services: common/ never
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import shutil
@@ -219,7 +220,9 @@ def commands(args) -> list[list[str]]:
         if args.otlp_traces_endpoint else []
     tls = ["--tls-dir", args.tls_dir] if args.tls_dir else []
     worker += tracing + tls + (["--detailed-traces"] if args.detailed_traces else [])
-    named = _ports_named(args.scheduler_args, args.prefill_worker_args, args.decode_worker_args)
+    group = args.tensor_parallel_size * args.pipeline_parallel_size
+    named = _ports_named(args.scheduler_args) + _ports_named(args.prefill_worker_args, group) + \
+        _ports_named(args.decode_worker_args, group)
     ports = args.metrics_ports = _metrics_ports(args.metrics_port, 1 + num_workers,
                                                 (args.port, args.scheduler_port, *named))
     metrics = [["--metrics-host", args.host, "--metrics-port", str(p)] for p in ports] \
@@ -279,20 +282,27 @@ def environment(cmd: list[str]) -> dict[str, str]:
     return env
 
 
-def _ports_named(*flags: str) -> list[int]:
-    """The ports named in the flags passed through to the services (`--kv-port 31000`,
-    `--kv-advertise-port=31001`: any option named --...-port): ports they will bind, or that
-    something in front of them does, maybe not bound yet when the stack chooses its metrics
-    ports."""
-    ports = []
-    for words in map(shlex.split, flags):
-        for i, word in enumerate(words):
-            name, eq, value = word.partition("=")
-            if not (name.startswith("--") and name.endswith("-port")):
-                continue
-            value = value if eq else (words[i + 1] if i + 1 < len(words) else "")
-            if value.isdigit():
-                ports.append(int(value))
+def _ports_named(flags: str, group: int = 1) -> list[int]:
+    """The ports named in flags passed through to a service (`--kv-port 31000`,
+    `--kv-advertise-port=31001`: any option named --...-port): ports it will bind, or that
+    something in front of it does, maybe not bound yet when the stack chooses its metrics
+    ports. A worker group's ranks take consecutive KV ports from the one named: `group` ranks,
+    or as many as the flags' own --tensor-parallel-size and --pipeline-parallel-size make."""
+    words = shlex.split(flags)
+    values: dict[str, str] = {}
+    for i, word in enumerate(words):
+        name, eq, value = word.partition("=")
+        if name.startswith("-"):
+            values[name] = value if eq else (words[i + 1] if i + 1 < len(words) else "")
+    sizes = [values.get(long, values.get(short, "")) for long, short in
+             (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"))]
+    if any(size.isdigit() for size in sizes):
+        group = math.prod(int(size) if size.isdigit() else 1 for size in sizes)
+    ports: list[int] = []
+    for name, value in values.items():
+        if name.startswith("--") and name.endswith("-port") and value.isdigit():
+            ranks = group if name.startswith("--kv-") else 1
+            ports += range(int(value), int(value) + ranks)
     return ports
 
 

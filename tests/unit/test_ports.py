@@ -73,9 +73,16 @@ def test_ports_named_in_the_services_flags_are_none_of_the_metrics_ports(
     for _ in range(4):
         free += free_ports(3, exclude=free)
     gateway, scheduler, kv, advertised, listed = free[:5]
-    assert launcher._ports_named(f"--kv-port {kv} --kv-advertise-port={advertised}",
-                                 f"--metrics-port {listed} --max-num-seqs 8",
-                                 "--port-range 9", "--kv-port") == [kv, advertised, listed]
+    assert launcher._ports_named(f"--kv-port {kv} --kv-advertise-port={advertised}") == \
+        [kv, advertised]
+    assert launcher._ports_named(f"--metrics-port {listed} --max-num-seqs 8") == [listed]
+    assert launcher._ports_named("--port-range 9 --kv-port") == []
+    # a worker group's ranks listen on consecutive KV ports from the one named
+    assert launcher._ports_named("--kv-port 31000 --metrics-port 9100", 2) == \
+        [31000, 31001, 9100]
+    assert launcher._ports_named("--kv-port=31000 -tp 2 --pipeline-parallel-size 2", 1) == \
+        [31000, 31001, 31002, 31003]
+    assert launcher._ports_named("--kv-port 31000 --tensor-parallel-size 1", 4) == [31000]
     for _ in range(20):  # the ports are drawn at random: a chance to meet each time
         args = cli.parse_args([
             "up", "--model", "m", "--port", str(gateway), "--scheduler-port", str(scheduler),
