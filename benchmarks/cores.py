@@ -108,13 +108,14 @@ def usage(samples: list[Sample], labels: dict[tuple[int, float], str], cores: in
     start, end = samples[0].t, samples[-1].t
     wall = max(end - start, 1e-9)
     total: dict[str, float] = {}
-    bins: list[tuple[float, dict[str, float], float]] = []  # (idle s, {name: s}, wall s)
+    bins: list[tuple[list[float], dict[str, float]]] = []  # ([idle s, wall s], {name: s})
     for before, after in zip(samples, samples[1:]):
         k = int((before.t - start) / TIMELINE_S)
         while len(bins) <= k:
-            bins.append((0.0, {}, 0.0))
-        idle, names, span = bins[k]
-        names = dict(names)
+            bins.append(([0.0, 0.0], {}))
+        times, names = bins[k]
+        times[0] += after.idle_s - before.idle_s
+        times[1] += after.t - before.t
         for key, cpu in after.cpu_s.items():
             if key in before.cpu_s:
                 used = cpu - before.cpu_s[key]
@@ -124,7 +125,6 @@ def usage(samples: list[Sample], labels: dict[tuple[int, float], str], cores: in
                 name = labels[key]
                 names[name] = names.get(name, 0.0) + used
                 total[name] = total.get(name, 0.0) + used
-        bins[k] = (idle + after.idle_s - before.idle_s, names, span + after.t - before.t)
     return {
         "wall_s": round(wall, 3), "cores": cores,
         "idle": round((samples[-1].idle_s - samples[0].idle_s) / wall, 3),
@@ -132,7 +132,7 @@ def usage(samples: list[Sample], labels: dict[tuple[int, float], str], cores: in
                       sorted(total.items(), key=lambda kv: -kv[1]) if s / wall > 0.005},
         "timeline": [[round(k * TIMELINE_S, 2), round(idle / span, 3),
                       {n: round(s / span, 3) for n, s in names.items() if s / span > 0.005}]
-                     for k, (idle, names, span) in enumerate(bins) if span > 0],
+                     for k, ((idle, span), names) in enumerate(bins) if span > 0],
     }
 
 

@@ -44,17 +44,24 @@ def test_ports_chosen_for_other_services_are_passed_over() -> None:
     assert again[0] == first[1] and first[0] not in again
 
 
+def _twelve_free_ports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A range of twelve ports below an ephemeral range moved down to end it, every one of them
+    free and chosen."""
+    monkeypatch.setattr("common.ports.ephemeral_range", lambda: (LOWEST + 12, 60999))
+    free: list[int] = []
+    for _ in range(4):  # at most a quarter of the range at once
+        free += free_ports(3, exclude=free)
+    assert len(set(free)) == 12
+    return free
+
+
 def test_a_stacks_metrics_ports_are_none_of_the_ports_it_chose_before(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`pdserve up` chooses its services' metrics ports while its gateway's and scheduler's,
     chosen before, are not bound yet. In a range of twelve free ports with nine of them taken
     so, the three metrics ports are the other three."""
     from services import launcher
-    monkeypatch.setattr("common.ports.ephemeral_range", lambda: (LOWEST + 12, 60999))
-    free: list[int] = []
-    for _ in range(4):  # at most a quarter of the range at once
-        free += free_ports(3, exclude=free)
-    assert len(set(free)) == 12
+    free = _twelve_free_ports(monkeypatch)
     taken = tuple(free[:9])
     assert sorted(launcher._metrics_ports(0, 3, taken)) == sorted(free[9:])
     assert launcher._metrics_ports(9100, 3, taken) == [9100, 9101, 9102]
@@ -68,10 +75,7 @@ def test_ports_named_in_the_services_flags_are_none_of_the_metrics_ports(
     up` chooses the metrics ports. In a range of twelve free ports, the gateway's, the
     scheduler's and three such ones taken, the three metrics ports are among the other seven."""
     from services import cli, launcher
-    monkeypatch.setattr("common.ports.ephemeral_range", lambda: (LOWEST + 12, 60999))
-    free: list[int] = []
-    for _ in range(4):
-        free += free_ports(3, exclude=free)
+    free = _twelve_free_ports(monkeypatch)
     gateway, scheduler, kv, advertised, listed = free[:5]
     assert launcher._ports_named(f"--kv-port {kv} --kv-advertise-port={advertised}") == \
         [kv, advertised]
