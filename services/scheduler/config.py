@@ -37,6 +37,8 @@ class SchedulerConfig:
     async_scheduling: bool = True      # plan a decode step while the one before it runs
     num_scheduler_steps: int = 1       # decode steps a decode-only plan runs (multi-step)
     step_timeout_s: float = 120.0    # a worker that does not answer a step in time is dropped
+    session_write_timeout_s: float = 30.0  # a gateway that takes no outputs this long: its
+                                           # session ends and its requests are aborted
     keepalive_time_s: float = KEEPALIVE_TIME_S  # a quiet link to a worker or gateway is pinged
     keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S  # ... and dropped when it does not answer
     register_timeout_s: float = 30.0
@@ -50,8 +52,8 @@ class SchedulerConfig:
             raise ValueError("--max-num-batched-tokens must be >= 1")
         if self.max_model_len < 0:
             raise ValueError("--max-model-len must be >= 0")
-        if min(self.step_timeout_s, self.register_timeout_s, self.keepalive_time_s,
-               self.keepalive_timeout_s) <= 0:
+        if min(self.step_timeout_s, self.session_write_timeout_s, self.register_timeout_s,
+               self.keepalive_time_s, self.keepalive_timeout_s) <= 0:
             raise ValueError("timeouts must be positive")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"unknown --mode {self.mode!r}; known: disaggregated, colocated")

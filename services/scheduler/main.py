@@ -121,6 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "streamed as it ends); 1: one step a plan")
     p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
                    help="seconds a worker may take for one step before it is dropped")
+    p.add_argument("--session-write-timeout", type=float, default=d.session_write_timeout_s,
+                   help="seconds a gateway may leave its Session stream's outputs unread (alive "
+                        "to keepalive's pings but reading nothing) before the session ends and "
+                        "its requests are aborted")
     p.add_argument("--keepalive-time", type=float, default=d.keepalive_time_s,
                    help="seconds after which a quiet link to a worker or gateway is pinged")
     p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s,
@@ -141,7 +145,8 @@ def config_from_args(args) -> SchedulerConfig:
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            max_model_len=args.max_model_len,
                            scheduling_policy=args.scheduling_policy, placement=args.placement,
-                           step_timeout_s=args.step_timeout, mode=args.mode,
+                           step_timeout_s=args.step_timeout,
+                           session_write_timeout_s=args.session_write_timeout, mode=args.mode,
                            keepalive_time_s=args.keepalive_time,
                            keepalive_timeout_s=args.keepalive_timeout,
                            enable_prefix_caching=args.enable_prefix_caching,

@@ -182,13 +182,28 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 await session.ready.wait()
                 session.ready.clear()
                 for message in session.take():
-                    await context.write(message)
+                    if not await self._write_session(context, session, message):
+                        return
                 if session.closed:
                     break
         finally:
             reader.cancel()
             for r in list(session.requests.values()):
                 r.close()
+
+    async def _write_session(self, context, session: _Session,
+                             message: scheduler_pb2.SessionResponse) -> bool:
+        """Writes a message of the session; False when the gateway took none within
+        --session-write-timeout (alive to keepalive's pings but reading nothing): the session
+        ends, and what it runs is aborted."""
+        timeout = self.config.session_write_timeout_s
+        try:
+            await asyncio.wait_for(context.write(message), timeout)
+        except TimeoutError:
+            log.error("gateway %s took no outputs in %.0fs; its session ends and its %d "
+                      "requests are aborted", context.peer(), timeout, len(session.requests))
+            return False
+        return True
 
     async def _read_session(self, context, session: _Session) -> None:
         try:

@@ -1,7 +1,8 @@
 """A peer that stops answering without dying: a decode worker frozen (SIGSTOP) mid-stream is
 dropped by the scheduler's keepalive within seconds, not at the step timeout; its stream goes on
 on the other decode worker with HuggingFace's greedy tokens, and once thawed the worker attaches
-again and every block comes back."""
+again and every block comes back. A gateway that answers keepalive's pings but reads nothing of
+its Session stream loses the session at --session-write-timeout, and its requests end."""
 import os
 import signal
 import threading
@@ -97,4 +98,59 @@ def test_a_frozen_decode_worker_is_dropped_in_seconds_and_its_stream_resumes(tin
     finally:
         if frozen is not None:
             os.kill(frozen, signal.SIGCONT)
+        stack.stop()
+
+
+STALLED, STALLED_PROMPT, STALLED_MAX_TOKENS = 24, 1000, 2000
+SESSION_WRITE_TIMEOUT_S = 2
+
+
+def test_a_gateway_reading_nothing_loses_its_session_and_its_requests_end(tiny_llama, tmp_path):
+    """A gateway alive to keepalive's pings (gRPC's own threads answer them) but reading
+    nothing of its Session stream: its requests' outputs (each prompt's logprobs, top 20) fill
+    the stream's flow-control windows, the scheduler's write waits --session-write-timeout, and
+    then the session ends and its requests are aborted, their blocks freed, long before their
+    tokens would have run out. The real gateway's request streams to its end meanwhile."""
+    stack = Stack(tiny_llama, tmp_path, "--num-kv-blocks", "4096",
+                  f"--scheduler-args=--session-write-timeout {SESSION_WRITE_TIMEOUT_S}")
+    open_side = threading.Event()
+    try:
+        sampling = scheduler_pb2.SamplingParams(max_tokens=STALLED_MAX_TOKENS, ignore_eos=True,
+                                                logprobs=20, prompt_logprobs=20, top_p=1.0,
+                                                repetition_penalty=1.0)
+        requests = [scheduler_pb2.SessionRequest(generate=scheduler_pb2.GenerateRequest(
+            request_id=f"stalled-{i}", prompt_token_ids=_prompt(STALLED_PROMPT, 100 + i),
+            sampling=sampling)) for i in range(STALLED)]
+
+        def gateway_side():
+            yield from requests
+            open_side.wait(120)  # its side of the stream stays open, unread
+
+        with grpc.insecure_channel(f"127.0.0.1:{stack.sched_port}") as channel:
+            responses = scheduler_pb2_grpc.SchedulerStub(channel).Session(gateway_side())
+            try:
+                deadline = time.monotonic() + 60
+                while stack.stats()["num_running"] == 0:
+                    assert time.monotonic() < deadline, "the session's requests never ran"
+                    time.sleep(0.1)
+                ids, _ = stream_completion(stack.url, {"prompt": _prompt(12, 72),
+                                                       "max_tokens": 64, "ignore_eos": True})
+                assert len(ids) == 64
+                deadline = time.monotonic() + 90
+                while "took no outputs" not in stack.log.read_text():
+                    assert time.monotonic() < deadline, "the session never ended"
+                    time.sleep(0.2)
+                s = stack.wait_idle(timeout=30)
+            finally:
+                open_side.set()
+                responses.cancel()
+        log = stack.log.read_text()
+        assert f"took no outputs in {SESSION_WRITE_TIMEOUT_S}s; its session ends" in log
+        assert all(f"request stalled-{i} aborted" in log for i in range(STALLED))
+        assert s["num_running"] == 0 and s["num_waiting"] == 0, s
+        assert all(w["num_free_blocks"] == w["num_blocks"] for w in s["workers"]), s
+        decoded = sum(w["tokens_decoded"] for w in s["workers"])
+        assert decoded < STALLED * STALLED_MAX_TOKENS // 2, decoded  # cut off, not run out
+    finally:
+        open_side.set()
         stack.stop()
