@@ -37,6 +37,8 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
+import struct
 import sys
 import threading
 import time
@@ -63,6 +65,9 @@ STEP, SENT = b"s", b"t"   # follower -> leader, one answer per call the plan mak
 # a step's answer comes when its forward is done: as long as a step may take (long prompts on
 # few cores), and the group's collectives notice a dead peer long before
 STEP_TIMEOUT_S = 600.0
+# a follower reads the next plan as soon as it has answered the last one: a write to its pipe
+# that moves no byte for this long finds it alive but reading nothing (frozen, or hung)
+SEND_TIMEOUT_S = 30.0
 
 
 class GroupBroken(Exception):
@@ -146,6 +151,7 @@ class GroupLeader:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or OpenMP team
         for rank in range(1, self.size):
             mine, theirs = ctx.Pipe()
+            bound_writes(mine, SEND_TIMEOUT_S)
             proc = ctx.Process(target=follower_main, args=(cfg, rank, port, theirs),
                                name=f"{cfg.worker_id}-rank{rank}")
             proc.start()
@@ -169,11 +175,11 @@ class GroupLeader:
 
     def plan(self, plan_pb: bytes) -> None:
         for rank, conn in enumerate(self._conns, 1):
-            self._send(rank, conn, PLAN + plan_pb)
+            send(rank, conn, PLAN + plan_pb)
 
     def reset(self) -> None:
         for rank, conn in enumerate(self._conns, 1):
-            self._send(rank, conn, RESET)
+            send(rank, conn, RESET)
 
     def stepped(self, result: StepResult) -> StepResult:
         """The leader's step result, once every follower sampled the same."""
@@ -202,12 +208,6 @@ class GroupLeader:
         worker.followers_sent(bytes_sent)
         return TransfersDone(tuple(TransferDone(d.transfer_id, errors[d.transfer_id])
                                    for d in done.done), worker.counters)
-
-    def _send(self, rank: int, conn: Connection, msg: bytes) -> None:
-        try:
-            conn.send_bytes(msg)
-        except OSError as e:
-            raise GroupBroken(f"rank {rank} is gone ({e})") from None
 
     def _recv(self, rank: int, conn: Connection, timeout_s: float,
               kind: bytes | None = None) -> bytes:
@@ -243,6 +243,27 @@ class GroupLeader:
             if proc.exitcode is not None:
                 return f"rank {rank} exited with status {proc.exitcode}"
         return None
+
+
+def bound_writes(conn: Connection, timeout_s: float) -> None:
+    """A write to conn (a duplex pipe: a socket pair) that moves no byte for timeout_s fails
+    instead of waiting for a reader that stopped reading."""
+    sec = int(timeout_s)
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # a dup
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", sec, int((timeout_s - sec) * 1e6)))
+
+
+def send(rank: int, conn: Connection, msg: bytes) -> None:
+    """msg to follower `rank`; GroupBroken if it is gone or takes nothing in time (the pipe's
+    stream is broken then: a message may have gone out in part)."""
+    try:
+        conn.send_bytes(msg)
+    except BlockingIOError:  # the deadline bound_writes set passed
+        raise GroupBroken(f"rank {rank} took nothing of a message in time: alive but not "
+                          f"reading") from None
+    except OSError as e:
+        raise GroupBroken(f"rank {rank} is gone ({e})") from None
 
 
 def leave(status: int) -> NoReturn:

@@ -1,5 +1,9 @@
 """A worker group's configuration and bookkeeping: what it refuses, how it splits its cores,
-where its ranks meet, and the digest its ranks compare after every step."""
+where its ranks meet, the digest its ranks compare after every step, and the deadline on the
+leader's pipes to its followers."""
+import multiprocessing as mp
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -8,7 +12,8 @@ import torch.distributed as dist
 from common.plans import RequestError, SampledToken, StepResult, WorkerCounters
 from common.ports import ephemeral_range
 from common.worker.config import WorkerConfig
-from common.worker.group import digest, rank_cores, rendezvous
+from common.worker.group import (PLAN, GroupBroken, bound_writes, digest, rank_cores,
+                                 rendezvous, send)
 
 
 def _cfg(**kw) -> WorkerConfig:
@@ -68,3 +73,34 @@ def test_the_digest_tells_other_tokens_and_other_failures_apart():
     assert a != digest(result(("a", 1), ("b", 3)))
     assert digest(result(("a1", 2))) != digest(result(("a", 12)))
     assert a != digest(result(("a", 1), ("b", 2), errors=("c",)))
+
+
+def test_a_follower_reading_nothing_breaks_the_group_at_the_send_deadline():
+    """The leader's pipe to a follower that is alive but reads nothing (frozen, hung): once
+    the pipe's buffers are full a plan fails within the deadline, GroupBroken, where it waited
+    for ever; to a follower that reads, as many messages go through as are sent."""
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    bound_writes(mine, 0.5)
+    plan = PLAN + bytes(64 << 10)
+    started = time.monotonic()
+    with pytest.raises(GroupBroken, match="rank 1 took nothing of a message in time"):
+        for _ in range(1000):  # 64 MiB: far past any socket buffer
+            send(1, mine, plan)
+    assert time.monotonic() - started < 10
+    mine.close()
+    theirs.close()
+
+    mine, theirs = ctx.Pipe()
+    bound_writes(mine, 0.5)
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(theirs.recv_bytes() for _ in range(200)))
+    reader.start()
+    for _ in range(200):
+        send(1, mine, plan)
+    reader.join(30)
+    assert got == [plan] * 200
+    theirs.close()  # a follower that exited: its end closed
+    with pytest.raises(GroupBroken, match="rank 1 is gone"):
+        send(1, mine, plan)
+    mine.close()
