@@ -1,7 +1,8 @@
 """A peer that stops answering without dying: a decode worker frozen (SIGSTOP) mid-stream is
-dropped by the scheduler's keepalive within seconds, not at the step timeout; its stream goes on
-on the other decode worker with HuggingFace's greedy tokens, and once thawed the worker attaches
-again and every block comes back. A gateway that answers keepalive's pings but reads nothing of
+dropped by the scheduler's keepalive within seconds, not at the step timeout (and, with
+keepalive's pings off, at the step timeout); its stream goes on on the other decode worker with
+HuggingFace's greedy tokens, and once thawed the worker attaches again and every block comes
+back. A gateway that answers keepalive's pings but reads nothing of
 its Session stream loses the session at --session-write-timeout, and its requests end."""
 import os
 import signal
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 import torch
 import transformers
 
@@ -17,8 +19,11 @@ from protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.e2e.conftest import Stack, stream_completion
 from tests.e2e.test_serve import _prompt
 
-KEEPALIVE_S, PING_TIMEOUT_S = 1, 2
 MAX_TOKENS = 400  # the stream outlasts the poll that finds it at 20 tokens and the SIGSTOP
+# (scheduler flags, seconds its drop may take): keepalive's pings go unanswered; or, pings long
+# off, the step the worker froze in never answers
+DROPPED_BY = {"keepalive": ("--keepalive-time 1 --keepalive-timeout 2", 1 + 2),
+              "step-timeout": ("--keepalive-time 300 --keepalive-timeout 300 --step-timeout 3", 3)}
 
 
 def _greedy_through_eos(hf, prompt: list[int], n: int) -> list[int]:
@@ -42,11 +47,12 @@ def _pid_holding(stack: Stack, worker_id: str) -> int:
     raise AssertionError(f"no process maps the KV cache of {worker_id}")
 
 
+@pytest.mark.parametrize("by", DROPPED_BY)
 def test_a_frozen_decode_worker_is_dropped_in_seconds_and_its_stream_resumes(tiny_llama,
-                                                                             tmp_path):
+                                                                             tmp_path, by):
+    flags, drop_s = DROPPED_BY[by]
     stack = Stack(tiny_llama, tmp_path, "--num-kv-blocks", "256", "--decode-workers", "2",
-                  f"--scheduler-args=--keepalive-time {KEEPALIVE_S} "
-                  f"--keepalive-timeout {PING_TIMEOUT_S}", wait=False)
+                  f"--scheduler-args={flags}", wait=False)
     frozen = None
     try:
         # the reference while the stack starts
@@ -83,8 +89,8 @@ def test_a_frozen_decode_worker_is_dropped_in_seconds_and_its_stream_resumes(tin
                 time.sleep(0.05)
             dropped_after = time.monotonic() - stopped_at
             print(f"\nthe frozen decode worker was dropped {dropped_after:.1f} s after SIGSTOP "
-                  f"(keepalive {KEEPALIVE_S} s, ping timeout {PING_TIMEOUT_S} s)")
-            assert dropped_after < KEEPALIVE_S + PING_TIMEOUT_S + 5, dropped_after
+                  f"({flags})")
+            assert dropped_after < drop_s + 5, dropped_after
             streaming.join(120)
             assert got and got[0] == want  # resumed on the other worker, nothing lost
             os.kill(frozen, signal.SIGCONT)
