@@ -2,8 +2,8 @@
 dropped by the scheduler's keepalive within seconds, not at the step timeout (and, with
 keepalive's pings off, at the step timeout); its stream goes on on the other decode worker with
 HuggingFace's greedy tokens, and once thawed the worker attaches again and every block comes
-back. A gateway that answers keepalive's pings but reads nothing of
-its Session stream loses the session at --session-write-timeout, and its requests end."""
+back. A gateway that answers keepalive's pings but reads nothing of its Session stream loses the
+session at --session-write-timeout, and its requests end."""
 import os
 import signal
 import threading
@@ -116,7 +116,8 @@ def test_a_gateway_reading_nothing_loses_its_session_and_its_requests_end(tiny_l
     nothing of its Session stream: its requests' outputs (each prompt's logprobs, top 20) fill
     the stream's flow-control windows, the scheduler's write waits --session-write-timeout, and
     then the session ends and its requests are aborted, their blocks freed, long before their
-    tokens would have run out. The real gateway's request streams to its end meanwhile."""
+    tokens would have run out. The real gateway's requests stream to their end meanwhile and
+    after."""
     stack = Stack(tiny_llama, tmp_path, "--num-kv-blocks", "4096",
                   f"--scheduler-args=--session-write-timeout {SESSION_WRITE_TIMEOUT_S}")
     open_side = threading.Event()
@@ -147,6 +148,9 @@ def test_a_gateway_reading_nothing_loses_its_session_and_its_requests_end(tiny_l
                     assert time.monotonic() < deadline, "the session never ended"
                     time.sleep(0.2)
                 s = stack.wait_idle(timeout=30)
+                ids, _ = stream_completion(stack.url, {"prompt": _prompt(12, 73),
+                                                       "max_tokens": 64, "ignore_eos": True})
+                assert len(ids) == 64
             finally:
                 open_side.set()
                 responses.cancel()
