@@ -173,16 +173,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
         """A gateway's requests, on one stream both ways (protos/scheduler.proto). The writer
         below sends what the requests' outputs and refusals gathered since its last message:
         the outputs of a step for every request in one message. Ends when the gateway closes
-        its side; what still runs is aborted."""
+        its side, or takes no message for --session-write-timeout; what still runs is
+        aborted."""
         await self._authorize(context, GATEWAY_ROLES)
         session = _Session()
         reader = asyncio.create_task(self._read_session(context, session))
+        timeout = self.config.session_write_timeout_s
         try:
             while True:
                 await session.ready.wait()
                 session.ready.clear()
                 for message in session.take():
-                    if not await self._write_session(context, session, message):
+                    if not await _written(context, message, timeout):
+                        log.error("gateway %s took no outputs in %.0fs; its session ends and "
+                                  "its %d requests are aborted", context.peer(), timeout,
+                                  len(session.requests))
                         return
                 if session.closed:
                     break
@@ -190,20 +195,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
             reader.cancel()
             for r in list(session.requests.values()):
                 r.close()
-
-    async def _write_session(self, context, session: _Session,
-                             message: scheduler_pb2.SessionResponse) -> bool:
-        """Writes a message of the session; False when the gateway took none within
-        --session-write-timeout (alive to keepalive's pings but reading nothing): the session
-        ends, and what it runs is aborted."""
-        timeout = self.config.session_write_timeout_s
-        try:
-            await asyncio.wait_for(context.write(message), timeout)
-        except TimeoutError:
-            log.error("gateway %s took no outputs in %.0fs; its session ends and its %d "
-                      "requests are aborted", context.peer(), timeout, len(session.requests))
-            return False
-        return True
 
     async def _read_session(self, context, session: _Session) -> None:
         try:
@@ -407,9 +398,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
         self.telemetry.on_plan(link.worker_id, plan, planned_at)
         link.steps.append((plan.step_id, asyncio.get_running_loop().create_future()))
         message = worker_pb2.SchedulerMessage(plan=plan_to_pb(plan))
-        try:
-            await asyncio.wait_for(link.context.write(message), self.config.step_timeout_s)
-        except TimeoutError:
+        if not await _written(link.context, message, self.config.step_timeout_s):
             log.error("worker %s took no plan in %.0fs; dropping it", link.worker_id,
                       self.config.step_timeout_s)
             return False
@@ -505,6 +494,16 @@ class _SessionRequest:
             self.drop(i)
         if self.session.requests.pop(self.request_id, None) is not None:
             tracing.end_span(self.span)
+
+
+async def _written(context, message, timeout_s: float) -> bool:
+    """Writes message on a stream; False when the peer took none of it within timeout_s
+    (alive to keepalive's pings, which gRPC's own threads answer, but reading nothing)."""
+    try:
+        await asyncio.wait_for(context.write(message), timeout_s)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _to_response(out: Output, sample: int) -> scheduler_pb2.GenerateResponse:
