@@ -6,8 +6,14 @@ found in seconds instead of at the next step's or request's deadline: the schedu
 a worker and re-queues its requests, a worker or gateway reconnects. Pings are answered by
 gRPC's own threads, so a long step or a busy event loop never looks frozen. The scheduler
 accepts its clients' pings as often as once a second.
+
+For the same reason a peer whose process answers pings but whose event loop reads nothing looks
+alive: once the link's flow-control window is full, a write to it waits for ever. `written`
+gives such a write a deadline.
 """
 from __future__ import annotations
+
+import asyncio
 
 MAX_MESSAGE_BYTES = 64 << 20
 KEEPALIVE_TIME_S = 5.0     # the default: a quiet link is pinged after this long
@@ -41,3 +47,13 @@ def server_options(time_s: float = KEEPALIVE_TIME_S,
 def channel_options(time_s: float = KEEPALIVE_TIME_S,
                     timeout_s: float = KEEPALIVE_TIMEOUT_S) -> Options:
     return [*message_limits(), *keepalive(time_s, timeout_s)]
+
+
+async def written(stream, message, timeout_s: float) -> bool:
+    """Writes message on a stream (a server's context or a client's call); False when the peer
+    took none of it within timeout_s (the write is cancelled, the stream is of no further use)."""
+    try:
+        await asyncio.wait_for(stream.write(message), timeout_s)
+    except TimeoutError:
+        return False
+    return True

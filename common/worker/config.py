@@ -49,6 +49,8 @@ class WorkerConfig:
     max_cudagraph_capture_size: int = 256  # the largest decode batch captured as a graph
     seed: int = 0
     connect_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0    # a message the scheduler takes none of this long: the
+                                     # stream is dropped and the worker attaches again
     metrics_port: int = 0            # 0: no /metrics
     metrics_host: str = "127.0.0.1"
     health_port: int = 0             # 0: no grpc.health.v1 server
@@ -82,6 +84,8 @@ class WorkerConfig:
             raise ValueError("--max-num-batched-tokens must be >= 1")
         if self.drain_timeout_s < 0:
             raise ValueError("--drain-timeout must be >= 0")
+        if self.write_timeout_s <= 0:
+            raise ValueError("--write-timeout must be > 0")
         if not 0 <= self.health_port <= 65535:
             raise ValueError("--health-port must be in 0..65535")
         if not 0 <= self.cpu_nice <= 19:
@@ -271,6 +275,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM the worker takes no new request and leaves once its requests "
                         "finished, or after this many seconds (the rest are recomputed "
                         "elsewhere); a second signal: at once")
+    p.add_argument("--write-timeout", type=float, default=d.write_timeout_s,
+                   help="seconds a message to the scheduler (a step's result, the "
+                        "registration) may wait to go out: a scheduler alive to keepalive's "
+                        "pings but reading nothing; then the worker drops the stream and "
+                        "attaches again")
     p.add_argument("--health-port", type=int, default=int(env("PDSERVE_HEALTH_PORT", 0)),
                    help="serve the gRPC health protocol (grpc.health.v1) on this port once the "
                         "model is loaded: SERVING while attached to the scheduler; 0: off "
@@ -322,7 +331,7 @@ def config_from_args(role: str, args) -> WorkerConfig:
                         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         health_port=args.health_port, health_host=args.health_host,
-                        drain_timeout_s=args.drain_timeout,
+                        drain_timeout_s=args.drain_timeout, write_timeout_s=args.write_timeout,
                         speculative_config=args.speculative_config,
                         otlp_traces_endpoint=args.otlp_traces_endpoint or "",
                         detailed_traces=args.detailed_traces,

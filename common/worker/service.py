@@ -27,7 +27,7 @@ import grpc
 import torch
 
 from common import tracing
-from common.grpc_options import channel_options
+from common.grpc_options import channel_options, written
 from common.health import Health
 from common.heap import freeze_startup_heap
 from common.kv_cache import LocalTier, PagedKVCache, SharedTier, on_device
@@ -260,10 +260,11 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
                                           + scheduler_channel_options(cfg.tls))
     async with channel:
         await asyncio.wait_for(channel.channel_ready(), cfg.connect_timeout_s)
-        call = worker_pb2_grpc.WorkerControlStub(channel).Attach()
+        stream = _Stream(worker_pb2_grpc.WorkerControlStub(channel).Attach(),
+                         cfg.write_timeout_s)
         now = replace(reg, cached_blocks=tuple(worker.block_hashes.items()))
-        await call.write(worker_pb2.WorkerMessage(register=registration_to_pb(now)))
-        ack = await asyncio.wait_for(call.read(), cfg.connect_timeout_s)
+        await stream.send(worker_pb2.WorkerMessage(register=registration_to_pb(now)))
+        ack = await asyncio.wait_for(stream.read(), cfg.connect_timeout_s)
         if ack is grpc.aio.EOF:
             return
         if ack.ack.error:
@@ -273,12 +274,11 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
         print(f"pdserve {cfg.role}-worker {cfg.worker_id} attached to {cfg.scheduler}", flush=True)
         if health is not None:
             await health.set("", True)
-        writes = asyncio.Lock()  # one write at a time on the stream
-        leave = asyncio.create_task(_leave_when(leaving, call, writes, health))
+        leave = asyncio.create_task(_leave_when(leaving, stream, health))
         own = steps is None
         runner = ThreadPoolExecutor(1, thread_name_prefix="step") if steps is None else steps
         try:
-            await _run_plans(call, worker, runner, traced, writes, group)
+            await _run_plans(stream, worker, runner, traced, group)
         finally:
             if own:
                 runner.shutdown()
@@ -287,20 +287,41 @@ async def attach_once(cfg: WorkerConfig, worker: Worker, reg: Registration,
                 await health.set("", False)
 
 
-async def _leave_when(leaving: asyncio.Event | None, call, writes: asyncio.Lock,
+class _Stream:
+    """The worker's side of its Attach stream. It sends one message at a time, each taken by
+    the scheduler within timeout_s or TimeoutError (a scheduler whose process answers
+    keepalive's pings but whose event loop reads nothing would hold the write for ever); the
+    stream is then dropped and the worker attaches again."""
+
+    def __init__(self, call, timeout_s: float):
+        self.call, self.timeout_s = call, timeout_s
+        self._one = asyncio.Lock()
+
+    async def read(self):
+        """The next message, or grpc.aio.EOF."""
+        return await self.call.read()
+
+    async def send(self, message: worker_pb2.WorkerMessage) -> None:
+        async with self._one:
+            if not await written(self.call, message, self.timeout_s):
+                raise TimeoutError(f"the scheduler took no message in {self.timeout_s:g} s")
+
+
+async def _leave_when(leaving: asyncio.Event | None, stream: _Stream,
                       health: Health | None) -> None:
     if leaving is None:
         return
     await leaving.wait()
     if health is not None:
         await health.set("", False)
-    async with writes:
-        await call.write(worker_pb2.WorkerMessage(leave=worker_pb2.Leave()))
+    try:
+        await stream.send(worker_pb2.WorkerMessage(leave=worker_pb2.Leave()))
+    except TimeoutError as e:  # the drain's deadline ends the stream
+        log.warning("leaving: %s", e)
 
 
-async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
-                     traced: WorkerTelemetry | None, writes: asyncio.Lock,
-                     group: GroupLeader | None = None) -> None:
+async def _run_plans(stream: _Stream, worker: Worker, steps: ThreadPoolExecutor,
+                     traced: WorkerTelemetry | None, group: GroupLeader | None = None) -> None:
     """Every step and send on one thread: torch's thread count and OpenMP's thread team belong
     to the thread that runs them, and a second team would spin beside the first. A group's
     followers make the same calls on the same plan (group._follow); the leader answers each
@@ -314,9 +335,8 @@ async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
         if broken:
             return
         try:
-            async with writes:
-                await call.write(msg)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, OSError) as e:
+            await stream.send(msg)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, OSError, TimeoutError) as e:
             if group is None:
                 raise
             broken.append(e)
@@ -337,7 +357,7 @@ async def _run_plans(call, worker: Worker, steps: ThreadPoolExecutor,
         return done if group is None else group.sent(done, worker)
 
     while True:
-        msg = await call.read()
+        msg = await stream.read()
         if msg is grpc.aio.EOF:
             return
         plan = plan_from_pb(msg.plan)

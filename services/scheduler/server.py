@@ -20,7 +20,7 @@ from collections.abc import Callable
 import grpc
 
 from common import tracing
-from common.grpc_options import server_options
+from common.grpc_options import server_options, written
 from common.health import Health
 from common.plans import StepPlan
 from common.sampling_params import GenerateOutput
@@ -184,7 +184,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
                 await session.ready.wait()
                 session.ready.clear()
                 for message in session.take():
-                    if not await _written(context, message, timeout):
+                    if not await written(context, message, timeout):
                         log.error("gateway %s took no outputs in %.0fs; its session ends and "
                                   "its %d requests are aborted", context.peer(), timeout,
                                   len(session.requests))
@@ -398,7 +398,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer, worker_pb2_grpc.Wor
         self.telemetry.on_plan(link.worker_id, plan, planned_at)
         link.steps.append((plan.step_id, asyncio.get_running_loop().create_future()))
         message = worker_pb2.SchedulerMessage(plan=plan_to_pb(plan))
-        if not await _written(link.context, message, self.config.step_timeout_s):
+        if not await written(link.context, message, self.config.step_timeout_s):
             log.error("worker %s took no plan in %.0fs; dropping it", link.worker_id,
                       self.config.step_timeout_s)
             return False
@@ -494,16 +494,6 @@ class _SessionRequest:
             self.drop(i)
         if self.session.requests.pop(self.request_id, None) is not None:
             tracing.end_span(self.span)
-
-
-async def _written(context, message, timeout_s: float) -> bool:
-    """Writes message on a stream; False when the peer took none of it within timeout_s
-    (alive to keepalive's pings, which gRPC's own threads answer, but reading nothing)."""
-    try:
-        await asyncio.wait_for(context.write(message), timeout_s)
-    except TimeoutError:
-        return False
-    return True
 
 
 def _to_response(out: Output, sample: int) -> scheduler_pb2.GenerateResponse:

@@ -3,11 +3,15 @@ dropped by the scheduler's keepalive within seconds, not at the step timeout (an
 keepalive's pings off, at the step timeout); its stream goes on on the other decode worker with
 HuggingFace's greedy tokens, and once thawed the worker attaches again and every block comes
 back. A gateway that answers keepalive's pings but reads nothing of its Session stream loses the
-session at --session-write-timeout, and its requests end."""
+session at --session-write-timeout, and its requests end; a scheduler that reads nothing of a
+worker's stream loses the worker at the worker's --write-timeout, and the worker attaches
+again."""
 import os
 import signal
+import subprocess
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -15,8 +19,12 @@ import pytest
 import torch
 import transformers
 
-from protos import scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.conftest import Stack, stream_completion
+from common.grpc_options import server_options
+from common.plans import NewRequest, ScheduledTokens, StepPlan
+from common.sampling_params import SamplingParams
+from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.worker_codec import plan_to_pb
+from tests.e2e.conftest import PDSERVE, Stack, stop_all, stream_completion
 from tests.e2e.test_serve import _prompt
 
 MAX_TOKENS = 400  # the stream outlasts the poll that finds it at 20 tokens and the SIGSTOP
@@ -164,3 +172,93 @@ def test_a_gateway_reading_nothing_loses_its_session_and_its_requests_end(tiny_l
     finally:
         open_side.set()
         stack.stop()
+
+
+WORKER_WRITE_TIMEOUT_S = 1
+STUCK_PLANS, STUCK_PROMPT = 400, 500
+
+
+def _prefill_plan(step_id: int, rid: str, prompt: list[int], prompt_logprobs: int = -1,
+                  finished: tuple[str, ...] = ()) -> worker_pb2.SchedulerMessage:
+    blocks = tuple(range(-(-len(prompt) // 16)))
+    return worker_pb2.SchedulerMessage(plan=plan_to_pb(StepPlan(
+        step_id, new_requests=[NewRequest(rid, tuple(prompt), len(prompt), 0, blocks,
+                                          SamplingParams(max_tokens=1,
+                                                         prompt_logprobs=prompt_logprobs))],
+        scheduled=[ScheduledTokens(rid, len(prompt))], finished_request_ids=list(finished))))
+
+
+class _StopsReading(worker_pb2_grpc.WorkerControlServicer):
+    """The scheduler's end of a worker's Attach stream, its process alive to keepalive's pings
+    (gRPC's own threads answer them). On the first stream it acks the registration and sends
+    plans (each a 500-token prompt whose logprobs, top 20, the worker answers with), reading
+    nothing more; on the next it runs one plan, reads its result and ends the stream when the
+    worker leaves."""
+
+    def __init__(self, probe: list[int]):
+        self.probe = probe
+        self.registered: list[str] = []
+        self.first_ended = threading.Event()
+        self.probe_token: list[int] = []
+        self.release = threading.Event()
+
+    def Attach(self, request_iterator, context):
+        self.registered.append(next(request_iterator).register.worker_id)
+        yield worker_pb2.SchedulerMessage(ack=worker_pb2.RegisterAck(
+            worker_id=self.registered[-1]))
+        if len(self.registered) == 1:
+            context.add_callback(self.first_ended.set)
+            for i in range(STUCK_PLANS):
+                yield _prefill_plan(i + 1, f"r{i}", _prompt(STUCK_PROMPT, 200 + i), 20,
+                                    (f"r{i - 1}",) if i else ())
+            self.release.wait(120)
+            return
+        yield _prefill_plan(1, "probe", self.probe)
+        for msg in request_iterator:
+            if msg.HasField("result"):
+                self.probe_token += [s.token_id for s in msg.result.sampled]
+            if msg.HasField("leave"):
+                return
+
+
+def test_a_scheduler_reading_nothing_loses_the_worker_which_attaches_again(tiny_llama,
+                                                                           tmp_path):
+    """A scheduler whose process answers keepalive's pings but reads nothing of a worker's
+    stream: the worker's step results (prompt logprobs) fill the stream's flow-control windows,
+    its write waits --write-timeout, and then the worker drops the stream, attaches again and
+    runs the next plan with HuggingFace's greedy token."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama,
+                                                           dtype=torch.float32).eval()
+    probe = _prompt(20, 74)
+    with torch.no_grad():
+        want = int(hf(torch.tensor([probe])).logits[0, -1].argmax())
+    scheduler = _StopsReading(probe)
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=server_options())
+    worker_pb2_grpc.add_WorkerControlServicer_to_server(scheduler, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    log = tmp_path / "worker.log"
+    with open(log, "w") as out:
+        worker = subprocess.Popen(
+            [PDSERVE, "prefill-worker", "--model", str(tiny_llama), "--dtype", "float32",
+             "--scheduler", f"127.0.0.1:{port}", "--num-kv-blocks", "64",
+             "--write-timeout", str(WORKER_WRITE_TIMEOUT_S)], stdout=out,
+            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not scheduler.registered:
+            assert time.monotonic() < deadline and worker.poll() is None, log.read_text()
+            time.sleep(0.1)
+        assert scheduler.first_ended.wait(60), "the worker never dropped the unread stream"
+        deadline = time.monotonic() + 30
+        while not scheduler.probe_token:
+            assert time.monotonic() < deadline and worker.poll() is None, log.read_text()
+            time.sleep(0.1)
+        assert scheduler.probe_token == [want]
+        assert len(scheduler.registered) == 2 and len(set(scheduler.registered)) == 1
+        assert (f"the scheduler took no message in {WORKER_WRITE_TIMEOUT_S} s"
+                in log.read_text())
+    finally:
+        scheduler.release.set()
+        stop_all([worker])
+        server.stop(0)
