@@ -28,7 +28,7 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 # with isa.h, vec_helpers.h and ops.h; the dispatcher's header only in registration.cpp
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "sampling.cpp", CSRC / "elementwise.cpp",
-           CSRC / "linear.cpp", CSRC / "registration.cpp"]
+           CSRC / "linear.cpp", CSRC / "pool.cpp", CSRC / "registration.cpp"]
 
 # PDSERVE_ISA selects the kernels' target and at::vec's vector width; the library's load-time
 # code is baseline, so every build loads anywhere (an image can carry all three)

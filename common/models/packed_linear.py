@@ -101,3 +101,10 @@ def pack_linears(model: nn.Module, library=None) -> int:
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child, library=library))
     return len(targets)
+
+
+def panel_kernels(model: nn.Module):
+    """The op library whose panel kernel multiplies the model's linears, or None where none
+    does (oneDNN's, or unpacked)."""
+    return next((m.library for m in model.modules()
+                 if isinstance(m, PackedLinear) and m.library is not None), None)

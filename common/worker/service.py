@@ -36,6 +36,7 @@ from common.kv_transfer.base import KVReceiver, TransferConfig
 from common.kv_transfer.registry import create_listener, create_sender
 from common.models.attention import cpu_kernels, create_attention_backend
 from common.models.llama import load_model
+from common.models.packed_linear import panel_kernels
 from common.plans import Registration, StepResult, TransfersDone
 from common.shm_segments import SEGMENT_PREFIX, sweep_stale_segments
 from common.tls import grpc_channel_credentials, scheduler_channel_options, warn_if_exposed
@@ -49,6 +50,7 @@ from common.worker.memory import GIB, num_kv_blocks, warm_up_kernels
 from common.worker.model_runner import ModelRunner
 from common.worker.sampler import Sampler
 from common.worker.speculative import SpeculativeConfig
+from common.worker.step_threads import StepThreads
 from common.worker.telemetry import WorkerTelemetry, start_telemetry
 from common.worker.worker import Worker
 from protos import worker_pb2, worker_pb2_grpc
@@ -96,6 +98,10 @@ def build_worker(cfg: WorkerConfig, place: RankPlace | None = None
     model = load_model(cfg.model, backend, dtype, device, prepack=cfg.prepack_weights,
                        progress=cfg.use_tqdm_on_load and rank == 0,
                        tp=place.tp if place else None, pp=place.pp if place else None)
+    # where the kernels' panel linears multiply, the kernels' own pool runs the steps
+    threads = StepThreads(panel_kernels(model))
+    if threads.pooled:
+        log.info("steps run on the CPU kernels' thread pool (%d threads)", threads.get())
     mc = model.config
     group_layout = KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                             head_dim=mc.head_dim, block_size=cfg.block_size, dtype=cfg.dtype,
@@ -161,7 +167,7 @@ def build_worker(cfg: WorkerConfig, place: RankPlace | None = None
                     tier, group_size=size, pipeline=place.last_stage if place else None,
                     # workers sharing cores give lent ones back mid-step (core_board.py)
                     board=CoreBoard(cfg.worker_id, group_cores, f"{host_id}|{cfg.scheduler}")
-                    if device.type == "cpu" and size == 1 else None)
+                    if device.type == "cpu" and size == 1 else None, threads=threads)
     reg = Registration(
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
         num_blocks=num_blocks, layout=group_layout, transports=cfg.kv_transports,

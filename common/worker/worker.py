@@ -33,6 +33,7 @@ from common.worker.core_board import QUIET_S, CoreBoard
 from common.worker.layer_streamer import LayerStreamer
 from common.worker.model_runner import ModelRunner, RequestState, stops
 from common.worker.pipeline import LastStage, Outcome
+from common.worker.step_threads import StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ class Worker:
     def __init__(self, runner: ModelRunner, cache: PagedKVCache, senders: dict[str, KVSender],
                  receiver: KVReceiver, listeners: dict[str, KVListener],
                  tier: LocalTier | SharedTier | None = None, group_size: int = 1,
-                 pipeline: LastStage | None = None, board: CoreBoard | None = None):
+                 pipeline: LastStage | None = None, board: CoreBoard | None = None,
+                 threads: StepThreads | None = None):
         self.runner = runner
         self.cache = cache
         self.tier = tier  # the second KV tier: blocks laid out as the cache's, in host memory
@@ -84,6 +86,7 @@ class Worker:
         self.group_size = group_size  # ranks of its group sharing a plan's threads (group.py)
         self.pipeline = pipeline  # a pipeline group's: the last stage samples for every rank
         self.board = board  # a CPU worker's: which peers sharing its cores step now
+        self.threads = threads or StepThreads()  # what the steps compute on, and how many
         self.yielded = 0  # times a step gave lent cores back to a peer (core_board.py)
         self.taken = 0  # times a step took a quiet peer's cores beyond its plan
         self.starved_s = 0.0  # wall seconds of its steps kept off their core (STARVED_SHARE)
@@ -112,10 +115,12 @@ class Worker:
     def close(self) -> None:
         """Ends what the worker holds outside its process's memory: its shm cache and core
         board segments, the second tier, the senders' connections (the listeners are async:
-        their owner closes them). Once: a second call does nothing."""
+        their owner closes them); the kernels' pool, where its steps ran on it. Once: a second
+        call does nothing."""
         if self._closed:
             return
         self._closed = True
+        self.threads.close()
         self.cache.close()
         if self.board is not None:
             self.board.close()
@@ -144,9 +149,10 @@ class Worker:
         the requests of the step before whose token did not stop them decode again (their
         blocks came with the plan). StepResult.more: call again with sub_step + 1."""
         # per step and on the thread that runs it: torch's thread count is per calling thread
+        # (the kernels' pool's, where it runs the steps, is the process's)
         threads = max(1, plan.num_threads // self.group_size)
-        if plan.num_threads and threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        if plan.num_threads and threads != self.threads.get():
+            self.threads.set(threads)
         self._planned_threads = plan.num_threads
         board = self.board if plan.scheduled else None  # steps that compute tokens
         if board is not None:
@@ -161,8 +167,8 @@ class Worker:
             if board is not None:
                 board.stepping(False)
                 self._cpu_share(time.monotonic() - start, time.thread_time() - cpu)
-            if plan.num_threads and torch.get_num_threads() > threads:
-                torch.set_num_threads(threads)  # cores taken go back with the step
+            if plan.num_threads and self.threads.get() > threads:
+                self.threads.set(threads)  # cores taken go back with the step
 
     def _cpu_share(self, wall: float, cpu: float) -> None:
         """Counts a step that ran `wall` seconds with its thread on a core for `cpu` of them as
@@ -188,7 +194,7 @@ class Worker:
         share once each peer has been quiet for QUIET_S (a step planned on one core beside a
         busy peer that then went idle); None when there is nothing to give back or take."""
         board = self.board
-        planned = torch.get_num_threads()
+        planned = self.threads.get()
         # more than planned only where the scheduler splits the cores (it plans thread counts)
         grow = self._planned_threads > 0 and self.group_size == 1
         if board is None or (planned <= 1 and (not grow or len(board.cores) <= 1)):
@@ -198,9 +204,9 @@ class Worker:
             want = min(planned, board.share())
             if grow and want == planned:
                 want = max(want, board.share(QUIET_S))
-            now = torch.get_num_threads()
+            now = self.threads.get()
             if want != now:
-                torch.set_num_threads(want)
+                self.threads.set(want)
                 self.yielded += want < min(now, planned)  # lent cores, not taken ones
                 self.taken += want > max(now, planned)
 

@@ -7,7 +7,7 @@
 // their results equal kernels/reference.py's rounding for rounding. Arithmetic inside a step is
 // float32; only RMSNorm's sum of squares adds in another order than torch's mean.
 //
-// Rows are split between threads (at::parallel_for); inner dims must be contiguous.
+// Rows are split between threads (pool.h's parallel_for); inner dims must be contiguous.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -98,7 +98,7 @@ void silu_mul_kernel(const at::Tensor& gate, const at::Tensor& up, at::Tensor& o
   T* o = out.data_ptr<T>();
   const int64_t gs = gate.stride(0), us = up.stride(0), os = out.stride(0);
   const fVec one(1.f);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  pdserve_pool::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t d = 0; d < n; d += kVec) {
         const int64_t w = std::min(kVec, n - d);
@@ -120,7 +120,7 @@ void rms_norm_kernel(const at::Tensor& x, at::Tensor& residual, const at::Tensor
   const T* wp = weight.data_ptr<T>();
   T* o = out.data_ptr<T>();
   const int64_t xs = x.stride(0), rs = add ? residual.stride(0) : 0, os = out.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  pdserve_pool::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* src = xp + r * xs;
       if (add) {  // residual first, as stored: the norm reads it back
@@ -154,7 +154,7 @@ void rope_kernel(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   const int64_t ts = x.stride(0), hs = x.stride(1), cs = cos.stride(0), ss = sin.stride(0);
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  pdserve_pool::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cp + t * cs;
       const T* s = sp + t * ss;

@@ -5,6 +5,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+
+#include "pool.h"
 #ifndef PDSERVE_ISA
 #define PDSERVE_ISA 0
 #endif

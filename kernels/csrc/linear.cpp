@@ -14,7 +14,7 @@
 // it, the thread count or the row's place in the step: a row's result is the same bit for bit
 // in every batch (oneDNN picks its kernels, and so its sums' order, by the row count).
 //
-// Panels are split between threads (at::parallel_for); rows go in chunks of kChunk, so that a
+// Panels are split between threads (pool.h's parallel_for); rows go in chunks of kChunk, so that a
 // chunk of a long prompt's rows stays in the cache while every panel passes over it.
 #include <ATen/ops/empty.h>
 
@@ -76,7 +76,7 @@ void linear_kernel(const float* x, int64_t m, int64_t ldx, const float* packed, 
   const int64_t panels = num_panels(n);
   for (int64_t m0 = 0; m0 < m; m0 += kChunk) {
     const int64_t m1 = std::min(m, m0 + kChunk);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    pdserve_pool::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
         for (int64_t r = m0; r < m1; r += kRows) {
@@ -94,7 +94,7 @@ void linear_kernel(const float* x, int64_t m, int64_t ldx, const float* packed, 
 
 void pack_kernel(const float* w, int64_t n, int64_t k, float* packed) {
   const int64_t panels = num_panels(n);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  pdserve_pool::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       float* panel = packed + p * k * kPanel;
       std::fill(panel, panel + k * kPanel, 0.f);

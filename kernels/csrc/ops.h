@@ -52,5 +52,8 @@ void rope(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 void packed_linear(const at::Tensor& x, const at::Tensor& packed,
                    const std::optional<at::Tensor>& bias, at::Tensor out);
+// pool.cpp: the kernels' own threads (pool.h); 0: off, OpenMP's
+void set_pool_threads(int64_t n);
+int64_t pool_threads();
 
 }  // namespace PDSERVE_OPS

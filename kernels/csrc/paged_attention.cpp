@@ -314,29 +314,31 @@ inline Cache describe(const at::Tensor& kv_cache) {
           kv_cache.size(3) * kv_cache.size(4), kv_cache.stride(0)};
 }
 
-// Where each thread's share starts: contiguous runs of items of about equal total cost.
-std::vector<int64_t> split_by_cost(const std::vector<int64_t>& costs, int64_t threads) {
+// Where each part starts: contiguous runs of items of about equal total cost.
+std::vector<int64_t> split_by_cost(const std::vector<int64_t>& costs, int64_t parts) {
   int64_t total = 0;
   for (int64_t cost : costs) total += cost;
-  std::vector<int64_t> bounds(threads + 1, static_cast<int64_t>(costs.size()));
+  std::vector<int64_t> bounds(parts + 1, static_cast<int64_t>(costs.size()));
   bounds[0] = 0;
-  int64_t acc = 0, t = 1;
-  for (int64_t i = 0; i < static_cast<int64_t>(costs.size()) && t < threads; ++i) {
+  int64_t acc = 0, p = 1;
+  for (int64_t i = 0; i < static_cast<int64_t>(costs.size()) && p < parts; ++i) {
     acc += costs[i];
-    while (t < threads && acc * threads >= total * t) bounds[t++] = i + 1;
+    while (p < parts && acc * parts >= total * p) bounds[p++] = i + 1;
   }
   return bounds;
 }
 
-// Runs fn(begin, end) over the items, split between the threads by cost.
+// Runs fn(begin, end) over the items, cut into parts of about equal cost: a part a thread
+// (OpenMP), or several a thread, claimed one at a time (the kernels' pool, pool.h).
 template <typename Fn>
 void parallel_by_cost(const std::vector<int64_t>& costs, const Fn& fn) {
   if (costs.empty()) return;
-  const int64_t threads = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(costs.size())));
-  const auto bounds = split_by_cost(costs, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
-    for (int64_t t = t_begin; t < t_end; ++t) fn(bounds[t], bounds[t + 1]);
+  const int64_t parts = std::max<int64_t>(
+      1, std::min<int64_t>(pdserve_pool::num_parts(pdserve_pool::num_threads()),
+                           static_cast<int64_t>(costs.size())));
+  const auto bounds = split_by_cost(costs, parts);
+  pdserve_pool::parallel_for(0, parts, 1, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t p = p_begin; p < p_end; ++p) fn(bounds[p], bounds[p + 1]);
   });
 }
 
@@ -755,7 +757,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   });
   if (num_partials == 0) return;
   // merge the partitions of long sequences, each rescaled to their common max
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  pdserve_pool::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t first = first_partial[b], parts = first_partial[b + 1] - first;
@@ -1690,7 +1692,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
   const int64_t ks = key.stride(0) * key.element_size();
   const int64_t vs = value.stride(0) * value.element_size();
   const int64_t v_off = c.value_offset * kv_cache.element_size();
-  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+  pdserve_pool::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       char* dst = cache + slots[t] * bytes;
       std::memcpy(dst, k + t * ks, bytes);

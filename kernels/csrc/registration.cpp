@@ -20,6 +20,8 @@ TORCH_LIBRARY(PDSERVE_OPS, m) {
   m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("set_pool_threads(int n) -> ()");
+  m.def("pool_threads() -> int");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
   m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
@@ -30,4 +32,7 @@ TORCH_LIBRARY(PDSERVE_OPS, m) {
   m.impl("rope", c10::DispatchKey::CPU, &rope);
   m.impl("pack_linear_weight", c10::DispatchKey::CPU, &pack_linear_weight);
   m.impl("packed_linear", c10::DispatchKey::CPU, &packed_linear);
+  // no tensor to dispatch on: for every key
+  m.impl("set_pool_threads", c10::DispatchKey::CatchAll, &set_pool_threads);
+  m.impl("pool_threads", c10::DispatchKey::CatchAll, &pool_threads);
 }

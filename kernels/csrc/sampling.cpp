@@ -253,7 +253,7 @@ void exponential_race(const at::Tensor& probs, const at::Tensor& keys, bool logi
   const float* c = cut.has_value() ? cut->data_ptr<float>() : nullptr;
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t vocab = probs.size(1), stride = probs.stride(0);
-  at::parallel_for(0, probs.size(0), 1, [&](int64_t begin, int64_t end) {
+  pdserve_pool::parallel_for(0, probs.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       o[r] = race_row(p + r * stride, vocab, static_cast<uint64_t>(k[r]), logits,
                       c ? c[r] : -std::numeric_limits<float>::infinity());
@@ -271,7 +271,7 @@ void argmax_rows(const at::Tensor& x, at::Tensor out) {
   const float* p = x.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t n = x.size(1), stride = x.stride(0);
-  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+  pdserve_pool::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(p + r * stride, n);
   });
 }

@@ -169,14 +169,14 @@ def test_a_step_on_lent_cores_gives_them_back_while_a_peer_steps(cluster, hf, tm
 
     def at(i, peer_steps=None):
         def hook(*_):
-            seen.append(torch.get_num_threads())
+            seen.append(worker.threads.get())
             if peer_steps is not None:
                 peer.stepping(peer_steps)
         return layers[i].register_forward_hook(hook)
     hooks = [at(0, True), at(1), at(2, False), at(3)]
     prompt = _prompt(21, 5)
     c.submit("a", prompt, max_tokens=5)
-    torch.set_num_threads(2)
+    worker.threads.set(2)
     c.step()  # the prompt
     for h in hooks:
         h.remove()
@@ -202,9 +202,9 @@ def test_a_step_keeps_its_threads_while_no_peer_steps(cluster, hf, tmp_path, two
     peer.stepping(False)
     prompt = _prompt(9, 6)
     c.submit("a", prompt, max_tokens=4)
-    torch.set_num_threads(2)
+    worker.threads.set(2)
     c.run()
-    assert torch.get_num_threads() == 2
+    assert worker.threads.get() == 2
     assert worker.yielded == 0
     assert c.tokens("a") == _greedy(hf, prompt, 4)
 
@@ -224,7 +224,7 @@ def test_a_step_planned_beside_a_busy_peer_takes_its_cores_once_it_is_quiet(clus
 
     def at(i, then):
         def hook(*_):
-            seen.append(torch.get_num_threads())
+            seen.append(worker.threads.get())
             then()
         return layers[i].register_forward_hook(hook)
 
@@ -251,7 +251,7 @@ def test_a_step_planned_beside_a_busy_peer_takes_its_cores_once_it_is_quiet(clus
     seen.clear()
     c.step()  # a decode step, the peer quiet since
     assert seen == [2, 2, 2, 2] and worker.taken == 2
-    assert torch.get_num_threads() == 1  # back to its plan's with the step
+    assert worker.threads.get() == 1  # back to its plan's with the step
     planned[0] = 0  # the step before gave its taken core back at its end
     seen.clear()
     c.step()
@@ -277,7 +277,7 @@ def test_a_worker_on_one_core_gives_its_extra_threads_back_while_a_peer_steps(cl
     peer.stepping(True)
     seen = []
     hook = worker.runner.model.layers[0].register_forward_hook(
-        lambda *_: seen.append(torch.get_num_threads()))
+        lambda *_: seen.append(worker.threads.get()))
     prompt = _prompt(29, 5)
     c.submit("a", prompt, max_tokens=3)
     c.step()

@@ -74,11 +74,11 @@ class Cluster:
         self.workers.pop(wid).cache.close()
 
     def close(self):
-        torch.set_num_threads(self.threads)
         for w in self.built:
             w.close()
             for listener in w.listeners.values():
                 self._await(listener.close())
+        torch.set_num_threads(self.threads)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
     def submit(self, rid, prompt, max_tokens=8, n=1, **kw):
@@ -753,9 +753,9 @@ def test_workers_sharing_cores_run_each_step_with_the_threads_its_plan_gives(clu
     assert all(r.cpu_cores == tuple(sorted(os.sched_getaffinity(0))) for r in c.registrations)
     seen = []
     for wid, worker in c.workers.items():
-        def execute(plan, sub_step=0, run=worker.execute, wid=wid):
+        def execute(plan, sub_step=0, run=worker.execute, wid=wid, threads=worker.threads):
             result = run(plan, sub_step)
-            seen.append((wid.split("-")[1], plan.num_threads, torch.get_num_threads()))
+            seen.append((wid.split("-")[1], plan.num_threads, threads.get()))
             return result
         worker.execute = execute
     prompt = _prompt(12, 800)
