@@ -219,6 +219,14 @@ def exponential_race(probs: torch.Tensor, keys: list[int], logits: bool = False,
     return out
 
 
+def divide_rows(x: torch.Tensor, d: torch.Tensor, ops=None) -> torch.Tensor:
+    """x / d[:, None] of a float32 [rows, n] CPU tensor with contiguous rows and d [rows] (the
+    same bits as torch's division), on the kernels' threads (csrc/sampling.cpp)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    (ops or load()).divide_rows(x, d.float().contiguous(), out)
+    return out
+
+
 def argmax_rows(x: torch.Tensor, ops=None) -> torch.Tensor:
     """[rows] torch.argmax(x, dim=-1) of a float32 [rows, n > 0] CPU tensor (ties to the lowest
     index, a NaN as the largest), in the race kernel's file (csrc/sampling.cpp)."""

@@ -18,6 +18,7 @@ from common.worker.grammars import GrammarError, Grammars, Guide, mask_logits
 from common.worker.prompt_logprobs import PromptChunk, prompt_logprobs, score_chunk
 from common.worker.sampler import Sampler, SamplingRequest, token_logprobs
 from common.worker.speculative import DraftLength, NgramProposer, SpeculativeConfig
+from common.worker.step_threads import StepThreads
 
 
 @dataclass
@@ -76,10 +77,13 @@ COST_SMOOTHING = 0.1  # weight of the newest step in the draft's measured cost
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, sampler: Sampler,
                  decode_graphs: DecodeGraphs | None = None, grammars: Grammars | None = None,
-                 speculative: SpeculativeConfig | None = None, draft: DraftModel | None = None):
+                 speculative: SpeculativeConfig | None = None, draft: DraftModel | None = None,
+                 threads: StepThreads | None = None):
         self.model = model
         self.cache = cache
         self.sampler = sampler
+        # the sampler's ops over the vocabulary on the step's threads (step_threads.py)
+        self.threads = threads or StepThreads()
         self.grammars = grammars  # None: a request with a grammar fails
         self.block_size = cache.layout.block_size
         self.decode_graphs = decode_graphs  # decode-only steps replay these where they fit
@@ -166,8 +170,9 @@ class ModelRunner:
             stats.errors = [RequestError(rid, error) for rid, error in failed.items()]
             return [], stats
         if scoring:
-            stats.prompt_logprobs = prompt_logprobs(
-                hidden, self.model.compute_logits, self.sampler.vocab_size, scoring)
+            with self.threads.for_torch():
+                stats.prompt_logprobs = prompt_logprobs(
+                    hidden, self.model.compute_logits, self.sampler.vocab_size, scoring)
         if not rows:
             stats.errors = [RequestError(rid, error) for rid, error in failed.items()]
             return [], stats
@@ -210,7 +215,8 @@ class ModelRunner:
         if plain:
             sub = logits if len(plain) == len(batch) else \
                 logits[torch.tensor(plain, device=device)]
-            out = self.sampler(sub, [batch[i] for i in plain])
+            with self.threads.for_torch():
+                out = self.sampler(sub, [batch[i] for i in plain])
             for i, token, lp in zip(plain, out.token_ids, out.logprobs):
                 tokens_of[i], logprobs_of[i] = token, lp
         sampled: list[Sampled] = []
@@ -223,8 +229,9 @@ class ModelRunner:
                 continue
             if r.request_id in verified:
                 all_drafts, q = verified[r.request_id]
-                tokens, row_logprobs = self._rejection_sample(
-                    logits[start:start + width], batch[start:start + width], all_drafts, q)
+                with self.threads.for_torch():
+                    tokens, row_logprobs = self._rejection_sample(
+                        logits[start:start + width], batch[start:start + width], all_drafts, q)
                 kept = self._accept(r, all_drafts, tokens, stats)
             else:
                 tokens = tokens_of[start:start + width]

@@ -305,7 +305,12 @@ class Sampler:
         temperatures = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
         if any(t != 1.0 for t in temperatures):
             temperature = torch.tensor(temperatures, dtype=logits.dtype, device=device)  # [B]
-            logits = logits / temperature.unsqueeze(1)
+            if self._cpu_kernels is not None and device.type == "cpu" \
+                    and logits.dtype == torch.float32:  # on the kernels' threads, as their pool
+                from kernels import cpu_attention  # runs the steps (step_threads.py)
+                logits = cpu_attention.divide_rows(logits, temperature, ops=self._cpu_kernels)
+            else:
+                logits = logits / temperature.unsqueeze(1)
 
         top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
         top_p = [r.params.top_p if 0 < r.params.top_p < 1 else 1.0 for r in rows]

@@ -157,7 +157,7 @@ def build_worker(cfg: WorkerConfig, place: RankPlace | None = None
     if speculative is not None and speculative.method == "draft_model":
         draft = build_draft(speculative, model, backend, dtype, device, cfg, num_blocks,
                             sampler)
-    runner = ModelRunner(model, cache, sampler, graphs, grammars, speculative, draft)
+    runner = ModelRunner(model, cache, sampler, graphs, grammars, speculative, draft, threads)
     worker = Worker(runner, cache,
                     {t: create_sender(t, layout, tcfg, shard, KVShard.whole(group_layout))
                      for t in cfg.kv_transports},

@@ -3,8 +3,9 @@ CPU kernels compute nearly the whole step, the kernels' own pool (kernels/csrc/p
 
 The kernels compute nearly the whole step where the model's linears are their panel linears
 (float32 on an AVX2 CPU, common/models/packed_linear.py): then the pool runs them, and torch's
-own ops in the step (a few small gathers; the sampler's softmax and top-k for sampled requests)
-run on the step's thread alone, so that no OpenMP team spins beside the pool's threads. Where
+own ops in the forward (a few small gathers) run on the step's thread alone, so that no OpenMP
+team spins beside the pool's threads; the sampler's ops over the vocabulary (a softmax, top-k, a
+sort, prompt logprobs) take the step's threads again, OpenMP's team (`for_torch`). Where
 oneDNN's linears take most of a step (bfloat16, AVX-512), OpenMP runs everything as before.
 
 Why a pool of their own: an OpenMP region ends when every thread of its team has run its fixed
@@ -17,6 +18,9 @@ The scheduler's plans and the core board (core_board.py) set the count per step,
 `set`; `get` reads it back.
 """
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -45,6 +49,19 @@ class StepThreads:
             self._pool.set_pool_threads(n)
         else:
             torch.set_num_threads(n)
+
+    @contextlib.contextmanager
+    def for_torch(self) -> Iterator[None]:
+        """torch's own ops inside run on the step's threads (OpenMP's team) where the pool runs
+        the steps; elsewhere they do already."""
+        if self._pool is None:
+            yield
+            return
+        torch.set_num_threads(max(1, self.get()))
+        try:
+            yield
+        finally:
+            torch.set_num_threads(1)
 
     def close(self) -> None:
         """Hands the steps back to OpenMP, on as many threads as the pool had (the pool is the

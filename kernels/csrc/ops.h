@@ -43,6 +43,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
 void exponential_race(const at::Tensor& probs, const at::Tensor& keys, bool logits,
                       const std::optional<at::Tensor>& cut, at::Tensor out);
 void argmax_rows(const at::Tensor& x, at::Tensor out);
+void divide_rows(const at::Tensor& x, const at::Tensor& d, at::Tensor out);
 // elementwise.cpp
 void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor out);
 void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,

@@ -15,6 +15,7 @@ TORCH_LIBRARY(PDSERVE_OPS, m) {
   m.def("exponential_race(Tensor probs, Tensor keys, bool logits, Tensor? cut, Tensor(a!) out) "
         "-> ()");
   m.def("argmax_rows(Tensor x, Tensor(a!) out) -> ()");
+  m.def("divide_rows(Tensor x, Tensor d, Tensor(a!) out) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
@@ -27,6 +28,7 @@ TORCH_LIBRARY(PDSERVE_OPS, m) {
   m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
   m.impl("exponential_race", c10::DispatchKey::CPU, &exponential_race);
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
+  m.impl("divide_rows", c10::DispatchKey::CPU, &divide_rows);
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("rope", c10::DispatchKey::CPU, &rope);

@@ -223,6 +223,14 @@ int64_t argmax_row(const float* x, int64_t n) {
   return best_index;
 }
 
+// out[0:n] = x[0:n] / d, each quotient rounded once, as torch's division rounds it
+void divide_row(const float* x, int64_t n, float d, float* out) {
+  const fVec dv(d);
+  int64_t j = 0;
+  for (; j + kVec <= n; j += kVec) (fVec::loadu(x + j) / dv).store(out + j);
+  for (; j < n; ++j) out[j] = x[j] / d;
+}
+
 }  // namespace
 
 PDSERVE_ISA_END
@@ -257,6 +265,26 @@ void exponential_race(const at::Tensor& probs, const at::Tensor& keys, bool logi
     for (int64_t r = begin; r < end; ++r)
       o[r] = race_row(p + r * stride, vocab, static_cast<uint64_t>(k[r]), logits,
                       c ? c[r] : -std::numeric_limits<float>::infinity());
+  });
+}
+
+// x: [rows, n] float32 with contiguous rows; d: [rows] float32; out: x's shape, contiguous rows:
+// out = x / d[:, None] (a sampler's temperatures, on the kernels' threads)
+void divide_rows(const at::Tensor& x, const at::Tensor& d, at::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              "x: a float32 [rows, n] CPU tensor with contiguous rows");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 1 && d.is_contiguous() &&
+                  d.size(0) == x.size(0),
+              "d: float32 [rows]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.sizes() == x.sizes() && out.stride(1) == 1,
+              "out: float32, x's shape, contiguous rows");
+  const float* xp = x.data_ptr<float>();
+  const float* dp = d.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t n = x.size(1), xs = x.stride(0), os = out.stride(0);
+  pdserve_pool::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) divide_row(xp + r * xs, n, dp[r], o + r * os);
   });
 }
 

@@ -139,3 +139,29 @@ def test_argmax_rows_refuses_bad_input(ops):
         ops.argmax_rows(torch.rand((2, 0)), out)
     with pytest.raises(RuntimeError, match="out"):
         ops.argmax_rows(torch.rand((3, 10)), out)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 17, 1003, 32000])
+def test_divide_rows_equals_torch(ops, threads, n):
+    """The sampler's temperatures: each quotient the bits of torch's `x / d[:, None]`, in the
+    vector part and the tail, for rows that are slices of wider ones too; infinities and NaNs
+    as torch has them."""
+    gen = torch.Generator().manual_seed(n)
+    wide = torch.randn((9, n + 5), generator=gen) * 30
+    x = wide[:, :n]
+    x[1, n - 1] = float("inf")
+    x[2, 0] = float("-inf")
+    x[3, n // 2] = float("nan")
+    d = torch.tensor([0.7, 1.3, 0.05, 2.0, 1e-3, 0.99, 1.0, 1.7, 3.3])
+    out = cpu_attention.divide_rows(x, d, ops=ops)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, x / d.unsqueeze(1), rtol=0, atol=0, equal_nan=True)
+
+
+def test_divide_rows_refuses_bad_input(ops):
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.divide_rows(torch.rand((2, 10)).double(), torch.ones(2), torch.empty(2, 10))
+    with pytest.raises(RuntimeError, match="d: float32"):
+        ops.divide_rows(torch.rand((2, 10)), torch.ones(3), torch.empty(2, 10))
+    with pytest.raises(RuntimeError, match="out"):
+        ops.divide_rows(torch.rand((2, 10)), torch.ones(2), torch.empty(2, 9))
