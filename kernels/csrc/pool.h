@@ -5,8 +5,9 @@
 // Why not OpenMP there: a team's region ends only when every thread of the team has checked in,
 // each having run its fixed share. The gateway, the scheduler and a load client share the
 // server's cores; when the OS gives one of them a core for a few milliseconds, the team thread
-// it took holds the region back that long, while its partner spins. In the stack the decode
-// step took 75-80 ms beside such bursts against 51-53 ms alone (60 sequences, 2 Zen 3 cores).
+// it took holds the region back that long, while its partner spins. A decode step of 60
+// sequences took 74-84 ms beside bursts taking a third of a core against 55-57 ms alone (2 Zen 3
+// cores; on the pool 68-78 and 53-55).
 // Here the threads claim chunks of the loop one at a time (about 8 a thread), and the caller
 // returns once every chunk is done: a helper that the OS preempted while it waited for work
 // holds nothing back, one preempted mid-chunk that chunk only (docs/performance.md).
