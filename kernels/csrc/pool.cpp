@@ -52,7 +52,7 @@ void Pool::run(int64_t n, int threads, Item fn, const void* ctx) {
   }
   fn_ = fn;
   ctx_ = ctx;
-  n_ = n;
+  n_.store(n, std::memory_order_relaxed);
   error_ = nullptr;
   done_.store(0, std::memory_order_relaxed);
   const uint64_t gen = ++gen_;
@@ -74,7 +74,7 @@ void Pool::work(uint64_t gen) {
     uint64_t t = ticket_.load(std::memory_order_acquire);
     const int64_t i = static_cast<int64_t>(t & 0xffffffffu);
     // a region that ended (its generation passed) or has no item left
-    if ((t >> 32) != gen || i >= n_) return;
+    if ((t >> 32) != gen || i >= n_.load(std::memory_order_relaxed)) return;
     if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
     try {
       fn_(ctx_, i);
@@ -103,8 +103,8 @@ void Pool::helper() {
       }
     }
     seen = gen;
-    // fn_, ctx_ and n_ of region `gen` were written before its ticket; if it has ended and
-    // another begun, work() finds the generation passed and claims nothing
+    // region `gen` was written before its ticket; if it has ended and another begun, work()
+    // finds the generation passed and claims nothing
     work(gen);
   }
 }

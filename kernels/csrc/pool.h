@@ -12,8 +12,8 @@
 // returns once every chunk is done: a helper that the OS preempted while it waited for work
 // holds nothing back, one preempted mid-chunk that chunk only (docs/performance.md).
 //
-// Outside a region the helpers spin for kSpinUs, then sleep until the next one. Where the pool
-// is off (0 threads, the default), parallel_for is at::parallel_for, OpenMP's.
+// Outside a region the helpers spin for 1 ms (kSpin, pool.cpp), then sleep until the next one.
+// Where the pool is off (0 threads, the default), parallel_for is at::parallel_for, OpenMP's.
 #pragma once
 #include <ATen/Parallel.h>
 
@@ -37,9 +37,9 @@ class Pool {
   void set_threads(int n) { threads_.store(std::max(0, n), std::memory_order_relaxed); }
   int threads() const { return threads_.load(std::memory_order_relaxed); }
 
-  // fn(ctx, i) for each i in [0, n) on up to `threads` threads, the caller among them; returns
-  // when all are done, rethrowing the first exception an item raised. A call made while another
-  // thread's region runs, or from inside a region, runs its items on the calling thread.
+  // fn(ctx, i) for each i in [0, n < 2^32) on up to `threads` threads, the caller among them;
+  // returns when all are done, rethrowing the first exception an item raised. A call made while
+  // another thread's region runs, or from inside a region, runs its items on the calling thread.
   void run(int64_t n, int threads, Item fn, const void* ctx);
 
  private:
@@ -52,10 +52,11 @@ class Pool {
   int helpers_ = 0;
   std::atomic<uint64_t> ticket_{0};  // the region's generation << 32 | its next item
   std::atomic<int64_t> done_{0};     // items of the current region finished
-  // the current region, written before its ticket is released
+  // the current region, written before its ticket is released; a helper reads fn_ and ctx_ only
+  // once it holds an item (the region cannot end before that item), n_ before (atomic)
   Item fn_ = nullptr;
   const void* ctx_ = nullptr;
-  int64_t n_ = 0;
+  std::atomic<int64_t> n_{0};
   uint64_t gen_ = 0;
   std::mutex error_lock_;
   std::exception_ptr error_;
@@ -78,7 +79,7 @@ inline int64_t num_parts(int threads) {
 }
 
 // at::parallel_for's contract: f(begin, end) over sub-ranges of [begin, end) of at least
-// `grain` items (but for the last), on the pool where it is on.
+// `grain` items (the whole range where it is shorter), on the pool where it is on.
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   Pool& pool = Pool::get();
@@ -89,9 +90,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   }
   const int64_t range = end - begin;
   if (range <= 0) return;
-  const int64_t chunks =
-      std::min((range + std::max<int64_t>(grain, 1) - 1) / std::max<int64_t>(grain, 1),
-               num_parts(threads));
+  const int64_t chunks = std::min(range / std::max<int64_t>(grain, 1), num_parts(threads));
   if (threads == 1 || chunks <= 1) {
     f(begin, end);
     return;
