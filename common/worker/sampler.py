@@ -305,9 +305,9 @@ class Sampler:
         temperatures = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
         if any(t != 1.0 for t in temperatures):
             temperature = torch.tensor(temperatures, dtype=logits.dtype, device=device)  # [B]
-            if self._cpu_kernels is not None and device.type == "cpu" \
-                    and logits.dtype == torch.float32:  # on the kernels' threads, as their pool
-                from kernels import cpu_attention  # runs the steps (step_threads.py)
+            if self._cpu_kernels is not None and device.type == "cpu":
+                # on the kernels' threads, which may be their pool's (step_threads.py)
+                from kernels import cpu_attention
                 logits = cpu_attention.divide_rows(logits, temperature, ops=self._cpu_kernels)
             else:
                 logits = logits / temperature.unsqueeze(1)

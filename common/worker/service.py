@@ -167,7 +167,7 @@ def build_worker(cfg: WorkerConfig, place: RankPlace | None = None
                     tier, group_size=size, pipeline=place.last_stage if place else None,
                     # workers sharing cores give lent ones back mid-step (core_board.py)
                     board=CoreBoard(cfg.worker_id, group_cores, f"{host_id}|{cfg.scheduler}")
-                    if device.type == "cpu" and size == 1 else None, threads=threads)
+                    if device.type == "cpu" and size == 1 else None)
     reg = Registration(
         worker_id=cfg.worker_id, role=cfg.role, model_fingerprint=mc.fingerprint,
         num_blocks=num_blocks, layout=group_layout, transports=cfg.kv_transports,

@@ -75,8 +75,7 @@ class Worker:
     def __init__(self, runner: ModelRunner, cache: PagedKVCache, senders: dict[str, KVSender],
                  receiver: KVReceiver, listeners: dict[str, KVListener],
                  tier: LocalTier | SharedTier | None = None, group_size: int = 1,
-                 pipeline: LastStage | None = None, board: CoreBoard | None = None,
-                 threads: StepThreads | None = None):
+                 pipeline: LastStage | None = None, board: CoreBoard | None = None):
         self.runner = runner
         self.cache = cache
         self.tier = tier  # the second KV tier: blocks laid out as the cache's, in host memory
@@ -86,7 +85,6 @@ class Worker:
         self.group_size = group_size  # ranks of its group sharing a plan's threads (group.py)
         self.pipeline = pipeline  # a pipeline group's: the last stage samples for every rank
         self.board = board  # a CPU worker's: which peers sharing its cores step now
-        self.threads = threads or StepThreads()  # what the steps compute on, and how many
         self.yielded = 0  # times a step gave lent cores back to a peer (core_board.py)
         self.taken = 0  # times a step took a quiet peer's cores beyond its plan
         self.starved_s = 0.0  # wall seconds of its steps kept off their core (STARVED_SHARE)
@@ -105,6 +103,11 @@ class Worker:
         self._ahead: Future[int] | None = None  # the running step's
         self._copy_stream: torch.cuda.Stream | None = None  # its stream, beside a GPU
         self._closed = False
+
+    @property
+    def threads(self) -> StepThreads:
+        """What the steps compute on, and how many: the runner's."""
+        return self.runner.threads
 
     def reset(self) -> None:
         """Forgets every request: the scheduler that planned them is gone (the cache's content,
