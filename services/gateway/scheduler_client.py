@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from common import tracing
-from common.grpc_options import channel_options
+from common.grpc_options import channel_options, ended_under_a_write
 from common.tls import TLSFiles, grpc_channel_credentials, scheduler_channel_options
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.readiness import SchedulerReadiness
@@ -286,7 +286,9 @@ class _Session:
                         queue.put_nowait(rpc_error(
                             _STATUS.get(refusal.code, grpc.StatusCode.UNKNOWN), refusal.message))
         except grpc.aio.AioRpcError as e:
-            err = e
+            # a write racing the session's end hides its status: the scheduler, or the link, went
+            err = rpc_error(grpc.StatusCode.UNAVAILABLE, "the session ended under a write") \
+                if ended_under_a_write(e) else e
         finally:
             self.ended = True
             self._writer.cancel()

@@ -510,6 +510,56 @@ async def test_a_lost_session_fails_each_open_request_and_the_next_opens_another
         await server.stop(None)
 
 
+class _EndsItsFirstSessions(FakeScheduler):
+    """Ends each of its first `sessions` Session streams, UNAVAILABLE as a scheduler that goes,
+    once it read one message: the gateway is still writing its other requests to it."""
+
+    def __init__(self, sessions: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.to_end = sessions
+
+    async def Session(self, request_iterator, context):
+        if self.to_end > 0:
+            self.to_end -= 1
+            async for _ in request_iterator:
+                break
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler goes")
+        async for message in super().Session(request_iterator, context):
+            yield message
+
+
+async def test_a_session_that_ends_under_the_gateways_writes_is_lost_not_an_internal_error(
+) -> None:
+    """gRPC reports a call whose write failed as the call ended as INTERNAL "Internal error from
+    Core", dropping the call's own status (grpc/grpc issue 36066): a scheduler killed while the
+    gateway wrote to its session turned streams into 500s instead of resubmitting them. Each of
+    20 sessions ends under 40 requests' writes; every request is lost (UNAVAILABLE), and
+    through SampleStreams, which resubmits what is lost, each request's stream goes on."""
+    fake = _EndsItsFirstSessions(20, output_ids=[5, 6])
+    server, address = await start_fake_scheduler(fake)
+    client = SchedulerClient.connect(address, recovery_s=30.0)
+
+    async def code(rid: str) -> grpc.StatusCode:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in client.generate(_request(rid)):
+                pass
+        return err.value.code()
+
+    async def tokens(rid: str) -> list[int]:
+        streams = SampleStreams(client, _request(rid, max_tokens=3))
+        return [t async for r in streams.stream(0) for t in r.token_ids]
+    try:
+        for round in range(10):
+            codes = await asyncio.gather(*(code(f"e{round}.{i}") for i in range(40)))
+            assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
+        # ten sessions left to end: the streams ride through them
+        assert await asyncio.gather(*(tokens(f"f{i}") for i in range(40))) == [[5, 6, 5]] * 40
+        assert fake.to_end == 0
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
 async def test_close_ends_the_session_before_it_returns() -> None:
     """close() closes the session's side and reads the stream to the scheduler's end of it,
     rather than cancelling it: a cancelled call's last completions come later, from gRPC's
