@@ -47,9 +47,10 @@ void Pool::run(int64_t n, int threads, Item fn, const void* ctx) {
     return;
   }
   while (helpers_ < threads - 1) {
-    std::thread([this] { helper(); }).detach();
+    std::thread([this, k = helpers_] { helper(k); }).detach();
     ++helpers_;
   }
+  width_.store(threads - 1, std::memory_order_relaxed);
   fn_ = fn;
   ctx_ = ctx;
   n_.store(n, std::memory_order_relaxed);
@@ -86,16 +87,17 @@ void Pool::work(uint64_t gen) {
   }
 }
 
-void Pool::helper() {
+void Pool::helper(int k) {
   in_region = true;  // a loop inside an item runs on this thread
   uint64_t seen = ticket_.load(std::memory_order_acquire) >> 32;
+  bool spin = true;  // after a region it worked in; one that left it out sleeps at once
   while (true) {
     const auto start = std::chrono::steady_clock::now();
     uint64_t gen;
     int spins = 0;
     while ((gen = ticket_.load(std::memory_order_acquire) >> 32) == seen) {
       PDSERVE_PAUSE();
-      if (++spins % 64 == 0 && std::chrono::steady_clock::now() - start > kSpin) {
+      if (++spins % 64 == 0 && (!spin || std::chrono::steady_clock::now() - start > kSpin)) {
         std::unique_lock<std::mutex> lock(sleep_);
         sleepers_.fetch_add(1, std::memory_order_acq_rel);
         wake_.wait(lock, [&] { return ticket_.load(std::memory_order_acquire) >> 32 != seen; });
@@ -104,8 +106,11 @@ void Pool::helper() {
     }
     seen = gen;
     // region `gen` was written before its ticket; if it has ended and another begun, work()
-    // finds the generation passed and claims nothing
-    work(gen);
+    // finds the generation passed and claims nothing. A region on fewer threads than there are
+    // helpers (the worker's share of the cores shrank) leaves the later helpers out: the cores
+    // it gave back are another's.
+    spin = k < width_.load(std::memory_order_relaxed);
+    if (spin) work(gen);
   }
 }
 

@@ -37,7 +37,8 @@ class Pool {
   void set_threads(int n) { threads_.store(std::max(0, n), std::memory_order_relaxed); }
   int threads() const { return threads_.load(std::memory_order_relaxed); }
 
-  // fn(ctx, i) for each i in [0, n < 2^32) on up to `threads` threads, the caller among them;
+  // fn(ctx, i) for each i in [0, n < 2^32) on up to `threads` threads, the caller among them
+  // (and no more: helpers made for a larger count sit the region out);
   // returns when all are done, rethrowing the first exception an item raised. A call made while
   // another thread's region runs, or from inside a region, runs its items on the calling thread.
   void run(int64_t n, int threads, Item fn, const void* ctx);
@@ -45,7 +46,7 @@ class Pool {
  private:
   Pool() = default;
   void work(uint64_t gen);
-  void helper();
+  void helper(int k);  // the k-th helper made (0 first)
 
   std::atomic<int> threads_{0};
   std::mutex region_;  // one region at a time
@@ -57,6 +58,7 @@ class Pool {
   Item fn_ = nullptr;
   const void* ctx_ = nullptr;
   std::atomic<int64_t> n_{0};
+  std::atomic<int> width_{0};  // the helpers the region may use: those made first
   uint64_t gen_ = 0;
   std::mutex error_lock_;
   std::exception_ptr error_;

@@ -3,8 +3,11 @@
 chunk raised to the caller with the pool usable after it, two callers at once, a forked child,
 and a worker whose linears are the panel kernel's running its steps on the pool."""
 import multiprocessing as mp
+import os
 import threading
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +102,37 @@ def test_two_callers_at_once_both_get_their_results(native):
     for t in callers:
         t.join(60)
     assert not any(t.is_alive() for t in callers) and wrong == []
+
+
+def _cpu_s_by_thread() -> dict[int, float]:
+    """Each thread of this process: the CPU seconds it has had."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def test_a_region_on_fewer_threads_leaves_the_later_helpers_out(native):
+    """Helpers made for 4 threads, then a second of steps planned on 2 (a worker that gave lent
+    cores back): the caller and one helper compute, the other helpers sleep rather than take
+    the cores given back."""
+    _on(native, 4)
+    _step_kernels(native)  # the pool makes its three helpers
+    _on(native, 2)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 512, generator=gen)
+    packed = cpu_attention.pack_linear_weight(torch.randn(1408, 512, generator=gen), ops=native)
+    before = _cpu_s_by_thread()
+    start = time.monotonic()
+    while time.monotonic() - start < 1.0:
+        cpu_attention.packed_linear(x, packed, 1408, ops=native)
+    gained = sorted(t - before.get(tid, 0.0) for tid, t in _cpu_s_by_thread().items())
+    assert len([g for g in gained if g > 0.2 * gained[-1]]) == 2, gained
 
 
 def _in_child(ops_isa: str, q, cache, tables, lens, out) -> None:
