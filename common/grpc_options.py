@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
 MAX_MESSAGE_BYTES = 64 << 20
 KEEPALIVE_TIME_S = 5.0     # the default: a quiet link is pinged after this long
 KEEPALIVE_TIMEOUT_S = 5.0  # ... and closed when the ping is not answered in this long
@@ -59,14 +57,3 @@ async def written(stream, message, timeout_s: float) -> bool:
     except TimeoutError:
         return False
     return True
-
-
-# grpc.aio's own status for a call whose write failed as the call ended (the call's real status,
-# on its way, is dropped: grpc/grpc issue 36066): the connection, or the peer's end of the call,
-# went while a message was being written. Which of the two, and the peer's code, are lost.
-WRITE_RACED_END = (grpc.StatusCode.INTERNAL, "Internal error from Core")
-
-
-def ended_under_a_write(err: grpc.aio.AioRpcError) -> bool:
-    """Whether err is gRPC's stand-in status for a call that ended while it was written to."""
-    return (err.code(), err.details()) == WRITE_RACED_END

@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from common import tracing
-from common.grpc_options import channel_options, ended_under_a_write
+from common.grpc_options import channel_options
 from common.tls import TLSFiles, grpc_channel_credentials, scheduler_channel_options
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.readiness import SchedulerReadiness
@@ -38,6 +38,21 @@ _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     """The error a Generate call would have ended with."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+# how a call ends when its scheduler is gone: the connection failed, or a scheduler that stops
+# (a rolling restart) cancelled the streams still running after its grace period
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+# grpc.aio's own status for a call whose write failed as the call ended (the call's real status,
+# on its way, is dropped: grpc/grpc issue 36066): the connection, or the peer's end of the call,
+# went while a message was being written. Which of the two, and the peer's code, are lost.
+WRITE_RACED_END = (grpc.StatusCode.INTERNAL, "Internal error from Core")
+
+
+def ended_under_a_write(err: grpc.aio.AioRpcError) -> bool:
+    """Whether err is gRPC's stand-in status for a call that ended while it was written to."""
+    return (err.code(), err.details()) == WRITE_RACED_END
 
 
 DRAIN_TIMEOUT_S = 1.0
@@ -296,9 +311,6 @@ class _Session:
                 queue.put_nowait(err)
 
 
-# how a call ends when its scheduler is gone: the connection failed, or a scheduler that stops
-# (a rolling restart) cancelled the streams still running after its grace period
-LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 class SampleStreams:
