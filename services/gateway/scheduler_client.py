@@ -311,8 +311,6 @@ class _Session:
                 queue.put_nowait(err)
 
 
-
-
 class SampleStreams:
     """One request to the scheduler for a prompt's samples (n > 1; n = 1 is one sample), split
     into one response stream per sample. It starts with the first stream iterated (whose span

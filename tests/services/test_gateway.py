@@ -549,8 +549,8 @@ async def test_a_session_that_ends_under_the_gateways_writes_is_lost_not_an_inte
         streams = SampleStreams(client, _request(rid, max_tokens=3))
         return [t async for r in streams.stream(0) for t in r.token_ids]
     try:
-        for round in range(10):
-            codes = await asyncio.gather(*(code(f"e{round}.{i}") for i in range(40)))
+        for k in range(10):
+            codes = await asyncio.gather(*(code(f"e{k}.{i}") for i in range(40)))
             assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
         # ten sessions left to end: the streams ride through them
         assert await asyncio.gather(*(tokens(f"f{i}") for i in range(40))) == [[5, 6, 5]] * 40
