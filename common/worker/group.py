@@ -22,8 +22,8 @@ The leader answers a step only once every follower sampled the same tokens (a ra
 others would feed the next step's embedding other ids), and a transfer is done only once every
 rank's shard landed. Plans travel as their protobuf bytes over a pipe, never as pickles.
 
-A rank that dies or diverges takes the group out: the leader stops (exit status 1), which
-breaks its Attach stream, so the scheduler re-queues the group's requests, which resume
+A rank that dies, freezes or diverges takes the group out: the leader stops (exit status 1),
+which breaks its Attach stream, so the scheduler re-queues the group's requests, which resume
 elsewhere with the same tokens; `pdserve up` restarts the group. Followers end with their
 leader: their pipe closes, and the kernel kills them if it dies first (PR_SET_PDEATHSIG).
 """
@@ -68,6 +68,9 @@ STEP_TIMEOUT_S = 600.0
 # a follower reads the next plan as soon as it has answered the last one: a write to its pipe
 # that moves no byte for this long finds it alive but reading nothing (frozen, or hung)
 SEND_TIMEOUT_S = 30.0
+# a follower stopped this long (SIGSTOP, a debugger) is frozen: a plan small enough for its
+# pipe goes out, and the leader would wait in the step's collectives until STEP_TIMEOUT_S
+STOPPED_TIMEOUT_S = 5.0
 
 
 class GroupBroken(Exception):
@@ -148,6 +151,7 @@ class GroupLeader:
         port = self.store.port
         self._conns: list[Connection] = []
         self._procs: list = []
+        self._stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or OpenMP team
         for rank in range(1, self.size):
             mine, theirs = ctx.Pipe()
@@ -212,10 +216,9 @@ class GroupLeader:
     def _recv(self, rank: int, conn: Connection, timeout_s: float,
               kind: bytes | None = None) -> bytes:
         deadline = time.monotonic() + timeout_s
-        proc = self._procs[rank - 1]
         while not conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
-            if not proc.is_alive():
-                raise GroupBroken(f"rank {rank} exited with status {proc.exitcode}")
+            if (gone := self._gone(rank)) is not None:
+                raise GroupBroken(gone)
             if time.monotonic() >= deadline:
                 raise GroupBroken(f"rank {rank} did not answer within {timeout_s:.0f} s")
         try:
@@ -232,17 +235,44 @@ class GroupLeader:
             conn.close()
         deadline = time.monotonic() + timeout_s
         for proc in self._procs:
+            if stopped(proc.pid):  # it cannot leave before it is let go on
+                proc.kill()
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
 
     def lost(self) -> str | None:
-        """Which follower exited, if one did."""
-        for rank, proc in enumerate(self._procs, 1):
-            if proc.exitcode is not None:
-                return f"rank {rank} exited with status {proc.exitcode}"
+        """Which follower exited or froze, if one did."""
+        for rank in range(1, self.size):
+            if (gone := self._gone(rank)) is not None:
+                return gone
         return None
+
+    def _gone(self, rank: int) -> str | None:
+        """Why follower `rank` is out of the group (it exited, or has been stopped for
+        STOPPED_TIMEOUT_S), or None."""
+        proc = self._procs[rank - 1]
+        if proc.exitcode is not None:
+            return f"rank {rank} exited with status {proc.exitcode}"
+        if not stopped(proc.pid):
+            self._stopped_since.pop(rank, None)
+            return None
+        since = self._stopped_since.setdefault(rank, time.monotonic())
+        if time.monotonic() - since < STOPPED_TIMEOUT_S:
+            return None
+        return f"rank {rank} has been stopped for {STOPPED_TIMEOUT_S:.0f} s (frozen)"
+
+
+def stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped: by a signal (state T) or by a tracer (t). Linux's
+    /proc; False where it cannot be read (the process is gone: exitcode tells)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()  # past the name, which may hold any byte
+    except OSError:
+        return False
+    return bool(fields) and fields[0] in (b"T", b"t")
 
 
 def bound_writes(conn: Connection, timeout_s: float) -> None:

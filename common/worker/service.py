@@ -432,8 +432,8 @@ async def serve(cfg: WorkerConfig) -> int:
 
 
 async def _unless_lost(group: GroupLeader, future: Awaitable):
-    """future's result, or GroupBroken as soon as a follower exits first (a rank that cannot
-    start would leave the others waiting for it until the collectives' deadline)."""
+    """future's result, or GroupBroken as soon as a follower exits or freezes first (a rank
+    that cannot start would leave the others waiting for it until the collectives' deadline)."""
     task = asyncio.ensure_future(future)
     while not task.done():
         if (lost := group.lost()) is not None:
@@ -443,8 +443,9 @@ async def _unless_lost(group: GroupLeader, future: Awaitable):
 
 
 async def _watch(group: GroupLeader, stop: asyncio.Event, now: asyncio.Event) -> None:
-    """A follower that exits takes the group out at once, not at the next plan: the Attach
-    stream ends, and the scheduler re-queues the group's requests."""
+    """A follower that exits or freezes (GroupLeader.lost) takes the group out at once, not
+    at the next plan: the Attach stream ends, and the scheduler re-queues the group's
+    requests."""
     while group.lost() is None:
         await asyncio.sleep(0.5)
     stop.set()

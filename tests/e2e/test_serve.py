@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from tests.e2e.conftest import Stack
+from tests.waiting import until
 
 LENGTHS = [1, 15, 16, 17, 123]
 MAX_TOKENS = 12
@@ -386,7 +387,8 @@ def test_a_session_refuses_bad_requests_alone_and_aborts_on_request_and_on_close
                            "huge": codes.INVALID_ARGUMENT.value[0]}
         assert ok == _greedy(hf, _prompt(7, 314))
         await call.write(scheduler_pb2.SessionRequest(abort="long"))
-        await asyncio.to_thread(lambda: _until(lambda: stack.stats()["num_running"] == 0))
+        await asyncio.to_thread(until, lambda: stack.stats()["num_running"] == 0, 30.0,
+                                "no request running")
         # the session goes on: a new request, left running when the session closes
         await call.write(_session_request("left", _prompt(6, 315), max_tokens=1000))
         while not any(o.request_id == "left" for o in (await call.read()).outputs):
@@ -396,10 +398,3 @@ def test_a_session_refuses_bad_requests_alone_and_aborts_on_request_and_on_close
     s = stack.wait_idle()  # closing the session aborted "left"
     assert s["num_running"] == 0 and s["num_waiting"] == 0
     assert all(w["num_free_blocks"] == w["num_blocks"] for w in s["workers"])
-
-
-def _until(predicate, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)

@@ -33,6 +33,15 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _running(pid: int) -> bool:
+    """pid is a process that has not ended (not gone, not a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
 def _greedy_all(stack: Stack, prompts: list[list[int]]) -> list[list[int]]:
     async def go():
         async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
@@ -95,12 +104,15 @@ def test_groups_of_any_shape_serve_hf_greedy_tokens(tiny_llama, tmp_path, hf, sh
         stack.stop()
 
 
-def test_a_rank_killed_mid_stream_takes_its_group_out_and_nothing_is_lost(tiny_llama, tmp_path,
-                                                                         hf):  # noqa: F811
-    """Two decode groups; SIGKILL of one group's follower while 8 streams decode: its leader
-    leaves, the scheduler re-queues the group's requests, they finish on the other group (or
-    the restarted one) with the tokens of an undisturbed run, and `pdserve up` restarts the
-    group, which serves again."""
+@pytest.mark.parametrize("sig, broken", [(signal.SIGKILL, "rank 1 exited with status -9"),
+                                         (signal.SIGSTOP, "rank 1 has been stopped for 5 s")],
+                         ids=["killed", "frozen"])
+def test_a_rank_killed_or_frozen_mid_stream_takes_its_group_out_and_nothing_is_lost(
+        tiny_llama, tmp_path, hf, sig, broken):  # noqa: F811
+    """Two decode groups; SIGKILL (or SIGSTOP: alive, but it takes part in nothing) of one
+    group's follower while 8 streams decode: its leader leaves, the scheduler re-queues the
+    group's requests, they finish on the other group (or the restarted one) with the tokens of
+    an undisturbed run, and `pdserve up` restarts the group, which serves again."""
     stack = Stack(tiny_llama, tmp_path, "--decode-workers", "2",
                   "--decode-worker-args=--tensor-parallel-size 2", "--num-scheduler-steps", "1")
     try:
@@ -116,14 +128,15 @@ def test_a_rank_killed_mid_stream_takes_its_group_out_and_nothing_is_lost(tiny_l
             followers = [c for leader in leaders for c in _children(leader)]
             victim = next(f for f in followers
                           if b"spawn_main" in Path(f"/proc/{f}/cmdline").read_bytes())
-            os.kill(victim, signal.SIGKILL)
+            os.kill(victim, sig)
             got = [f.result()[0] for f in running]
         assert got == want
         deadline = time.monotonic() + 120
         while "exited with 1; restarting it" not in stack.log.read_text():
             assert time.monotonic() < deadline, stack.log.read_text()[-3000:]
             time.sleep(0.5)
-        assert "worker group broken: " in stack.log.read_text()
+        assert f"worker group broken: {broken}" in stack.log.read_text()
+        assert not _running(victim)  # a frozen one too: its leader ended it
         deadline = time.monotonic() + 120
         while len([w for w in stack.stats()["workers"] if w["role"] == "decode"]) < 2:
             assert time.monotonic() < deadline, "the group did not come back"

@@ -1,7 +1,10 @@
 """A worker group's configuration and bookkeeping: what it refuses, how it splits its cores,
-where its ranks meet, the digest its ranks compare after every step, and the deadline on the
-leader's pipes to its followers."""
+where its ranks meet, the digest its ranks compare after every step, the deadline on the
+leader's pipes to its followers, and how it tells a frozen follower."""
 import multiprocessing as mp
+import os
+import signal
+import subprocess
 import threading
 import time
 from datetime import timedelta
@@ -13,7 +16,8 @@ from common.plans import RequestError, SampledToken, StepResult, WorkerCounters
 from common.ports import ephemeral_range
 from common.worker.config import WorkerConfig
 from common.worker.group import (PLAN, GroupBroken, bound_writes, digest, rank_cores,
-                                 rendezvous, send)
+                                 rendezvous, send, stopped)
+from tests.waiting import until
 
 
 def _cfg(**kw) -> WorkerConfig:
@@ -104,3 +108,20 @@ def test_a_follower_reading_nothing_breaks_the_group_at_the_send_deadline():
     with pytest.raises(GroupBroken, match="rank 1 is gone"):
         send(1, mine, plan)
     mine.close()
+
+
+def test_a_stopped_process_is_told_from_a_running_one():
+    """`stopped` reads the kernel's state of a real process: running or sleeping, then stopped
+    by SIGSTOP, then going on after SIGCONT; a pid with no process is not stopped."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        until(lambda: stopped(proc.pid), 10.0, "stopped after SIGSTOP")
+        os.kill(proc.pid, signal.SIGCONT)
+        until(lambda: not stopped(proc.pid), 10.0, "going on after SIGCONT")
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert not stopped(proc.pid)
+
