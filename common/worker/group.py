@@ -264,15 +264,21 @@ class GroupLeader:
         return f"rank {rank} has been stopped for {STOPPED_TIMEOUT_S:.0f} s (frozen)"
 
 
-def stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped: by a signal (state T) or by a tracer (t). Linux's
-    /proc; False where it cannot be read (the process is gone: exitcode tells)."""
+def process_state(pid: int) -> bytes | None:
+    """Process `pid`'s state as Linux's /proc has it (R, S, D, T stopped by a signal, t by a
+    tracer, Z...), or None where there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rpartition(b")")[2].split()  # past the name, which may hold any byte
     except OSError:
-        return False
-    return bool(fields) and fields[0] in (b"T", b"t")
+        return None
+    return fields[0] if fields else None
+
+
+def stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped, by a signal or by a tracer (False where it is gone:
+    its exitcode tells)."""
+    return process_state(pid) in (b"T", b"t")
 
 
 def bound_writes(conn: Connection, timeout_s: float) -> None:

@@ -16,7 +16,7 @@ from common.plans import RequestError, SampledToken, StepResult, WorkerCounters
 from common.ports import ephemeral_range
 from common.worker.config import WorkerConfig
 from common.worker.group import (PLAN, GroupBroken, bound_writes, digest, rank_cores,
-                                 rendezvous, send, stopped)
+                                 process_state, rendezvous, send, stopped)
 from tests.waiting import until
 
 
@@ -112,9 +112,10 @@ def test_a_follower_reading_nothing_breaks_the_group_at_the_send_deadline():
 
 def test_a_stopped_process_is_told_from_a_running_one():
     """`stopped` reads the kernel's state of a real process: running or sleeping, then stopped
-    by SIGSTOP, then going on after SIGCONT; a pid with no process is not stopped."""
+    by SIGSTOP, then going on after SIGCONT; a pid with no process has no state."""
     proc = subprocess.Popen(["sleep", "60"])
     try:
+        assert process_state(proc.pid) in (b"R", b"S")
         assert not stopped(proc.pid)
         os.kill(proc.pid, signal.SIGSTOP)
         until(lambda: stopped(proc.pid), 10.0, "stopped after SIGSTOP")
@@ -123,5 +124,4 @@ def test_a_stopped_process_is_told_from_a_running_one():
     finally:
         proc.kill()
         proc.wait(10)
-    assert not stopped(proc.pid)
-
+    assert process_state(proc.pid) is None and not stopped(proc.pid)
