@@ -96,44 +96,50 @@ def test_groups_of_any_shape_serve_hf_greedy_tokens(tiny_llama, tmp_path, hf, sh
         stack.stop()
 
 
-@pytest.mark.parametrize("sig, broken", [(signal.SIGKILL, "rank 1 exited with status -9"),
-                                         (signal.SIGSTOP, "rank 1 has been stopped for 5 s")],
-                         ids=["killed", "frozen"])
 def test_a_rank_killed_or_frozen_mid_stream_takes_its_group_out_and_nothing_is_lost(
-        tiny_llama, tmp_path, hf, sig, broken):  # noqa: F811
-    """Two decode groups; SIGKILL (or SIGSTOP: alive, but it takes part in nothing) of one
-    group's follower while 8 streams decode: its leader leaves, the scheduler re-queues the
-    group's requests, they finish on the other group (or the restarted one) with the tokens of
-    an undisturbed run, and `pdserve up` restarts the group, which serves again."""
+        tiny_llama, tmp_path, hf):  # noqa: F811
+    """Two decode groups; SIGKILL of a group's follower while 8 streams decode, then, once the
+    group is back, SIGSTOP of one (alive, but it takes part in nothing) while 8 more do: each
+    time its leader leaves, the scheduler re-queues the group's requests, they finish on the
+    other group (or the restarted one) with the tokens of an undisturbed run, the follower has
+    ended, and `pdserve up` restarts the group, which serves again."""
     stack = Stack(tiny_llama, tmp_path, "--decode-workers", "2",
                   "--decode-worker-args=--tensor-parallel-size 2", "--num-scheduler-steps", "1")
     try:
-        prompts = [_prompt(20 + 7 * i, 200 + i) for i in range(8)]
-        want = [_greedy(hf, p, 64) for p in prompts]
-        under_way = threading.Event()
-        body = {"max_tokens": 64, "temperature": 0, "ignore_eos": True}
-        with ThreadPoolExecutor(8) as pool:
-            running = [pool.submit(stream_completion, stack.url, {**body, "prompt": p},
-                                   0, lambda n: n >= 8 and under_way.set()) for p in prompts]
-            assert under_way.wait(120), "no stream got under way"
-            leaders = [pid for pid, cmd in stack.children().items() if "decode-worker " in cmd]
-            followers = [c for leader in leaders for c in _children(leader)]
-            victim = next(f for f in followers
-                          if b"spawn_main" in Path(f"/proc/{f}/cmdline").read_bytes())
-            os.kill(victim, sig)
-            got = [f.result()[0] for f in running]
-        assert got == want
-        deadline = time.monotonic() + 120
-        while "exited with 1; restarting it" not in stack.log.read_text():
-            assert time.monotonic() < deadline, stack.log.read_text()[-3000:]
-            time.sleep(0.5)
-        assert f"worker group broken: {broken}" in stack.log.read_text()
-        # ended (gone, or a zombie), a frozen one too: its leader killed it
-        assert process_state(victim) in (None, b"Z", b"X")
-        deadline = time.monotonic() + 120
-        while len([w for w in stack.stats()["workers"] if w["role"] == "decode"]) < 2:
-            assert time.monotonic() < deadline, "the group did not come back"
-            time.sleep(0.5)
+        # a killed rank's leader may see the step's collective fail before the exit (either
+        # names the group broken); a frozen one's collective waits, and only the watch can tell.
+        # The prompts' greedy tokens meet no eos token (transformers' min_new_tokens masks it,
+        # ignore_eos does not)
+        rounds = [(signal.SIGKILL, "", 200),
+                  (signal.SIGSTOP, "rank 1 has been stopped for 5 s", 220)]
+        for times, (sig, broken, seed) in enumerate(rounds, 1):
+            prompts = [_prompt(20 + 7 * i, seed + i) for i in range(8)]
+            want = [_greedy(hf, p, 64) for p in prompts]
+            under_way = threading.Event()
+            body = {"max_tokens": 64, "temperature": 0, "ignore_eos": True}
+            with ThreadPoolExecutor(8) as pool:
+                running = [pool.submit(stream_completion, stack.url, {**body, "prompt": p},
+                                       0, lambda n: n >= 8 and under_way.set()) for p in prompts]
+                assert under_way.wait(120), "no stream got under way"
+                leaders = [pid for pid, cmd in stack.children().items()
+                           if "decode-worker " in cmd]
+                followers = [c for leader in leaders for c in _children(leader)]
+                victim = next(f for f in followers
+                              if b"spawn_main" in Path(f"/proc/{f}/cmdline").read_bytes())
+                os.kill(victim, sig)
+                got = [f.result()[0] for f in running]
+            assert got == want, signal.Signals(sig).name
+            deadline = time.monotonic() + 120
+            while stack.log.read_text().count("exited with 1; restarting it") < times:
+                assert time.monotonic() < deadline, stack.log.read_text()[-3000:]
+                time.sleep(0.5)
+            assert f"worker group broken: {broken}" in stack.log.read_text()
+            # ended (gone, or a zombie), a frozen one too: its leader killed it
+            assert process_state(victim) in (None, b"Z", b"X")
+            deadline = time.monotonic() + 120
+            while len([w for w in stack.stats()["workers"] if w["role"] == "decode"]) < 2:
+                assert time.monotonic() < deadline, "the group did not come back"
+                time.sleep(0.5)
         again = [_prompt(33, 300 + i) for i in range(4)]
         assert _greedy_all(stack, again) == [_greedy(hf, p) for p in again]
         s = stack.wait_idle()
