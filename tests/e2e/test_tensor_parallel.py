@@ -19,6 +19,7 @@ from common.kv_layout import KVLayout
 from common.worker.group import process_state
 from tests.e2e.conftest import Stack, stream_completion
 from tests.e2e.test_serve import _body, _greedy, _prompt, hf  # noqa: F401 (a fixture)
+from tests.waiting import until
 
 LENGTHS = [1, 16, 17, 123, 300]
 
@@ -136,10 +137,8 @@ def test_a_rank_killed_or_frozen_mid_stream_takes_its_group_out_and_nothing_is_l
             assert f"worker group broken: {broken}" in stack.log.read_text()
             # ended (gone, or a zombie), a frozen one too: its leader killed it
             assert process_state(victim) in (None, b"Z", b"X")
-            deadline = time.monotonic() + 120
-            while len([w for w in stack.stats()["workers"] if w["role"] == "decode"]) < 2:
-                assert time.monotonic() < deadline, "the group did not come back"
-                time.sleep(0.5)
+            until(lambda: len([w for w in stack.stats()["workers"] if w["role"] == "decode"]) >= 2,
+                  120.0, "the group's return", every_s=0.5)
         again = [_prompt(33, 300 + i) for i in range(4)]
         assert _greedy_all(stack, again) == [_greedy(hf, p) for p in again]
         s = stack.wait_idle()
