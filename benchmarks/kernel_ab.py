@@ -93,10 +93,10 @@ def main() -> None:
                     metavar=f"1..{LAYERS}",
                     help="layers' caches the decode calls go through in turn (1: one cache, "
                          "read again each call from the CPU's caches when it fits)")
-    ap.add_argument("--prefill-gemm", type=int, choices=[0, 1, 2],
+    ap.add_argument("--prefill-gemm", type=int, choices=[0, 1, 2, 3],
                     help="the prefill's bfloat16 tile products (cpu_attention.PREFILL_*: 0 "
-                         "widened to float, 1 MKL's bf16 GEMM, 2 bf16 dot products); default: "
-                         "what serving takes on this CPU")
+                         "widened to float, 1 MKL's bf16 GEMM, 2 bf16 dot products, 3 AMX "
+                         "tiles); default: what serving takes on this CPU")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)

@@ -142,19 +142,21 @@ def has_avx512_bf16() -> bool:
 
 
 # How the prefill kernel multiplies bfloat16 tiles: 0 converted to float (the AVX-512 and AVX2
-# builds' float32 lanes kernel, the portable build's float32 GEMMs); 1 MKL's bfloat16 GEMM,
-# taken with AMX; 2 its own bfloat16 dot products (AVX512-BF16 without AMX: MKL's bfloat16 GEMM
-# ran the score and value tiles (256 keys x 128 rows x head_dim) about 10% slower there than
-# converting them to float, and converting halves the multiply rate). The kernel runs 0 where
-# the build or the head dim cannot take 2.
-PREFILL_FLOAT, PREFILL_MKL_BF16, PREFILL_DOT_BF16 = 0, 1, 2
+# builds' float32 lanes kernel, the portable build's float32 GEMMs); 1 MKL's bfloat16 GEMM;
+# 2 its own bfloat16 dot products (AVX512-BF16 without AMX: MKL's bfloat16 GEMM ran the score
+# and value tiles (256 keys x 128 rows x head_dim) about 10% slower there than converting them
+# to float, and converting halves the multiply rate); 3 AMX's tiles, its own products on the
+# tile unit (where MKL's GEMMs ran them at about 120 GFLOP/s a thread). The kernel runs 1 where
+# it cannot take 3 (no AMX, Linux refusing the tiles, a head dim that is no multiple of 32),
+# and 0 where the build or the head dim cannot take 2.
+PREFILL_FLOAT, PREFILL_MKL_BF16, PREFILL_DOT_BF16, PREFILL_AMX = 0, 1, 2, 3
 
 
 def prefill_gemm(dtype: torch.dtype) -> int:
     if dtype != torch.bfloat16:
         return PREFILL_FLOAT
     if has_amx():
-        return PREFILL_MKL_BF16
+        return PREFILL_AMX
     return PREFILL_DOT_BF16 if has_avx512_bf16() else PREFILL_FLOAT
 
 

@@ -35,6 +35,8 @@
 #include <ATen/ops/from_blob.h>
 #include <dlfcn.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1560,6 +1562,241 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
 
 #endif
 
+#if PDSERVE_ISA == 2
+// ---- bfloat16 prefill on AMX tiles ----
+//
+// prefill_kernel's walk (query tiles of G heads' rows, the prefix in key tiles, the online
+// softmax in float between) with both products on the CPU's tile unit (tdpbf16ps: a 16 x 16
+// float tile += 16 x 32 bfloat16 rows . 32 x 16 bfloat16 pairs) instead of MKL's bfloat16
+// GEMMs, which ran head_dim-64 tiles at about 120 GFLOP/s a thread on a 2-core Xeon with AMX.
+// Each key tile is laid out as the tile unit reads it: keys transposed into dword pairs of the
+// head dim (Kt: 16 keys a tile, 32 head-dim values down), values interleaved by pairs of keys
+// (Vt: 32 keys a tile, 16 head-dim values across). Eight tiles of 16 rows x 64 bytes, one
+// configuration for every product: 0-3 four float results at a time (a product's latency is
+// several times its issue interval, so one result tile's chain would leave the unit idle), 4
+// the rows they share (queries, or probabilities), 6 and 7 in turn the keys or values.
+#define PDSERVE_AMX __attribute__((target(                                              \
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c,bmi,bmi2")))
+
+// Whether this CPU has AMX's bfloat16 tiles and Linux lets this process use them (it hands out
+// the tiles' state only on request, arch_prctl ARCH_REQ_XCOMP_PERM; once per process).
+bool amx_runs(int64_t head_dim) {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+           syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok && head_dim % 64 == 0;  // the products go four 16-value tiles at a time
+}
+
+constexpr int64_t kTileRows = 16, kTileBytes = 64;
+
+struct alignas(64) TileConfig {  // palette 1: tiles 0-7, each 16 rows of 64 bytes
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {kTileBytes, kTileBytes, kTileBytes, kTileBytes,
+                        kTileBytes, kTileBytes, kTileBytes, kTileBytes};
+  uint8_t rows[16] = {kTileRows, kTileRows, kTileRows, kTileRows,
+                      kTileRows, kTileRows, kTileRows, kTileRows};
+};
+
+// keys [0, n) of `src` ([n][D] bfloat16, n a multiple of 16) as Kt: for each 16 keys j and 32
+// head-dim values b, a tile whose row r holds the pair (2r, 2r + 1) of b's values of the 16
+// keys, at dst + (j * D / 32 + b) * 512.
+PDSERVE_AMX void pack_keys_amx(const BFloat16* src, int64_t n, int64_t D, BFloat16* dst) {
+  const int64_t words = D / 2;  // a key row as pairs
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(words)));
+  const auto* s = reinterpret_cast<const int32_t*>(src);
+  for (int64_t j = 0; j < n / 16; ++j)
+    for (int64_t b = 0; b < D / 32; ++b) {
+      BFloat16* tile = dst + (j * (D / 32) + b) * 512;
+      for (int64_t r = 0; r < 16; ++r)
+        _mm512_storeu_si512(tile + 32 * r,
+                            _mm512_i32gather_epi32(idx, s + j * 16 * words + 16 * b + r, 4));
+    }
+}
+
+// values [0, n) of `src` ([n][D] bfloat16, n a multiple of 32) as Vt: for each 32 keys j and 16
+// head-dim values b, a tile whose row r holds (v[2r][d], v[2r + 1][d]) for b's 16 values d, at
+// dst + (j * D / 16 + b) * 512.
+PDSERVE_AMX void pack_values_amx(const BFloat16* src, int64_t n, int64_t D, BFloat16* dst) {
+  for (int64_t j = 0; j < n / 32; ++j)
+    for (int64_t b = 0; b < D / 16; ++b) {
+      BFloat16* tile = dst + (j * (D / 16) + b) * 512;
+      for (int64_t r = 0; r < 16; ++r) {
+        const BFloat16* x = src + (32 * j + 2 * r) * D + 16 * b;
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x));
+        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + D)));
+        _mm512_storeu_si512(tile + 32 * r, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+}
+
+// One thread's items of prefill_kernel_amx: the tile configuration is the thread's own.
+struct AmxPrefill {
+  const PrefillArgs<BFloat16>& arg;
+  const std::vector<PrefillItem>& items;
+  int64_t key_width, rows_cap;  // a key tile's width (whole groups of 64), the tallest tile
+  float c;  // scale * log2(e): the exponents' base-2 factor
+};
+
+PDSERVE_AMX void prefill_items_amx(const AmxPrefill& w, int64_t i_begin, int64_t i_end) {
+  const PrefillArgs<BFloat16>& arg = w.arg;
+  const Cache& c = arg.c;
+  const int64_t D = c.head_dim, G = arg.G, KP = w.key_width;
+  const TileConfig config;
+  _tile_loadconfig(&config);
+  std::vector<BFloat16> qpack(w.rows_cap * D), kpack(KP * D), vpack(KP * D), kt(KP * D),
+      vt(KP * D), ppack(w.rows_cap * KP);
+  std::vector<float> scores(w.rows_cap * KP), acc(w.rows_cap * D), maxes(w.rows_cap),
+      sums(w.rows_cap);
+  for (int64_t i = i_begin; i < i_end; ++i) {
+    const PrefillItem& it = w.items[i];
+    const int64_t tokens = it.end - it.begin, rows = tokens * G;
+    const int64_t rows_pad = (rows + kTileRows - 1) / kTileRows * kTileRows;
+    const int64_t offset = arg.cached[it.seq];
+    const int64_t* table = arg.tables + it.seq * arg.table_stride;
+    // row (t, g) of the tile is query token t, head g of the group; the rows past it are zeros
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(qpack.data() + (t * G + g) * D,
+                    arg.q_row(it.seq, it.begin + t, it.head * G + g), D * sizeof(BFloat16));
+    std::fill(qpack.begin() + rows * D, qpack.begin() + rows_pad * D, BFloat16(0.f));
+    std::fill(ppack.begin() + rows * KP, ppack.begin() + rows_pad * KP, BFloat16(0.f));
+    std::fill(maxes.begin(), maxes.begin() + rows, kNegInf);
+    std::fill(sums.begin(), sums.begin() + rows, 0.f);
+    std::fill(acc.begin(), acc.begin() + rows_pad * D, 0.f);
+    const int64_t last_key = offset + it.end;  // keys [0, last_key) are visible to some row
+    for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
+      const int64_t keys = std::min(arg.key_tile, last_key - k0);
+      const int64_t keys_pad = (keys + 63) / 64 * 64;  // whole groups of four key tiles
+      pack_rows(kpack.data(), arg.cache, table, c, it.head, k0, k0 + keys);
+      pack_rows(vpack.data(), arg.cache + c.value_offset, table, c, it.head, k0, k0 + keys);
+      std::fill(kpack.begin() + keys * D, kpack.begin() + keys_pad * D, BFloat16(0.f));
+      std::fill(vpack.begin() + keys * D, vpack.begin() + keys_pad * D, BFloat16(0.f));
+      pack_keys_amx(kpack.data(), keys_pad, D, kt.data());
+      pack_values_amx(vpack.data(), keys_pad, D, vt.data());
+      // scores[rows, keys] = q . k^T, unscaled: four tiles of 16 keys at a time, so that four
+      // products are in flight (one tile's chain waits out each product's latency)
+      for (int64_t r0 = 0; r0 < rows_pad; r0 += kTileRows)
+        for (int64_t j = 0; j < keys_pad / 16; j += 4) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t b = 0; b < D / 32; ++b) {
+            const BFloat16* k = kt.data() + (j * (D / 32) + b) * 512;
+            const int64_t next = D / 32 * 512;  // the next 16 keys' tile of these values
+            _tile_loadd(4, qpack.data() + r0 * D + 32 * b, D * sizeof(BFloat16));
+            _tile_loadd(6, k, kTileBytes);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, k + next, kTileBytes);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, k + 2 * next, kTileBytes);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, k + 3 * next, kTileBytes);
+            _tile_dpbf16ps(3, 4, 7);
+          }
+          float* dst = scores.data() + r0 * KP + 16 * j;
+          _tile_stored(0, dst, KP * sizeof(float));
+          _tile_stored(1, dst + 16, KP * sizeof(float));
+          _tile_stored(2, dst + 32, KP * sizeof(float));
+          _tile_stored(3, dst + 48, KP * sizeof(float));
+        }
+      // the online softmax in two passes over each row's unscaled scores: the running max
+      // (keys after the query's own position hidden first), then 2^((s - max) * c), summed
+      // and rounded to bfloat16 (vcvtneps2bf16, as at::vec rounds) into the row of p
+      const bool diagonal = k0 + keys > offset + it.begin + 1;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * KP;
+        BFloat16* p = ppack.data() + r * KP;
+        if (diagonal) {
+          const int64_t visible = offset + it.begin + r / G + 1 - k0;
+          for (int64_t k = std::max<int64_t>(visible, 0); k < keys; ++k) s[k] = kNegInf;
+        }
+        __m512 mv = _mm512_set1_ps(maxes[r]);
+        int64_t k = 0;
+        for (; k + 16 <= keys; k += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + k));
+        if (k < keys)
+          mv = _mm512_mask_max_ps(mv, (__mmask16)((1u << (keys - k)) - 1), mv,
+                                  _mm512_loadu_ps(s + k));
+        const float m = _mm512_reduce_max_ps(mv);
+        if (m == kNegInf) {  // nothing visible yet in this row: it adds nothing
+          std::fill(p, p + keys_pad, BFloat16(0.f));
+          continue;
+        }
+        const float rescale = std::exp2((maxes[r] - m) * w.c);
+        const __m512 cv = _mm512_set1_ps(w.c), mc = _mm512_set1_ps(m * w.c);
+        __m512 sum = _mm512_setzero_ps();
+        for (k = 0; k < keys_pad; k += 16) {
+          const __mmask16 live = k + 16 <= keys ? (__mmask16)0xffff
+                                 : k < keys ? (__mmask16)((1u << (keys - k)) - 1)
+                                            : (__mmask16)0;
+          const __m512 e = _mm512_maskz_mov_ps(
+              live, exp2_lanes(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, s + k), cv, mc)));
+          sum = _mm512_add_ps(sum, e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + k), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        sums[r] = sums[r] * rescale + _mm512_reduce_add_ps(sum);
+        maxes[r] = m;
+        scale_row(acc.data() + r * D, rescale, D);
+      }
+      // acc[rows, D] += p[rows, keys] . v[keys, D]: four tiles of 16 head-dim values at a time
+      for (int64_t r0 = 0; r0 < rows_pad; r0 += kTileRows)
+        for (int64_t b = 0; b < D / 16; b += 4) {
+          float* a = acc.data() + r0 * D + 16 * b;
+          _tile_loadd(0, a, D * sizeof(float));
+          _tile_loadd(1, a + 16, D * sizeof(float));
+          _tile_loadd(2, a + 32, D * sizeof(float));
+          _tile_loadd(3, a + 48, D * sizeof(float));
+          for (int64_t j = 0; j < keys_pad / 32; ++j) {
+            const BFloat16* v = vt.data() + (j * (D / 16) + b) * 512;
+            _tile_loadd(4, ppack.data() + r0 * KP + 32 * j, KP * sizeof(BFloat16));
+            _tile_loadd(6, v, kTileBytes);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, v + 512, kTileBytes);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, v + 1024, kTileBytes);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, v + 1536, kTileBytes);
+            _tile_dpbf16ps(3, 4, 7);
+          }
+          _tile_stored(0, a, D * sizeof(float));
+          _tile_stored(1, a + 16, D * sizeof(float));
+          _tile_stored(2, a + 32, D * sizeof(float));
+          _tile_stored(3, a + 48, D * sizeof(float));
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = r / G, g = r % G;
+      float* a = acc.data() + r * D;
+      scale_row(a, 1.f / sums[r], D);
+      store(arg.out_row(it.seq, it.begin + t, it.head * G + g), a, D);
+    }
+  }
+  _tile_release();
+}
+
+void prefill_kernel_amx(const at::Tensor& q, const at::Tensor& kv_cache,
+                        const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                        const at::Tensor& num_cached, double scale, at::Tensor& out) {
+  const PrefillArgs<BFloat16> arg(q, kv_cache, block_tables, query_start_loc, num_cached, out);
+  const int64_t long_tile = std::max<int64_t>(1, kQueryRowsLong / arg.G);
+  std::vector<int64_t> costs;
+  const std::vector<PrefillItem> items = prefill_items(arg, block_tables.size(1), long_tile, costs);
+  int64_t tokens_max = 1;  // the tallest tile of this call: its buffers, no taller
+  for (const PrefillItem& it : items) tokens_max = std::max(tokens_max, it.end - it.begin);
+  const AmxPrefill work{arg, items, (arg.key_tile + 63) / 64 * 64,
+                        (tokens_max * arg.G + kTileRows - 1) / kTileRows * kTileRows,
+                        static_cast<float>(scale * M_LOG2E)};
+  parallel_by_cost(costs, [&](int64_t i_begin, int64_t i_end) {
+    prefill_items_amx(work, i_begin, i_end);
+  });
+}
+#endif
+
+
 }  // namespace
 
 PDSERVE_ISA_END
@@ -1641,16 +1878,19 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 expected");
 #if PDSERVE_ISA == 2
+    if (gemm == 3 && amx_runs(q.size(2)))
+      return prefill_kernel_amx(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
+                                out);
     if (gemm == 2 && dp_runs(q.size(2)))
       return prefill_kernel_dp(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
                                out);
 #endif
 #if PDSERVE_ISA != 0
-    if (gemm != 1 || !blas().bgemm)  // tiles widened to float
+    if ((gemm != 1 && gemm != 3) || !blas().bgemm)  // tiles widened to float
       return prefill_kernel_lanes<BFloat16>(q, kv_cache, block_tables, query_start_loc,
                                             num_cached, scale, out);
 #endif
-    if (gemm == 1 && blas().bgemm)
+    if ((gemm == 1 || gemm == 3) && blas().bgemm)
       prefill_kernel<BFloat16, BFloat16>(q, kv_cache, block_tables, query_start_loc, num_cached,
                                          scale, out);
     else

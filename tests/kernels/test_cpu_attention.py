@@ -171,7 +171,8 @@ def test_prefill_over_a_long_prefix_beside_short_ones(ops, threads, dtype, gqa):
 @pytest.mark.parametrize("dtype, gemm", [
     (torch.float32, cpu_attention.PREFILL_FLOAT),
     (torch.bfloat16, cpu_attention.PREFILL_FLOAT),
-    (torch.bfloat16, cpu_attention.PREFILL_DOT_BF16)], ids=param_id)
+    (torch.bfloat16, cpu_attention.PREFILL_DOT_BF16),
+    (torch.bfloat16, cpu_attention.PREFILL_AMX)], ids=param_id)
 def test_prefill_with_peaked_scores(ops, threads, dtype, gemm):
     """Scores tens of units apart (the query scaled by 30), as trained models' attention can
     give: most probabilities underflow to 0 and the running max jumps between key tiles, so
@@ -199,12 +200,13 @@ def test_prefill_head_dims(ops, head_dim):
 
 
 @pytest.mark.parametrize("gemm", [cpu_attention.PREFILL_FLOAT, cpu_attention.PREFILL_MKL_BF16,
-                                  cpu_attention.PREFILL_DOT_BF16])
+                                  cpu_attention.PREFILL_DOT_BF16, cpu_attention.PREFILL_AMX])
 @pytest.mark.parametrize("head_dim", [64, 128, 36])
 def test_bf16_prefill_every_gemm(ops, threads, gemm, head_dim):
-    """bfloat16 tiles converted to float, through MKL's bf16 GEMM, or through the kernel's own
-    bf16 dot products (AVX512-BF16; a build, CPU or head dim without them runs the first):
-    the same answer. Query tiles of 64 tokens and key tiles of 256 with ragged ends, GQA 2."""
+    """bfloat16 tiles converted to float, through MKL's bf16 GEMM, through the kernel's own
+    bf16 dot products (AVX512-BF16; a build, CPU or head dim without them runs the first), or
+    on AMX's tiles (without them, or for head dim 36, MKL's GEMM): the same answer. Query tiles
+    of 64 tokens and key tiles of 256 with ragged ends, GQA 2."""
     q, cache, tables, starts, cached = _prefill_case([(33, 40), (250, 261), (0, 1)],
                                                      torch.bfloat16, head_dim, 2, 16, seed=4)
     scale = head_dim ** -0.5
@@ -252,8 +254,9 @@ def test_a_bad_plan_raises_instead_of_reading_outside_the_cache(ops, threads):
 @pytest.mark.parametrize("dtype, gemm", [
     (torch.float32, cpu_attention.PREFILL_FLOAT), (torch.bfloat16, cpu_attention.PREFILL_FLOAT),
     (torch.bfloat16, cpu_attention.PREFILL_MKL_BF16),
-    (torch.bfloat16, cpu_attention.PREFILL_DOT_BF16)], ids=["fp32", "bf16-float", "bf16-mkl",
-                                                            "bf16-dot"])
+    (torch.bfloat16, cpu_attention.PREFILL_DOT_BF16),
+    (torch.bfloat16, cpu_attention.PREFILL_AMX)], ids=["fp32", "bf16-float", "bf16-mkl",
+                                                       "bf16-dot", "bf16-amx"])
 def test_a_bad_prefill_plan_raises_instead_of_reading_outside_the_cache(ops, threads, dtype,
                                                                         gemm):
     """A block of the cached prefix or of the chunk outside the cache, in every prefill path."""
