@@ -1781,8 +1781,12 @@ PDSERVE_AMX void prefill_items_amx(const AmxPrefill& w, int64_t i_begin, int64_t
 void prefill_kernel_amx(const at::Tensor& q, const at::Tensor& kv_cache,
                         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                         const at::Tensor& num_cached, double scale, at::Tensor& out) {
-  const PrefillArgs<BFloat16> arg(q, kv_cache, block_tables, query_start_loc, num_cached, out);
-  const int64_t long_tile = std::max<int64_t>(1, kQueryRowsLong / arg.G);
+  PrefillArgs<BFloat16> arg(q, kv_cache, block_tables, query_start_loc, num_cached, out);
+  // query rows per tile, twice prefill_kernel's: each tile packs every key tile it sees, and
+  // the products here are cheap beside that (against 128 and 256 rows: 1.04-1.17x for 952 to
+  // 2048 tokens over 0 to 2048 cached, 0.93-0.99x for 256 tokens, 1 and 2 threads)
+  arg.tokens_per_tile = std::max<int64_t>(1, 2 * kQueryRows / arg.G);
+  const int64_t long_tile = std::max<int64_t>(1, 2 * kQueryRowsLong / arg.G);
   std::vector<int64_t> costs;
   const std::vector<PrefillItem> items = prefill_items(arg, block_tables.size(1), long_tile, costs);
   int64_t tokens_max = 1;  // the tallest tile of this call: its buffers, no taller
