@@ -147,7 +147,7 @@ def has_avx512_bf16() -> bool:
 # and value tiles (256 keys x 128 rows x head_dim) about 10% slower there than converting them
 # to float, and converting halves the multiply rate); 3 AMX's tiles, its own products on the
 # tile unit (where MKL's GEMMs ran them at about 120 GFLOP/s a thread). The kernel runs 1 where
-# it cannot take 3 (no AMX, Linux refusing the tiles, a head dim that is no multiple of 32),
+# it cannot take 3 (no AMX, Linux refusing the tiles, a head dim that is no multiple of 64),
 # and 0 where the build or the head dim cannot take 2.
 PREFILL_FLOAT, PREFILL_MKL_BF16, PREFILL_DOT_BF16, PREFILL_AMX = 0, 1, 2, 3
 

@@ -1562,7 +1562,14 @@ PDSERVE_DP void prefill_kernel_dp(const at::Tensor& q, const at::Tensor& kv_cach
 
 #endif
 
-#if PDSERVE_ISA == 2
+// AMX's tile intrinsics need GCC 11 or clang 12; an older compiler builds the rest without them
+#if PDSERVE_ISA == 2 && ((defined(__clang__) && __clang_major__ >= 12) || \
+                         (!defined(__clang__) && __GNUC__ >= 11))
+#define PDSERVE_AMX_BUILD 1
+#else
+#define PDSERVE_AMX_BUILD 0
+#endif
+#if PDSERVE_AMX_BUILD
 // ---- bfloat16 prefill on AMX tiles ----
 //
 // prefill_kernel's walk (query tiles of G heads' rows, the prefix in key tiles, the online
@@ -1881,10 +1888,12 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                  out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 expected");
-#if PDSERVE_ISA == 2
+#if PDSERVE_AMX_BUILD
     if (gemm == 3 && amx_runs(q.size(2)))
       return prefill_kernel_amx(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
                                 out);
+#endif
+#if PDSERVE_ISA == 2
     if (gemm == 2 && dp_runs(q.size(2)))
       return prefill_kernel_dp(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
                                out);
