@@ -1,9 +1,10 @@
 """End to end in bfloat16: both workers serve the tiny model in bf16 (weights and KV cache), the
 cpu attention kernels reading the bf16 cache. Two bf16 implementations round differently (on
 this model HuggingFace's own bf16 and float32 logprobs differ by up to ~0.35), so greedy
-continuations may part after a near tie: the first token must be HuggingFace's wherever its
-top two are further apart than that noise (one of the two otherwise), and every token's logprob
-must be close to HuggingFace's bf16 logprob of the same token."""
+continuations may part after a near tie: the first token must be HuggingFace's, or one of the
+tokens whose HuggingFace logprob is within that noise of its best (bf16 logits are coarse: on an
+AMX CPU three candidates 0.25 and 0.625 apart in HuggingFace's came out equal here), and every
+token's logprob must be close to HuggingFace's bf16 logprob of the same token."""
 import httpx
 import pytest
 import torch
@@ -49,11 +50,8 @@ def test_bf16_first_tokens_equal_and_logprobs_close(stack, hf):
             with torch.no_grad():
                 logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
             ref = torch.log_softmax(logits, dim=-1)
-            top = ref[0].topk(2)
-            if top.values[0] - top.values[1] > LOGPROB_ATOL:
-                assert ids[0] == top.indices[0], f"first token of the {n}-token prompt"
-            else:  # a near tie: either side of it is bf16 noise
-                assert ids[0] in top.indices.tolist(), f"first token of the {n}-token prompt"
+            near = (ref[0] >= ref[0].max() - LOGPROB_ATOL).nonzero().flatten().tolist()
+            assert ids[0] in near, f"first token of the {n}-token prompt: {ids[0]} not in {near}"
             got = torch.tensor(choice["logprobs"]["token_logprobs"])
             torch.testing.assert_close(got, ref[torch.arange(len(ids)), torch.tensor(ids)],
                                        rtol=0, atol=LOGPROB_ATOL)
