@@ -855,6 +855,15 @@ void pack_rows(G* dst, const T* base, const int64_t* table, const Cache& c, int6
   }
 }
 
+// The online softmax's state of a query tile's rows before its first key tile: maxes and sums
+// of `rows` rows, and `values` accumulators (rows x head_dim, or padded rows).
+inline void reset_rows(std::vector<float>& maxes, std::vector<float>& sums, std::vector<float>& acc,
+                       int64_t rows, int64_t values) {
+  std::fill(maxes.begin(), maxes.begin() + rows, kNegInf);
+  std::fill(sums.begin(), sums.begin() + rows, 0.f);
+  std::fill(acc.begin(), acc.begin() + values, 0.f);
+}
+
 // What every prefill kernel reads of its arguments (checked by the op): the cache's shape, the
 // group size G, and the pointers and strides of q, the cache, the tables and out.
 template <typename T>
@@ -950,9 +959,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
           else as_float(src, dst, D);
         }
       }
-      std::fill(maxes.begin(), maxes.begin() + rows, kNegInf);
-      std::fill(sums.begin(), sums.begin() + rows, 0.f);
-      std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
+      reset_rows(maxes, sums, acc, rows, rows * D);
       const int64_t last_key = offset + it.end;  // keys [0, last_key) are visible to some row
       for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
         const int64_t keys = std::min(arg.key_tile, last_key - k0);
@@ -1138,9 +1145,7 @@ struct LaneRows {
   void start(int64_t rp, int64_t rows, int64_t G, int64_t first, int64_t D) {
     for (int64_t r = 0; r < rp; ++r)
       pos[r] = static_cast<int32_t>(first + std::min(r, rows - 1) / G);
-    std::fill(maxes.begin(), maxes.begin() + rp, kNegInf);
-    std::fill(sums.begin(), sums.begin() + rp, 0.f);
-    std::fill(o.begin(), o.begin() + D * rp, 0.f);
+    reset_rows(maxes, sums, o, rp, D * rp);
   }
 
   // The key tile [k0, k0 + keys) begins (padded to `padded` keys with padding the rows
@@ -1671,9 +1676,7 @@ PDSERVE_AMX void prefill_items_amx(const AmxPrefill& w, int64_t i_begin, int64_t
                     arg.q_row(it.seq, it.begin + t, it.head * G + g), D * sizeof(BFloat16));
     std::fill(qpack.begin() + rows * D, qpack.begin() + rows_pad * D, BFloat16(0.f));
     std::fill(ppack.begin() + rows * KP, ppack.begin() + rows_pad * KP, BFloat16(0.f));
-    std::fill(maxes.begin(), maxes.begin() + rows, kNegInf);
-    std::fill(sums.begin(), sums.begin() + rows, 0.f);
-    std::fill(acc.begin(), acc.begin() + rows_pad * D, 0.f);
+    reset_rows(maxes, sums, acc, rows, rows_pad * D);
     const int64_t last_key = offset + it.end;  // keys [0, last_key) are visible to some row
     for (int64_t k0 = 0; k0 < last_key; k0 += arg.key_tile) {
       const int64_t keys = std::min(arg.key_tile, last_key - k0);
