@@ -1901,12 +1901,14 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
       return prefill_kernel_dp(q, kv_cache, block_tables, query_start_loc, num_cached, scale,
                                out);
 #endif
+    // MKL's bfloat16 GEMM: asked for, or where AMX's tiles cannot run
+    const bool mkl = (gemm == 1 || gemm == 3) && blas().bgemm;
 #if PDSERVE_ISA != 0
-    if ((gemm != 1 && gemm != 3) || !blas().bgemm)  // tiles widened to float
+    if (!mkl)  // tiles widened to float
       return prefill_kernel_lanes<BFloat16>(q, kv_cache, block_tables, query_start_loc,
                                             num_cached, scale, out);
 #endif
-    if ((gemm == 1 || gemm == 3) && blas().bgemm)
+    if (mkl)
       prefill_kernel<BFloat16, BFloat16>(q, kv_cache, block_tables, query_start_loc, num_cached,
                                          scale, out);
     else
