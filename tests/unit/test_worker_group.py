@@ -111,11 +111,12 @@ def test_a_follower_reading_nothing_breaks_the_group_at_the_send_deadline():
 
 
 def test_a_stopped_process_is_told_from_a_running_one():
-    """`stopped` reads the kernel's state of a real process: running or sleeping, then stopped
+    """`stopped` reads the kernel's state of a real process: running or sleeping (D, the
+    uninterruptible sleep, while a just-forked child still reads its executable in), then stopped
     by SIGSTOP, then going on after SIGCONT; a pid with no process has no state."""
     proc = subprocess.Popen(["sleep", "60"])
     try:
-        assert process_state(proc.pid) in (b"R", b"S")
+        assert process_state(proc.pid) in (b"R", b"S", b"D")
         assert not stopped(proc.pid)
         os.kill(proc.pid, signal.SIGSTOP)
         until(lambda: stopped(proc.pid), 10.0, "stopped after SIGSTOP")
