@@ -1611,6 +1611,10 @@ struct alignas(64) TileConfig {  // palette 1: tiles 0-7, each 16 rows of 64 byt
                       kTileRows, kTileRows, kTileRows, kTileRows};
 };
 
+// Static: built on the stack in a small function, GCC 12.2 stored only the first 32 of the 64
+// bytes that ldtilecfg reads, and the widths and rows it left as garbage faulted.
+const TileConfig kTileConfig;
+
 // keys [0, n) of `src` ([n][D] bfloat16, n a multiple of 16) as Kt: for each 16 keys j and 32
 // head-dim values b, a tile whose row r holds the pair (2r, 2r + 1) of b's values of the 16
 // keys, at dst + (j * D / 32 + b) * 512.
@@ -1657,8 +1661,7 @@ PDSERVE_AMX void prefill_items_amx(const AmxPrefill& w, int64_t i_begin, int64_t
   const PrefillArgs<BFloat16>& arg = w.arg;
   const Cache& c = arg.c;
   const int64_t D = c.head_dim, G = arg.G, KP = w.key_width;
-  const TileConfig config;
-  _tile_loadconfig(&config);
+  _tile_loadconfig(&kTileConfig);
   std::vector<BFloat16> qpack(w.rows_cap * D), kpack(KP * D), vpack(KP * D), kt(KP * D),
       vt(KP * D), ppack(w.rows_cap * KP);
   std::vector<float> scores(w.rows_cap * KP), acc(w.rows_cap * D), maxes(w.rows_cap),
