@@ -19,6 +19,20 @@ PDSERVE = Path(sys.executable).parent / "pdserve"
 
 
 
+def child_processes(pid: int) -> dict[int, str]:
+    """pid -> command line of process `pid`'s children (their parent as /proc/PID/stat has it,
+    read past the name, which may hold spaces)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and \
+                    (d / "stat").read_bytes().rpartition(b")")[2].split()[1] == str(pid).encode():
+                out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):  # gone meanwhile, or read while it was being made
+            pass
+    return out
+
+
 def stop_all(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
     """SIGTERM to each, then wait; whatever outlives the timeout is killed."""
     for p in procs:
@@ -120,14 +134,7 @@ class Stack:
 
     def children(self) -> dict[int, str]:
         """pid -> command line of the launcher's child processes."""
-        out = {}
-        for d in Path("/proc").iterdir():
-            try:
-                if d.name.isdigit() and (d / "stat").read_text().split()[3] == str(self.proc.pid):
-                    out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                pass
-        return out
+        return child_processes(self.proc.pid)
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
         """Stats once nothing runs or waits and every block is free (or the last seen)."""

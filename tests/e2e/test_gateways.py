@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, multiprocess
 
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import Stack, child_processes
 
 PROMPTS = [f"Request {i} asks for a few tokens" for i in range(16)]
 
@@ -29,15 +29,7 @@ def gateway_children(stack: Stack) -> list[int]:
     """The gateway processes that serve: children of the `pdserve gateway` parent."""
     parents = [pid for pid, cmd in stack.children().items() if " gateway " in f" {cmd} "]
     assert len(parents) == 1, parents
-    out = []
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and (d / "stat").read_text().split()[3] == str(parents[0]):
-                if b"spawn_main" in (d / "cmdline").read_bytes():
-                    out.append(int(d.name))
-        except OSError:
-            pass
-    return sorted(out)
+    return sorted(pid for pid, cmd in child_processes(parents[0]).items() if "spawn_main" in cmd)
 
 
 def finished_by(pid: int, tmp: Path) -> float:

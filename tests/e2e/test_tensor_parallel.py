@@ -10,29 +10,17 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from common.kv_layout import KVLayout
 from common.worker.group import process_state
-from tests.e2e.conftest import Stack, stream_completion
+from tests.e2e.conftest import Stack, child_processes, stream_completion
 from tests.e2e.test_serve import _body, _greedy, _prompt, hf  # noqa: F401 (a fixture)
 from tests.waiting import until
 
 LENGTHS = [1, 16, 17, 123, 300]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and (d / "stat").read_text().split()[3] == str(pid):
-                out.append(int(d.name))
-        except OSError:
-            pass
-    return out
 
 
 def _greedy_all(stack: Stack, prompts: list[list[int]]) -> list[list[int]]:
@@ -73,7 +61,7 @@ def test_groups_of_any_shape_serve_hf_greedy_tokens(tiny_llama, tmp_path, hf, sh
             t, p = w.get("tensor_parallel_size", 1), w.get("pipeline_parallel_size", 1)
             # a group's leader started its followers; its endpoint names every rank's cache
             # and the layers and KV heads it holds (the tiny model: 4 layers, 2 KV heads)
-            assert len(_children(groups[f"{role}-worker"])) >= t * p - 1
+            assert len(child_processes(groups[f"{role}-worker"])) >= t * p - 1
             layout = KVLayout(4, 2, 32, 16, "float32", t, p)
             want = [layout.shard(r % t, r // t) for r in range(t * p)]
             parts = [dict(kv.split("=") for kv in ep.split("?")[1].split("&"))
@@ -124,9 +112,8 @@ def test_a_rank_killed_or_frozen_mid_stream_takes_its_group_out_and_nothing_is_l
                 assert under_way.wait(120), "no stream got under way"
                 leaders = [pid for pid, cmd in stack.children().items()
                            if "decode-worker " in cmd]
-                followers = [c for leader in leaders for c in _children(leader)]
-                victim = next(f for f in followers
-                              if b"spawn_main" in Path(f"/proc/{f}/cmdline").read_bytes())
+                victim = next(f for leader in leaders
+                              for f, cmd in child_processes(leader).items() if "spawn_main" in cmd)
                 os.kill(victim, sig)
                 got = [f.result()[0] for f in running]
             assert got == want, signal.Signals(sig).name
