@@ -28,7 +28,14 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, cpu_flags, scattered_decode, timed  # noqa: E402
+from benchmarks.attention import (  # noqa: E402
+    BLOCK,
+    HEAD_DIM,
+    KV_HEADS,
+    cpu_flags,
+    scattered_decode,
+    timed,
+)
 from kernels.cpu_attention import paged_decode_attention  # noqa: E402
 
 BATCH = 64
@@ -98,8 +105,9 @@ PROBE void decode(const torch::Tensor& q, const torch::Tensor& keys, const torch
       const uint16_t* qh = qp + (b * H + h * G) * kD;
       for (int64_t i = 0; i < nblk; ++i) {
         if (i + kAhead < nblk) {  // the kv head's keys and values of the block kAhead on
-          ahead(kp + table[i + kAhead] * kstride + h * kPairs * kBS * 2, kPairs * kBS * 4);
-          ahead(vp + table[i + kAhead] * vstride + h * (kBS / 2) * kD * 2, kBS * kD * 2);
+          const int64_t next = table[i + kAhead];
+          ahead(kp + next * kstride + h * kPairs * kBS * 2, kPairs * kBS * 4);
+          ahead(vp + next * vstride + h * (kBS / 2) * kD * 2, kBS * kD * 2);
         }
         const uint16_t* k = kp + table[i] * kstride + h * kPairs * kBS * 2;
         for (int64_t g = 0; g < G; g += 2) {  // two heads at a time (G even)
@@ -161,7 +169,8 @@ PROBE void decode(const torch::Tensor& q, const torch::Tensor& keys, const torch
         const uint16_t* w0 = weights.data() + (h * G + g) * padded;
         const uint16_t* w1 = w0 + padded;
         for (int64_t i = 0; i < nblk; ++i) {
-          if (i + kAhead < nblk) ahead(vp + table[i + kAhead] * vstride + h * (kBS / 2) * kD * 2, kBS * kD * 2);
+          if (i + kAhead < nblk)
+            ahead(vp + table[i + kAhead] * vstride + h * (kBS / 2) * kD * 2, kBS * kD * 2);
           const uint16_t* v = vp + table[i] * vstride + h * (kBS / 2) * kD * 2;
           for (int sp = 0; sp < kBS / 2; ++sp) {
             const __m512bh p0 = pair(w0 + i * kBS + 2 * sp), p1 = pair(w1 + i * kBS + 2 * sp);
@@ -214,32 +223,38 @@ def main() -> None:
                       extra_cflags=["-O3"], verbose=False)
     print(f"CPU flags: {cpu_flags()}; bfloat16, one thread, {BATCH} sequences, 8 query heads / "
           f"{KV_HEADS} kv heads, head_dim {HEAD_DIM}, blocks of {BLOCK}")
-    scale = HEAD_DIM ** -0.5
     gen = torch.Generator().manual_seed(0)
     for ctx in (320, 2000):
-        q, caches, tables, lens = scattered_decode([ctx] * BATCH, torch.bfloat16, gen)
-        probes = [paired(c) for c in caches]
-        want = paged_decode_attention(q, caches[0], tables, lens, scale).float()
-        got = lib.probe_decode(q, *probes[0], tables, lens, scale)
-        diff = (got - want).abs().max().item()
-        # resident: every sequence reads layer 0's blocks of sequence 0
-        rt = tables[:1].expand_as(tables).contiguous()
-        cases = {"resident": (lambda: paged_decode_attention(q, caches[0], rt, lens, scale),
-                              lambda: lib.probe_decode(q, *probes[0], rt, lens, scale))}
-        t1, t2 = itertools.count(), itertools.count()
-        cases["scattered"] = (
-            lambda: paged_decode_attention(q, caches[next(t1) % len(caches)], tables, lens, scale),
-            lambda: lib.probe_decode(q, *probes[next(t2) % len(probes)], tables, lens, scale))
-        per = BATCH * ctx * KV_HEADS * 1e-9
-        for name, (served, probe) in cases.items():
-            a, b = [], []
-            for _ in range(args.reps):  # alternated call by call
-                a += timed(served, 1)
-                b += timed(probe, 1)
-            sa, sb = statistics.median(a) / per, statistics.median(b) / per
-            print(f"{name:9s} 64x{ctx:<5d} served {sa:6.1f} ns [{min(a) / per:.1f}-{max(a) / per:.1f}]"
-                  f"  probe {sb:6.1f} ns [{min(b) / per:.1f}-{max(b) / per:.1f}]"
-                  f"  served/probe {sa / sb:.2f}x  max diff {diff:.1e}", flush=True)
+        compare(lib, ctx, args.reps, gen)
+
+
+def compare(lib, ctx: int, reps: int, gen: torch.Generator) -> None:
+    """Both kernels on BATCH sequences of ctx positions: resident, then scattered."""
+    scale = HEAD_DIM ** -0.5
+    q, caches, tables, lens = scattered_decode([ctx] * BATCH, torch.bfloat16, gen)
+    probes = [paired(c) for c in caches]
+    want = paged_decode_attention(q, caches[0], tables, lens, scale).float()
+    got = lib.probe_decode(q, *probes[0], tables, lens, scale)
+    diff = (got - want).abs().max().item()
+    # resident: every sequence reads layer 0's blocks of sequence 0
+    rt = tables[:1].expand_as(tables).contiguous()
+    cases = {"resident": (lambda: paged_decode_attention(q, caches[0], rt, lens, scale),
+                          lambda: lib.probe_decode(q, *probes[0], rt, lens, scale))}
+    t1, t2 = itertools.count(), itertools.count()
+    cases["scattered"] = (
+        lambda: paged_decode_attention(q, caches[next(t1) % len(caches)], tables, lens, scale),
+        lambda: lib.probe_decode(q, *probes[next(t2) % len(probes)], tables, lens, scale))
+    per = BATCH * ctx * KV_HEADS * 1e-9
+    for name, (served, probe) in cases.items():
+        a, b = [], []
+        for _ in range(reps):  # alternated call by call
+            a += timed(served, 1)
+            b += timed(probe, 1)
+        sa, sb = statistics.median(a) / per, statistics.median(b) / per
+        print(f"{name:9s} 64x{ctx:<5d} served {sa:6.1f} ns "
+              f"[{min(a) / per:.1f}-{max(a) / per:.1f}]  probe {sb:6.1f} ns "
+              f"[{min(b) / per:.1f}-{max(b) / per:.1f}]  served/probe {sa / sb:.2f}x  "
+              f"max diff {diff:.1e}", flush=True)
 
 
 if __name__ == "__main__":
