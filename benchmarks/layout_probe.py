@@ -12,8 +12,9 @@ holds pair d of all 16 slots: 32 vdpbf16ps against the query's broadcast pairs g
 slots' scores whole) and values as [slot pair][head dim][2] (a vector holds 16 head-dim values
 of two slots, multiplied as they lie against the two slots' weights). The probe has the same
 passes as the served kernel (scores, softmax, weights rounded to bfloat16, values) and asks for
-the next block's part of the kv head ahead; it is single-threaded, head_dim 64, blocks of 16,
-and exists only here. Prints ns per position and kv head of each, their ratio, and the largest
+the kv head's part of the block six on (keys and values in the key pass, values in the value
+pass); it is single-threaded, head_dim 64, blocks of 16, an even number of query heads per kv
+head, and exists only here. Prints ns per position and kv head of each, their ratio, and the largest
 difference between their outputs.
 """
 from __future__ import annotations
