@@ -264,14 +264,20 @@ class GroupLeader:
         return f"rank {rank} has been stopped for {STOPPED_TIMEOUT_S:.0f} s (frozen)"
 
 
+def stat_fields(pid: int) -> list[bytes]:
+    """The fields of /proc/PID/stat after the process's name (state, parent pid, ...), or none
+    where there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()  # past the name, which may hold any byte
+    except OSError:
+        return []
+
+
 def process_state(pid: int) -> bytes | None:
     """Process `pid`'s state as Linux's /proc has it (R, S, D, T stopped by a signal, t by a
     tracer, Z...), or None where there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()  # past the name, which may hold any byte
-    except OSError:
-        return None
+    fields = stat_fields(pid)
     return fields[0] if fields else None
 
 

@@ -1,4 +1,5 @@
 """The whole stack as `pdserve up` starts it: four real processes on 127.0.0.1."""
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from common.ports import free_port, free_ports
+from common.worker.group import stat_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 PDSERVE = Path(sys.executable).parent / "pdserve"
@@ -20,16 +22,12 @@ PDSERVE = Path(sys.executable).parent / "pdserve"
 
 
 def child_processes(pid: int) -> dict[int, str]:
-    """pid -> command line of process `pid`'s children (their parent as /proc/PID/stat has it,
-    read past the name, which may hold spaces)."""
+    """pid -> command line of process `pid`'s children (their parent as /proc/PID/stat has it)."""
     out = {}
     for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and \
-                    (d / "stat").read_bytes().rpartition(b")")[2].split()[1] == str(pid).encode():
+        if d.name.isdigit() and stat_fields(int(d.name))[1:2] == [str(pid).encode()]:
+            with contextlib.suppress(OSError):  # gone meanwhile
                 out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, IndexError):  # gone meanwhile, or read while it was being made
-            pass
     return out
 
 
