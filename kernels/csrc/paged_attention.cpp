@@ -383,37 +383,59 @@ PDSERVE_DP inline void group_parts_dp(const BFloat16* q, const BFloat16* k, int6
   for (int g = 0; g < kG; ++g) _mm512_storeu_ps(part + (g * kVec + p) * kVec, acc[g]);
 }
 
-// group_parts_dp over the m positions of a chunk for kG query heads of one kv head whose
-// query (kNV vectors of 32 values each) stays in registers: the positions are the inner loop,
-// with no call, switch or reload of the query between them. The part of the row `ahead`
-// positions on that belongs to this kv head, keys and values, is asked for beside each one
-// (pre[p], p < pm), as chunk_parts asks for it.
-template <int kG, int kNV>
+// group_parts_dp over the m positions of a chunk for kB kv heads side by side in the row (from
+// `off` on) and kG query heads of each, whose query (kNV vectors of 32 values a head) stays in
+// registers: the positions are the inner loop, with no call, switch or reload of the query
+// between them, and each position's kB heads are read as one run of its row. The part of the
+// row `ahead` positions on that these heads own, keys and values, is asked for beside each one
+// (pre[p], p < pm).
+template <int kB, int kG, int kNV>
 PDSERVE_DP inline void head_parts_dp(const BFloat16* q, const BFloat16* const* rows, int64_t m,
                                      int64_t off, float* part, const BFloat16* const* pre,
                                      int64_t pm, int64_t value_offset) {
   constexpr int64_t kD = 32 * kNV;
-  __m512bh qv[kG][kNV];
-  for (int g = 0; g < kG; ++g)
+  __m512bh qv[kB * kG][kNV];
+  for (int h = 0; h < kB * kG; ++h)
     for (int v = 0; v < kNV; ++v)
-      qv[g][v] = (__m512bh)_mm512_loadu_si512(q + g * kD + 32 * v);
+      qv[h][v] = (__m512bh)_mm512_loadu_si512(q + h * kD + 32 * v);
   for (int64_t p = 0; p < m; ++p) {
-    if (p < pm) prefetch_kv(pre[p] + off, value_offset, kD * sizeof(BFloat16));
+    if (p < pm) prefetch_kv(pre[p] + off, value_offset, kB * kD * sizeof(BFloat16));
     const BFloat16* k = rows[p] + off;
-    __m512bh kv[kNV];
-    for (int v = 0; v < kNV; ++v) kv[v] = (__m512bh)_mm512_loadu_si512(k + 32 * v);
-    for (int g = 0; g < kG; ++g) {
-      __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
-      for (int v = 1; v < kNV; ++v) acc = _mm512_dpbf16_ps(acc, qv[g][v], kv[v]);
-      _mm512_storeu_ps(part + (g * kVec + p) * kVec, acc);
+    for (int b = 0; b < kB; ++b) {
+      __m512bh kv[kNV];
+      for (int v = 0; v < kNV; ++v) kv[v] = (__m512bh)_mm512_loadu_si512(k + b * kD + 32 * v);
+      for (int g = 0; g < kG; ++g) {
+        const int h = b * kG + g;
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h][0], kv[0]);
+        for (int v = 1; v < kNV; ++v) acc = _mm512_dpbf16_ps(acc, qv[h][v], kv[v]);
+        _mm512_storeu_ps(part + (h * kVec + p) * kVec, acc);
+      }
     }
   }
 }
 
+// head_parts_dp over the kv heads of a row, as many at a time as their queries fit in 16
+// registers (beside a head's key vectors and an accumulator in AVX-512's 32).
+template <int kG, int kNV>
+PDSERVE_DP void group_heads_dp(const BFloat16* q, const BFloat16* const* rows, int64_t m,
+                               int64_t kv_heads, float* part, const BFloat16* const* pre,
+                               int64_t pm, int64_t value_offset) {
+  constexpr int64_t kD = 32 * kNV;
+  constexpr int kB = std::max(1, std::min(8, 16 / (kG * kNV)));
+  int64_t kh = 0;
+  for (; kh + kB <= kv_heads; kh += kB)
+    head_parts_dp<kB, kG, kNV>(q + kh * kG * kD, rows, m, kh * kD, part + kh * kG * kVec * kVec,
+                               pre, pm, value_offset);
+  for (; kh < kv_heads; ++kh)
+    head_parts_dp<1, kG, kNV>(q + kh * kG * kD, rows, m, kh * kD, part + kh * kG * kVec * kVec,
+                              pre, pm, value_offset);
+}
+
 // chunk_parts's loop, compiled under the bf16 target itself: a shared template would be built
 // without it, and the products could then not be inlined (a call per position and head). kD:
-// the head dim when known at compile time, kv heads outer and positions inner (head_parts_dp,
-// at most 16 query vectors in registers beside a position's key vectors); else positions outer.
+// the head dim when known at compile time: positions inner, several kv heads' queries held in
+// registers (group_heads_dp) where a group of up to 4 heads with the key vectors fits, else
+// one kv head and up to 4 of its query heads at a time; with kD = 0, positions outer.
 template <int kD>
 PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, int64_t m,
                                int64_t kv_heads, int64_t G, int64_t D, float* part,
@@ -425,6 +447,18 @@ PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, i
     (void)D;
     (void)row_bytes;
     constexpr int kNV = kD / 32, kMaxG = std::min(4, 16 / kNV);
+    if (G <= kMaxG) {
+      switch (G) {  // G <= kMaxG: the std::min only keeps unreachable cases compilable
+        case 4: group_heads_dp<std::min(4, kMaxG), kNV>(q, rows, m, kv_heads, part, pre, pm,
+                                                         value_offset); return;
+        case 3: group_heads_dp<std::min(3, kMaxG), kNV>(q, rows, m, kv_heads, part, pre, pm,
+                                                         value_offset); return;
+        case 2: group_heads_dp<std::min(2, kMaxG), kNV>(q, rows, m, kv_heads, part, pre, pm,
+                                                         value_offset); return;
+        default: group_heads_dp<1, kNV>(q, rows, m, kv_heads, part, pre, pm, value_offset);
+          return;
+      }
+    }
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
       const BFloat16* qh = q + kh * G * kD;
       float* ph = part + kh * G * kVec * kVec;
@@ -434,13 +468,13 @@ PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, i
         const BFloat16* qg = qh + g * kD;
         float* pg = ph + g * kVec * kVec;
         switch (n) {  // n <= kMaxG: the std::min only keeps unreachable cases compilable
-          case 4: head_parts_dp<std::min(4, kMaxG), kNV>(qg, rows, m, kh * kD, pg, pre, pn,
-                                                          value_offset); break;
-          case 3: head_parts_dp<std::min(3, kMaxG), kNV>(qg, rows, m, kh * kD, pg, pre, pn,
-                                                          value_offset); break;
-          case 2: head_parts_dp<std::min(2, kMaxG), kNV>(qg, rows, m, kh * kD, pg, pre, pn,
-                                                          value_offset); break;
-          default: head_parts_dp<1, kNV>(qg, rows, m, kh * kD, pg, pre, pn, value_offset);
+          case 4: head_parts_dp<1, std::min(4, kMaxG), kNV>(qg, rows, m, kh * kD, pg, pre, pn,
+                                                             value_offset); break;
+          case 3: head_parts_dp<1, std::min(3, kMaxG), kNV>(qg, rows, m, kh * kD, pg, pre, pn,
+                                                             value_offset); break;
+          case 2: head_parts_dp<1, std::min(2, kMaxG), kNV>(qg, rows, m, kh * kD, pg, pre, pn,
+                                                             value_offset); break;
+          default: head_parts_dp<1, 1, kNV>(qg, rows, m, kh * kD, pg, pre, pn, value_offset);
         }
         g += n;
       }

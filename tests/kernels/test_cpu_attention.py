@@ -97,6 +97,21 @@ def test_decode_odd_groups(ops, threads, heads, head_dim, dtype):
     torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
 
 
+
+# several kv heads' queries held in registers at once by the bfloat16 key pass (as many as fit
+# 16 vectors: 4 kv heads of 2 query heads at head dim 64, 8 of 1, 2 of 3 or 4; 2 of 2 at 128),
+# then the kv heads left over one at a time
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+@pytest.mark.parametrize("heads, head_dim", [((10, 5), 64), ((12, 12), 64), ((9, 3), 64),
+                                             ((20, 5), 64), ((6, 3), 128)],
+                         ids=lambda x: f"{x[0]}q{x[1]}kv" if isinstance(x, tuple) else f"D{x}")
+def test_decode_kv_heads_side_by_side(ops, threads, heads, head_dim, dtype):
+    q, cache, tables, lens = _decode_case([1, 40, 530], dtype, head_dim, heads, 16, seed=4)
+    scale = head_dim ** -0.5
+    out = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
+    ref = reference.decode_attention(q.float(), cache.float(), tables, lens, scale)
+    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+
 def _prefill_case(specs, dtype, head_dim, gqa, block_size, seed=0):
     """specs: (num_cached, chunk) per sequence; the chunks' keys are already in the cache."""
     gen = torch.Generator().manual_seed(seed)
