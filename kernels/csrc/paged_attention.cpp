@@ -433,9 +433,11 @@ PDSERVE_DP void group_heads_dp(const BFloat16* q, const BFloat16* const* rows, i
 
 // chunk_parts's loop, compiled under the bf16 target itself: a shared template would be built
 // without it, and the products could then not be inlined (a call per position and head). kD:
-// the head dim when known at compile time: positions inner, several kv heads' queries held in
-// registers (group_heads_dp) where a group of up to 4 heads with the key vectors fits, else
-// one kv head and up to 4 of its query heads at a time; with kD = 0, positions outer.
+// the head dim when known at compile time: groups of kv heads outer, then the positions, then
+// the group's heads, their queries held in registers (group_heads_dp: as many kv heads as fit,
+// all of a row's for the 56M Llama, so that each row is read once and in order) where a kv head
+// has at most 4 query heads; else one kv head and up to 4 of its query heads at a time; with
+// kD = 0, positions outer and every kv head of a row in turn.
 template <int kD>
 PDSERVE_DP void chunk_parts_dp(const BFloat16* q, const BFloat16* const* rows, int64_t m,
                                int64_t kv_heads, int64_t G, int64_t D, float* part,
