@@ -39,15 +39,20 @@ def _decode_case(seq_lens, dtype, head_dim, gqa, block_size, seed=0):
     return q, cache, tables, torch.tensor(seq_lens)
 
 
+def _check_decode(ops, seq_lens, dtype, head_dim, gqa, block_size, seed=0):
+    """The kernel's decode of a _decode_case against the reference's, within dtype's tolerance."""
+    q, cache, tables, lens = _decode_case(seq_lens, dtype, head_dim, gqa, block_size, seed)
+    scale = head_dim ** -0.5
+    out = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
+    ref = reference.decode_attention(q.float(), cache.float(), tables, lens, scale)
+    torch.testing.assert_close(out.float(), ref, **_tol(dtype))
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("gqa", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 def test_decode_matches_reference(ops, threads, dtype, gqa, block_size):
-    q, cache, tables, lens = _decode_case(SEQ_LENS, dtype, 64, gqa, block_size)
-    scale = 64 ** -0.5
-    out = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
-    ref = reference.decode_attention(q.float(), cache.float(), tables, lens, scale)
-    torch.testing.assert_close(out.float(), ref, **_tol(dtype))
+    _check_decode(ops, SEQ_LENS, dtype, 64, gqa, block_size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
@@ -75,11 +80,7 @@ def test_decode_of_a_sequence_is_the_same_in_any_batch_on_any_threads(ops, dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 @pytest.mark.parametrize("head_dim", [128, 32, 40, 36])
 def test_decode_head_dims(ops, head_dim, dtype):
-    q, cache, tables, lens = _decode_case([1, 70, 700], dtype, head_dim, 4, 16, seed=1)
-    scale = head_dim ** -0.5
-    out = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
-    ref = reference.decode_attention(q.float(), cache.float(), tables, lens, scale)
-    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+    _check_decode(ops, [1, 70, 700], dtype, head_dim, 4, 16, seed=1)
 
 
 # groups of query heads per kv head as the bfloat16 key pass takes them (at most four heads'
@@ -90,12 +91,7 @@ def test_decode_head_dims(ops, head_dim, dtype):
 @pytest.mark.parametrize("heads", [(2, 2), (6, 2), (10, 2), (12, 2), (14, 2), (24, 2)],
                          ids=lambda h: f"G{h[0] // h[1]}")
 def test_decode_odd_groups(ops, threads, heads, head_dim, dtype):
-    q, cache, tables, lens = _decode_case([1, 40, 530], dtype, head_dim, heads, 16, seed=2)
-    scale = head_dim ** -0.5
-    out = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
-    ref = reference.decode_attention(q.float(), cache.float(), tables, lens, scale)
-    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
-
+    _check_decode(ops, [1, 40, 530], dtype, head_dim, heads, 16, seed=2)
 
 
 # several kv heads' queries held in registers at once by the bfloat16 key pass (as many as fit
@@ -106,11 +102,8 @@ def test_decode_odd_groups(ops, threads, heads, head_dim, dtype):
                                              ((20, 5), 64), ((6, 3), 128)],
                          ids=lambda x: f"{x[0]}q{x[1]}kv" if isinstance(x, tuple) else f"D{x}")
 def test_decode_kv_heads_side_by_side(ops, threads, heads, head_dim, dtype):
-    q, cache, tables, lens = _decode_case([1, 40, 530], dtype, head_dim, heads, 16, seed=4)
-    scale = head_dim ** -0.5
-    out = cpu_attention.paged_decode_attention(q, cache, tables, lens, scale, ops=ops)
-    ref = reference.decode_attention(q.float(), cache.float(), tables, lens, scale)
-    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+    _check_decode(ops, [1, 40, 530], dtype, head_dim, heads, 16, seed=4)
+
 
 def _prefill_case(specs, dtype, head_dim, gqa, block_size, seed=0):
     """specs: (num_cached, chunk) per sequence; the chunks' keys are already in the cache."""
