@@ -15,7 +15,9 @@ passes as the served kernel (scores, softmax, weights rounded to bfloat16, value
 the kv head's part of the block six on (keys and values in the key pass, values in the value
 pass); it is single-threaded, head_dim 64, blocks of 16, an even number of query heads per kv
 head, and exists only here. Prints ns per position and kv head of each, their ratio, and the largest
-difference between their outputs.
+difference between their outputs; over scattered blocks also the served float32 kernel on the
+same contexts, and bfloat16's read rate per byte over float32's for the served kernel and the
+probe (the attention benchmark's rule: at least 1).
 """
 from __future__ import annotations
 
@@ -230,7 +232,9 @@ def main() -> None:
 
 
 def compare(lib, ctx: int, reps: int, gen: torch.Generator) -> None:
-    """Both kernels on BATCH sequences of ctx positions: resident, then scattered."""
+    """Both kernels on BATCH sequences of ctx positions: resident, then scattered (there with
+    the served float32 kernel on the same contexts in float32 alternated too, for bfloat16's
+    read rate per byte against float32's, call by call)."""
     scale = HEAD_DIM ** -0.5
     q, caches, tables, lens = scattered_decode([ctx] * BATCH, torch.bfloat16, gen)
     probes = [paired(c) for c in caches]
@@ -240,22 +244,38 @@ def compare(lib, ctx: int, reps: int, gen: torch.Generator) -> None:
     # resident: every sequence reads layer 0's blocks of sequence 0
     rt = tables[:1].expand_as(tables).contiguous()
     cases = {"resident": (lambda: paged_decode_attention(q, caches[0], rt, lens, scale),
-                          lambda: lib.probe_decode(q, *probes[0], rt, lens, scale))}
-    t1, t2 = itertools.count(), itertools.count()
+                          lambda: lib.probe_decode(q, *probes[0], rt, lens, scale), None)}
+    t1, t2, t3 = itertools.count(), itertools.count(), itertools.count()
+    floats, qf = [c.float() for c in caches], q.float()
     cases["scattered"] = (
         lambda: paged_decode_attention(q, caches[next(t1) % len(caches)], tables, lens, scale),
-        lambda: lib.probe_decode(q, *probes[next(t2) % len(probes)], tables, lens, scale))
+        lambda: lib.probe_decode(q, *probes[next(t2) % len(probes)], tables, lens, scale),
+        lambda: paged_decode_attention(qf, floats[next(t3) % len(floats)], tables, lens, scale))
     per = BATCH * ctx * KV_HEADS * 1e-9
-    for name, (served, probe) in cases.items():
-        a, b = [], []
+    for name, (served, probe, f32) in cases.items():
+        a, b, f = [], [], []
         for _ in range(reps):  # alternated call by call
             a += timed(served, 1)
             b += timed(probe, 1)
+            if f32 is not None:
+                f += timed(f32, 1)
         sa, sb = statistics.median(a) / per, statistics.median(b) / per
-        print(f"{name:9s} 64x{ctx:<5d} served {sa:6.1f} ns "
-              f"[{min(a) / per:.1f}-{max(a) / per:.1f}]  probe {sb:6.1f} ns "
-              f"[{min(b) / per:.1f}-{max(b) / per:.1f}]  served/probe {sa / sb:.2f}x  "
-              f"max diff {diff:.1e}", flush=True)
+        line = (f"{name:9s} 64x{ctx:<5d} served {sa:6.1f} ns "
+                f"[{min(a) / per:.1f}-{max(a) / per:.1f}]  probe {sb:6.1f} ns "
+                f"[{min(b) / per:.1f}-{max(b) / per:.1f}]  served/probe {sa / sb:.2f}x  "
+                f"max diff {diff:.1e}")
+        if f:
+            line += (f"\n          float32 served {statistics.median(f) / per:6.1f} ns; "
+                     f"bfloat16 per byte over float32 (pair by pair): served "
+                     f"{per_byte(f, a)}, probe {per_byte(f, b)}")
+        print(line, flush=True)
+
+
+def per_byte(f32: list[float], bf16: list[float]) -> str:
+    """Median [quartiles] of bfloat16's read rate over float32's, call pair by call pair (a
+    bfloat16 call reads half the bytes)."""
+    r = sorted(f / (2 * b) for f, b in zip(f32, bf16))
+    return f"{statistics.median(r):.2f} [{r[len(r) // 4]:.2f}, {r[3 * len(r) // 4]:.2f}]"
 
 
 if __name__ == "__main__":
