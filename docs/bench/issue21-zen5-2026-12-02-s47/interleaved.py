@@ -1,3 +1,11 @@
+"""kernel_experiments.txt, 5: the served kernel ("rows"), the tile kernel on separate key and value
+halves ("tiles") and on keys and values of a (block, kv head) side by side ("inter"), both dtypes,
+calls in turn; GB/s of K/V and bfloat16 per byte over float32 rows.
+
+    git apply docs/bench/issue21-zen5-2026-12-02-s47/tiles.diff
+    git apply docs/bench/issue21-zen5-2026-12-02-s47/tiles_strides.diff
+    .venv/bin/python docs/bench/issue21-zen5-2026-12-02-s47/interleaved.py REPS THREADS...
+"""
 import sys, time, statistics, itertools
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 import torch
