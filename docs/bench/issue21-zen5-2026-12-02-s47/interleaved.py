@@ -26,7 +26,6 @@ def mk(lengths, dtype, gen, kind):
     t = itertools.count()
     f = ca.paged_decode_attention if kind == "rows" else ca.paged_decode_attention_tiles
     out = torch.empty_like(q)
-    want = reference.decode_attention(q.float(), attention.step_inputs(case, dtype, torch.Generator().manual_seed(0))[0][0].float(), meta.decode_block_tables, meta.decode_seq_lens, scale) if False else None
     def call():
         f(q, caches[next(t) % len(caches)], meta.decode_block_tables, meta.decode_seq_lens, scale, out=out, ops=ops)
     return call, kvb

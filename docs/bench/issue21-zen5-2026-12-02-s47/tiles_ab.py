@@ -1,3 +1,9 @@
+"""kernel_experiments.txt, 5 (tiles_ab.txt): the served decode kernel and the tile kernel, float32 and
+bfloat16, calls in turn; GB/s of K/V and bfloat16 per byte over float32.
+
+    git apply docs/bench/issue21-zen5-2026-12-02-s47/tiles.diff
+    .venv/bin/python docs/bench/issue21-zen5-2026-12-02-s47/tiles_ab.py REPS THREADS...
+"""
 import sys, time, statistics, itertools
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 import torch
@@ -19,9 +25,6 @@ def mk(lengths, dtype, gen, tiles):
     def call():
         f(q, caches[next(t) % len(caches)], meta.decode_block_tables, meta.decode_seq_lens, scale, out=out, ops=ops)
     return call, kvb
-def r(a, b):
-    x = sorted(b_ / a_ for a_, b_ in zip(a, b))  # rate ratio = time a / time b ... (per byte: bytes differ)
-    return x
 for th in threads:
     torch.set_num_threads(th)
     for name, lengths in attention.DECODES.items():
