@@ -75,12 +75,28 @@ def scattered_blocks(lengths: list[int], gen: torch.Generator,
     return tables, sum(need) + 8
 
 
+def layer_count(layer_bytes: int) -> int:
+    """Layers' caches a case goes through in turn: as many as fit in LAYERS_BYTES, 1 to LAYERS."""
+    return max(1, min(LAYERS, LAYERS_BYTES // layer_bytes))
+
+
+def padded_tables(rows: list[list[int]]) -> torch.Tensor:
+    """Block tables [sequences, longest], each row zero-padded past its own blocks."""
+    width = max(map(len, rows))
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows])
+
+
+def median_quartiles(values: list[float]) -> str:
+    """`median [first quartile, third quartile]` of values, two decimals."""
+    r = sorted(values)
+    return f"{statistics.median(r):.2f} [{r[len(r) // 4]:.2f}, {r[3 * len(r) // 4]:.2f}]"
+
+
 def scattered_decode(lengths: list[int], dtype: torch.dtype, gen: torch.Generator):
     """The CPU decode kernel's inputs over scattered blocks: q, the caches of LAYERS layers (a
     step reads them in turn), the block tables (zero-padded to the longest) and the lengths."""
     rows, num_blocks = scattered_blocks(lengths, gen)
-    width = max(map(len, rows))
-    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    tables = padded_tables(rows)
     caches = [torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
               for _ in range(LAYERS)]
     q = torch.randn((len(lengths), HEADS, HEAD_DIM), generator=gen).to(dtype)
@@ -110,8 +126,7 @@ def step_inputs(case, dtype: torch.dtype, gen: torch.Generator, block: int = BLO
     _, num_blocks, rows, _, _ = case
     shape = (2, num_blocks, block, KV_HEADS, HEAD_DIM)
     layer_bytes = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
-    caches = [torch.randn(shape, generator=gen).to(dtype)
-              for _ in range(max(1, min(LAYERS, LAYERS_BYTES // layer_bytes)))]
+    caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(layer_count(layer_bytes))]
     q = torch.randn((rows, HEADS, HEAD_DIM), generator=gen).to(dtype)
     k = torch.randn((rows, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
     v = torch.randn((rows, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)

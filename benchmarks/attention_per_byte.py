@@ -65,12 +65,10 @@ def main() -> int:
                     start = time.perf_counter()
                     call()
                     rates[dtype].append(kv_bytes / (time.perf_counter() - start) / 1e9)
-            ratios = sorted(b / f for f, b in zip(rates["float32"], rates["bfloat16"]))
-            q1, q3 = ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]
+            ratios = [b / f for f, b in zip(rates["float32"], rates["bfloat16"])]
             print(f"{name:<24} {threads} thr  float32 {statistics.median(rates['float32']):5.1f}"
                   f" GB/s  bfloat16 {statistics.median(rates['bfloat16']):5.1f} GB/s  "
-                  f"bfloat16 / float32 per byte {statistics.median(ratios):.2f} "
-                  f"[{q1:.2f}, {q3:.2f}]", flush=True)
+                  f"bfloat16 / float32 per byte {attention.median_quartiles(ratios)}", flush=True)
     return 0
 
 

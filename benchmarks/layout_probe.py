@@ -36,6 +36,7 @@ from benchmarks.attention import (  # noqa: E402
     HEAD_DIM,
     KV_HEADS,
     cpu_flags,
+    median_quartiles,
     scattered_decode,
     timed,
 )
@@ -274,8 +275,7 @@ def compare(lib, ctx: int, reps: int, gen: torch.Generator) -> None:
 def per_byte(f32: list[float], bf16: list[float]) -> str:
     """Median [quartiles] of bfloat16's read rate over float32's, call pair by call pair (a
     bfloat16 call reads half the bytes)."""
-    r = sorted(f / (2 * b) for f, b in zip(f32, bf16))
-    return f"{statistics.median(r):.2f} [{r[len(r) // 4]:.2f}, {r[3 * len(r) // 4]:.2f}]"
+    return median_quartiles([f / (2 * b) for f, b in zip(f32, bf16)])
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ batch and prefill shape of benchmarks/attention.py and each block size (16: pdse
 128: vLLM-CPU's), the same random keys and values are written into both caches, pdserve's
 ([2, blocks, block_size, kv_heads, head_dim]) and vLLM's (its own write op, for the kernel it
 picks for that block size, "vec16" or "vec" on AVX-512 without AMX), over the same scattered
-blocks; LAYERS of them, a call on the next one, as a step goes through its layers. The outputs
-are compared before timing. Both kernels split the work over torch's threads.
+blocks; up to LAYERS of them (layer_count), a call on the next one, as a step goes through its
+layers. The outputs are compared before timing. Both kernels split the work over torch's threads.
 """
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ from benchmarks.attention import (  # noqa: E402
     HEAD_DIM,
     HEADS,
     KV_HEADS,
-    LAYERS,
-    LAYERS_BYTES,
     PREFILLS,
     cpu_flags,
+    layer_count,
+    median_quartiles,
+    padded_tables,
     scattered_blocks,
 )
 from kernels import cpu_attention  # noqa: E402
@@ -50,23 +51,21 @@ def vllm_ops():
     return ops, _get_attn_isa
 
 
-def case(specs: list[tuple[int, int]], dtype: torch.dtype, block: int, gen: torch.Generator,
-         ops, isa: str):
+def case(specs: list[tuple[int, int]], decode: bool, dtype: torch.dtype, block: int,
+         gen: torch.Generator, ops, isa: str):
     """Both kernels' calls on LAYERS layers of the same keys and values for sequences of
-    (cached, chunk) positions (a decode: chunk 1), each chunk's keys already written, and the
+    (cached, chunk) positions (`decode`: every chunk 1), each chunk's keys already written, and the
     work a call does: K/V bytes read (decode) or attention FLOPs (prefill)."""
     lengths = [a + n for a, n in specs]
     rows, num_blocks = scattered_blocks(lengths, gen, block)
-    width = max(map(len, rows))
-    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    tables = padded_tables(rows)
     layer_bytes = 2 * num_blocks * block * KV_HEADS * HEAD_DIM * dtype.itemsize
-    layers = max(1, min(LAYERS, LAYERS_BYTES // layer_bytes))
+    layers = layer_count(layer_bytes)
     tokens = sum(n for _, n in specs)
     q = torch.randn((tokens, HEADS, HEAD_DIM), generator=gen).to(dtype)
     seq_lens = torch.tensor(lengths)
     start = torch.tensor([0] + [n for _, n in specs]).cumsum(0)
     cached = torch.tensor([a for a, _ in specs])
-    decode = all(n == 1 for _, n in specs)
     # every slot of every block in use: the tokens in slot order
     slots = torch.arange(num_blocks * block)
     ours, theirs = [], []
@@ -112,11 +111,6 @@ def case(specs: list[tuple[int, int]], dtype: torch.dtype, block: int, gen: torc
     return pdserve, vllm, work, layers
 
 
-def spread(ratios: list[float]) -> str:
-    r = sorted(ratios)
-    return f"{statistics.median(r):.2f} [{r[len(r) // 4]:.2f}, {r[3 * len(r) // 4]:.2f}]"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=21, help="calls of each kernel and dtype")
@@ -134,10 +128,11 @@ def main() -> int:
         torch.set_num_threads(threads)
         isas = {dtype: get_isa(dtype, block, HEAD_DIM) for dtype in DTYPES}
         for name, specs in cases.items():
+            decode = all(n == 1 for _, n in specs)  # else a prefill chunk
             gen = torch.Generator().manual_seed(0)
             calls, diffs, layers = {}, [], 0
             for dtype in DTYPES:
-                pd, vl, work, layers = case(specs, dtype, block, gen, ops, isas[dtype])
+                pd, vl, work, layers = case(specs, decode, dtype, block, gen, ops, isas[dtype])
                 diffs.append((pd().float() - vl().float()).abs().max().item())
                 calls[("pdserve", dtype)] = (pd, work)
                 calls[("vllm", dtype)] = (vl, work)
@@ -149,16 +144,16 @@ def main() -> int:
                     calls[key][0]()
                     times[key].append(time.perf_counter() - start)
             rate = {key: calls[key][1] / statistics.median(t) / 1e9 for key, t in times.items()}
-            versus = {d: spread([v / p for p, v in zip(times[("pdserve", d)],
+            versus = {d: median_quartiles([v / p for p, v in zip(times[("pdserve", d)],
                                                        times[("vllm", d)])]) for d in DTYPES}
             f32, b16 = torch.float32, torch.bfloat16
-            unit = "GB/s of K/V" if all(n == 1 for _, n in specs) else "GFLOP/s"
+            unit = "GB/s of K/V" if decode else "GFLOP/s"
             line = (f"{name:<22} block {block:<3d} {threads} thr ({isas[f32]}/{isas[b16]}, "
                     f"{layers} caches)  {unit}: float32 pdserve {rate[('pdserve', f32)]:5.1f} "
                     f"vllm {rate[('vllm', f32)]:5.1f}, bfloat16 pdserve "
                     f"{rate[('pdserve', b16)]:5.1f} vllm {rate[('vllm', b16)]:5.1f}\n    ")
-            if unit != "GFLOP/s":
-                per_byte = {k: spread([f / (2 * b) for f, b in zip(times[(k, f32)],
+            if decode:
+                per_byte = {k: median_quartiles([f / (2 * b) for f, b in zip(times[(k, f32)],
                                                                      times[(k, b16)])])
                             for k in ("pdserve", "vllm")}
                 line += (f"bfloat16 per byte over float32: pdserve {per_byte['pdserve']}, vllm "
