@@ -92,12 +92,14 @@ def median_quartiles(values: list[float]) -> str:
     return f"{statistics.median(r):.2f} [{r[len(r) // 4]:.2f}, {r[3 * len(r) // 4]:.2f}]"
 
 
-def scattered_decode(lengths: list[int], dtype: torch.dtype, gen: torch.Generator):
-    """The CPU decode kernel's inputs over scattered blocks: q, the caches of LAYERS layers (a
-    step reads them in turn), the block tables (zero-padded to the longest) and the lengths."""
-    rows, num_blocks = scattered_blocks(lengths, gen)
+def scattered_decode(lengths: list[int], dtype: torch.dtype, gen: torch.Generator,
+                     block: int = BLOCK):
+    """The CPU decode kernel's inputs over scattered blocks of `block` positions: q, the caches
+    of LAYERS layers (a step reads them in turn), the block tables (zero-padded to the longest)
+    and the lengths."""
+    rows, num_blocks = scattered_blocks(lengths, gen, block)
     tables = padded_tables(rows)
-    caches = [torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
+    caches = [torch.randn((2, num_blocks, block, KV_HEADS, HEAD_DIM), generator=gen).to(dtype)
               for _ in range(LAYERS)]
     q = torch.randn((len(lengths), HEADS, HEAD_DIM), generator=gen).to(dtype)
     return q, caches, tables, torch.tensor(lengths)

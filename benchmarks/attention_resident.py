@@ -105,13 +105,14 @@ def block_reader():
     return fn
 
 
-def read_over(inputs, ctx: int, fn):
+def read_over(inputs, fn):
     """Plain reads of the blocks decode_over's calls read: each call the next layer's, sequence
-    by sequence."""
-    _, caches, tables, _ = inputs
-    dtype = caches[0].dtype
-    block_bytes = BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
-    offsets = (tables[:, :ctx // BLOCK].reshape(-1) * block_bytes).contiguous()
+    by sequence, each sequence's blocks up to its length."""
+    _, caches, tables, lens = inputs
+    dtype, block = caches[0].dtype, caches[0].size(2)
+    block_bytes = block * KV_HEADS * HEAD_DIM * dtype.itemsize
+    offsets = torch.cat([row[:-(-int(n) // block)] for row, n in zip(tables, lens)])
+    offsets = (offsets * block_bytes).contiguous()
     turn = itertools.count()
 
     def call():
@@ -163,7 +164,7 @@ def main() -> None:
             gb = BATCH * ctx * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize / 1e9
             print(f"scattered {name:9s} {BATCH}x{ctx:<5d} {m / per:5.1f} ns/position/kv head, "
                   f"{gb / m:.1f} GB/s [{gb / hi:.1f}-{gb / lo:.1f}]", flush=True)
-            m, lo, hi = spread(read_over(inputs, ctx, reader))
+            m, lo, hi = spread(read_over(inputs, reader))
             print(f"  a plain read of its blocks, K and V, prefetched as the kernel does: "
                   f"{gb / m:.1f} GB/s [{gb / hi:.1f}-{gb / lo:.1f}]", flush=True)
     src = torch.ones(64 * 2**20)
