@@ -171,9 +171,9 @@ def main() -> int:
     load()
     torch.set_num_threads(1)
     blocks = {"float32": BLOCK, "bfloat16": args.bf16_block}
-    title = (f"decode K/V reads against the plain read's curve; CPU flags: {cpu_flags()}; "
+    title = (f"decode K/V reads against the plain read's curve; CPU flags: {cpu_flags()};\n"
              f"kernels {cpu_isa()}; blocks of {BLOCK} (float32), {args.bf16_block} (bfloat16)")
-    print(title + f"; one thread, {args.reps} rounds", flush=True)
+    print(title.replace("\n", " ") + f"; one thread, {args.reps} rounds", flush=True)
     reader = block_reader()
     results = kernels_and_reads(args.reps, blocks, reader)
     sweep = block_sweep(args.reps, reader)
