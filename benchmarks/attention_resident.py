@@ -107,7 +107,7 @@ def block_reader():
 
 def read_over(inputs, fn):
     """Plain reads of the blocks decode_over's calls read: each call the next layer's, sequence
-    by sequence, each sequence's blocks up to its length."""
+    by sequence, each sequence's blocks up to its length; a call returns read_blocks' sum."""
     _, caches, tables, lens = inputs
     dtype, block = caches[0].dtype, caches[0].size(2)
     block_bytes = block * KV_HEADS * HEAD_DIM * dtype.itemsize
@@ -115,10 +115,10 @@ def read_over(inputs, fn):
     offsets = (offsets * block_bytes).contiguous()
     turn = itertools.count()
 
-    def call():
+    def call() -> int:
         cache = caches[next(turn) % len(caches)]
-        fn(cache.data_ptr(), offsets.data_ptr(), offsets.numel(), block_bytes,
-           cache.stride(0) * dtype.itemsize, AHEAD_BYTES[dtype])
+        return fn(cache.data_ptr(), offsets.data_ptr(), offsets.numel(), block_bytes,
+                  cache.stride(0) * dtype.itemsize, AHEAD_BYTES[dtype])
     return call
 
 
