@@ -86,10 +86,33 @@ def padded_tables(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor([r + [0] * (width - len(r)) for r in rows])
 
 
+def quartiles(values: list[float]) -> dict[str, float]:
+    """The median and the first and third quartiles of values."""
+    r = sorted(values)
+    return {"median": statistics.median(r), "q1": r[len(r) // 4], "q3": r[3 * len(r) // 4]}
+
+
 def median_quartiles(values: list[float]) -> str:
     """`median [first quartile, third quartile]` of values, two decimals."""
-    r = sorted(values)
-    return f"{statistics.median(r):.2f} [{r[len(r) // 4]:.2f}, {r[3 * len(r) // 4]:.2f}]"
+    q = quartiles(values)
+    return f"{q['median']:.2f} [{q['q1']:.2f}, {q['q3']:.2f}]"
+
+
+def in_turn(calls: dict[str, tuple], reps: int) -> dict[str, list[float]]:
+    """GB/s of each (call, bytes) over `reps` rounds, the calls in turn, the order turned each
+    round (a call right after another finds the machine as that one left it); one warm call
+    each first (first touch, thread pool)."""
+    rates: dict[str, list[float]] = {name: [] for name in calls}
+    for call, _ in calls.values():
+        call()
+    names = list(calls)
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            call, nbytes = calls[name]
+            start = time.perf_counter()
+            call()
+            rates[name].append(nbytes / (time.perf_counter() - start) / 1e9)
+    return rates
 
 
 def scattered_decode(lengths: list[int], dtype: torch.dtype, gen: torch.Generator,

@@ -16,7 +16,6 @@ import argparse
 import itertools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -56,15 +55,7 @@ def main() -> int:
             calls = {"float32": decode_call(lengths, torch.float32, args.block, gen),
                      "bfloat16": decode_call(lengths, torch.bfloat16,
                                              args.bf16_block or args.block, gen)}
-            rates: dict[str, list[float]] = {d: [] for d in calls}
-            for call, _ in calls.values():
-                call()  # warm: first touch, thread pool
-            for rep in range(args.reps):
-                order = list(calls.items()) if rep % 2 == 0 else list(calls.items())[::-1]
-                for dtype, (call, kv_bytes) in order:
-                    start = time.perf_counter()
-                    call()
-                    rates[dtype].append(kv_bytes / (time.perf_counter() - start) / 1e9)
+            rates = attention.in_turn(calls, args.reps)
             ratios = [b / f for f, b in zip(rates["float32"], rates["bfloat16"])]
             print(f"{name:<24} {threads} thr  float32 {statistics.median(rates['float32']):5.1f}"
                   f" GB/s  bfloat16 {statistics.median(rates['bfloat16']):5.1f} GB/s  "

@@ -23,7 +23,6 @@ import itertools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,37 +34,22 @@ from benchmarks.attention import (  # noqa: E402
     HEAD_DIM,
     KV_HEADS,
     cpu_flags,
+    in_turn,
     median_quartiles,
+    quartiles,
     scattered_decode,
 )
-from benchmarks.attention_resident import block_reader, decode_over, read_over  # noqa: E402
+from benchmarks.attention_resident import (  # noqa: E402
+    AHEAD_BYTES,
+    block_reader,
+    decode_over,
+    read_over,
+)
 from kernels.cpu_attention import cpu_isa, load  # noqa: E402
 
 SWEEP_KIB = [2, 4, 8, 16, 32, 64]  # bytes a block holds of each stream, keys or values
 SWEEP_STREAM = 64 << 20            # bytes of keys (and of values) one sweep call reads
 SWEEP_CACHES = 4                   # caches a sweep case reads in turn
-SWEEP_AHEAD = 16384                # the float32 kernel's prefetch distance
-
-
-def quartiles(values: list[float]) -> dict[str, float]:
-    r = sorted(values)
-    return {"median": statistics.median(r), "q1": r[len(r) // 4], "q3": r[3 * len(r) // 4]}
-
-
-def in_turn(calls: dict[str, tuple], reps: int) -> dict[str, list[float]]:
-    """GB/s of each (call, bytes) over `reps` rounds, the calls in turn, the order turned each
-    round; one warm call each first."""
-    rates: dict[str, list[float]] = {name: [] for name in calls}
-    for call, _ in calls.values():
-        call()
-    names = list(calls)
-    for rep in range(reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            call, nbytes = calls[name]
-            start = time.perf_counter()
-            call()
-            rates[name].append(nbytes / (time.perf_counter() - start) / 1e9)
-    return rates
 
 
 def ratio(rates: dict[str, list[float]], num: str, den: str) -> list[float]:
@@ -107,7 +91,7 @@ def sweep_call(reader, caches: list[torch.Tensor], offsets: torch.Tensor, block_
     def call() -> None:
         cache = caches[next(turn) % len(caches)]
         reader(cache.data_ptr(), offsets.data_ptr(), offsets.numel(), block_bytes,
-               cache.stride(0), SWEEP_AHEAD)
+               cache.stride(0), AHEAD_BYTES[torch.float32])  # the float32 kernel's distance
     return call
 
 
@@ -121,7 +105,6 @@ def block_sweep(reps: int, reader) -> dict[int, dict[str, float]]:
         n = SWEEP_STREAM // block_bytes
         caches = [torch.ones((2, n, block_bytes), dtype=torch.uint8) for _ in range(SWEEP_CACHES)]
         offsets = (torch.randperm(n, generator=gen) * block_bytes).contiguous()
-
         calls[str(kib)] = (sweep_call(reader, caches, offsets, block_bytes), 2 * SWEEP_STREAM)
     rates = in_turn(calls, reps)
     for kib in SWEEP_KIB:
@@ -145,7 +128,7 @@ def plot(results: dict, sweep: dict, blocks: dict[str, int], path: Path, title: 
     colours = {"float32": "tab:blue", "bfloat16": "tab:orange"}
     for case, r in results.items():
         for dtype, colour in colours.items():
-            at = blocks[dtype] * KV_HEADS * HEAD_DIM * (4 if dtype == "float32" else 2) / 1024
+            at = blocks[dtype] * KV_HEADS * HEAD_DIM * getattr(torch, dtype).itemsize / 1024
             for kind, face in (("kernel", colour), ("read", "none")):
                 ax.scatter([at], [r["gbps"][f"{dtype} {kind}"]["median"]], marker=markers[case],
                            facecolors=face, edgecolors=colour, s=60,
